@@ -1,0 +1,1 @@
+"""The aiohttp server: CLI and settings, routes, WebRTC signalling, WebSocket dialects, sessions, auth, metrics."""

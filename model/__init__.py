@@ -1,0 +1,1 @@
+"""The neural side: PersonaPlex LM, streaming Mimi, loading, prompts, sampling, and the batched frame engine."""
