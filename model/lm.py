@@ -1,0 +1,335 @@
+"""The PersonaPlex language model: temporal transformer, depformer, embeddings, and their streaming state.
+
+Module and parameter names follow the official checkpoint keys, so `load_state_dict` takes the file as it is.
+The temporal transformer keeps a ring KV cache of `context` frames per row with per-row positions: rows start,
+reset and prefill independently while the step itself is one fixed-shape batched computation (graph friendly).
+The depformer runs only the agent's codebook steps (user codebooks are always the real user's, spec/model.md §5.3),
+so it may be built with fewer weight sets than the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import LMConfig
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32 whatever the activation dtype; `alpha` is [1, 1, dim] as in the checkpoint."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.alpha = nn.Parameter(torch.ones(1, 1, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        var = self.eps + xf.pow(2).mean(dim=-1, keepdim=True)
+        return (xf * (self.alpha.float().view(-1) * torch.rsqrt(var))).to(x.dtype)
+
+
+class GatedFFN(nn.Module):
+    """SiLU-gated FFN; `linear_in` stacks the gate rows then the up rows."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.linear_in = nn.Linear(dim, 2 * hidden, bias=False)
+        self.linear_out = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.linear_in(x).chunk(2, dim=-1)
+        return self.linear_out(F.silu(gate) * up)
+
+
+def rope_tables(positions: Tensor, head_dim: int, max_period: float) -> tuple[Tensor, Tensor]:
+    """cos/sin for interleaved RoPE at integer `positions` (any shape) -> [..., head_dim // 2] fp32."""
+    half = head_dim // 2
+    freqs = torch.exp(
+        torch.arange(half, device=positions.device, dtype=torch.float32) * (-math.log(max_period) * 2 / head_dim)
+    )
+    angles = positions.float().unsqueeze(-1) * freqs
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (2i, 2i+1) of x [..., T, head_dim]; cos/sin broadcast to [..., T, head_dim // 2]."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    real, imag = xf[..., 0], xf[..., 1]
+    out = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class TemporalAttention(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * cfg.dim, cfg.dim))
+        self.out_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, dim] -> q, k, v each [B, H, T, head_dim]."""
+        q, k, v = F.linear(x, self.in_proj_weight).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+
+class TemporalLayer(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = TemporalAttention(cfg)
+        self.norm2 = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.gating = GatedFFN(cfg.dim, cfg.ffn_hidden)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(TemporalLayer(cfg) for _ in range(cfg.num_layers))
+
+
+class DepformerAttention(nn.Module):
+    """Per-step attention weights stacked along dim 0, as the checkpoint stores them."""
+
+    def __init__(self, dim: int, num_heads: int, steps: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.dim = dim
+        self.in_proj_weight = nn.Parameter(torch.empty(steps * 3 * dim, dim))
+        self.out_proj = nn.Linear(dim, steps * dim, bias=False)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def step_weights(self, step: int) -> tuple[Tensor, Tensor]:
+        d = self.dim
+        return self.in_proj_weight[step * 3 * d : (step + 1) * 3 * d], self.out_proj.weight[step * d : (step + 1) * d]
+
+
+class DepformerLayer(nn.Module):
+    def __init__(self, cfg: LMConfig, steps: int):
+        super().__init__()
+        d = cfg.depformer_dim
+        self.norm1 = RMSNorm(d, cfg.norm_eps)
+        self.self_attn = DepformerAttention(d, cfg.depformer_num_heads, steps)
+        self.norm2 = RMSNorm(d, cfg.norm_eps)
+        self.gating = nn.ModuleList(GatedFFN(d, cfg.depformer_ffn_hidden) for _ in range(steps))
+
+
+class Depformer(nn.Module):
+    def __init__(self, cfg: LMConfig, steps: int):
+        super().__init__()
+        self.layers = nn.ModuleList(DepformerLayer(cfg, steps) for _ in range(cfg.depformer_num_layers))
+
+
+@dataclass
+class LMState:
+    """Streaming state of B rows. All tensors are fixed-shape and updated in place.
+
+    ring/offset reproduce the reference token ring: row k of frame f sits in column (f + delay_k) % ring_size,
+    and `offset` is the reference's call counter o. `pos` is the next RoPE position (= o - 1), `kpos` the
+    position held by each KV slot (-1 when empty). `forced` stands in for the reference's `provided` mask,
+    which in a conversation only matters on the first call after a prompt (the last prompt frame's delayed
+    acoustic codes are already in place).
+    """
+
+    cache_k: Tensor  # [layers, B, heads, context, head_dim]
+    cache_v: Tensor
+    kpos: Tensor  # [B, context] long
+    pos: Tensor  # [B] long
+    ring: Tensor  # [B, rows, ring_size] long
+    offset: Tensor  # [B] long
+    forced: Tensor  # [B, rows] bool: the next call's target cell already holds a prompt token
+
+    @property
+    def batch_size(self) -> int:
+        return self.pos.shape[0]
+
+
+RING_SIZE = 4
+
+
+class LM(nn.Module):
+    """Temporal transformer + depformer with checkpoint-compatible names.
+
+    `depformer_steps` is how many depformer weight sets are built: `cfg.dep_q` (16, the checkpoint's shape) by
+    default, or the 8 agent steps that inference needs.
+    """
+
+    def __init__(self, cfg: LMConfig, depformer_steps: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        steps = cfg.dep_q if depformer_steps is None else depformer_steps
+        if not cfg.num_audio_codebooks <= steps <= cfg.dep_q:
+            raise ValueError(f"depformer_steps must be in [{cfg.num_audio_codebooks}, {cfg.dep_q}], got {steps}")
+        self.depformer_steps = steps
+        self.emb = nn.ModuleList(nn.Embedding(cfg.card + 1, cfg.dim) for _ in range(cfg.n_q))
+        self.text_emb = nn.Embedding(cfg.text_card + 1, cfg.dim)
+        self.transformer = Transformer(cfg)
+        self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.text_linear = nn.Linear(cfg.dim, cfg.text_card, bias=False)
+        self.depformer_in = nn.ModuleList(nn.Linear(cfg.dim, cfg.depformer_dim, bias=False) for _ in range(steps))
+        self.depformer_emb = nn.ModuleList(nn.Embedding(cfg.card + 1, cfg.depformer_dim) for _ in range(steps - 1))
+        self.depformer_text_emb = nn.Embedding(cfg.text_card + 1, cfg.depformer_dim)
+        self.depformer = Depformer(cfg, steps)
+        self.linears = nn.ModuleList(nn.Linear(cfg.depformer_dim, cfg.card, bias=False) for _ in range(steps))
+
+    def delays(self, device: torch.device) -> Tensor:
+        """Per-row delays [17] on `device` (not a buffer, so meta-device construction needs no re-init)."""
+        return torch.tensor(self.cfg.delays, dtype=torch.long, device=device)
+
+    # ----- state -------------------------------------------------------------------------------------------
+
+    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> LMState:
+        cfg = self.cfg
+        device = device or self.text_linear.weight.device
+        dtype = self.text_linear.weight.dtype
+        shape = (cfg.num_layers, batch_size, cfg.num_heads, cfg.context, cfg.head_dim)
+        state = LMState(
+            cache_k=torch.zeros(shape, device=device, dtype=dtype),
+            cache_v=torch.zeros(shape, device=device, dtype=dtype),
+            kpos=torch.full((batch_size, cfg.context), -1, device=device, dtype=torch.long),
+            pos=torch.zeros(batch_size, device=device, dtype=torch.long),
+            ring=torch.zeros(batch_size, cfg.num_rows, RING_SIZE, device=device, dtype=torch.long),
+            offset=torch.zeros(batch_size, device=device, dtype=torch.long),
+            forced=torch.zeros(batch_size, cfg.num_rows, device=device, dtype=torch.bool),
+        )
+        self.reset_rows(state, torch.ones(batch_size, dtype=torch.bool, device=device))
+        return state
+
+    def initial_column(self, device: torch.device | str | None = None) -> Tensor:
+        """The 'initial' token of every row: text 32000, audio 2048."""
+        cfg = self.cfg
+        col = torch.full((cfg.num_rows,), cfg.initial_audio_token, dtype=torch.long, device=device)
+        col[0] = cfg.initial_text_token
+        return col
+
+    def reset_rows(self, state: LMState, rows: Tensor) -> None:
+        """Make `rows` (bool [B]) exactly fresh, as after the reference's dummy first call (o = 1)."""
+        keep = ~rows
+        state.kpos.masked_fill_(rows.unsqueeze(1), -1)
+        state.pos.masked_fill_(rows, 0)
+        state.offset.masked_fill_(rows, 1)
+        state.forced.masked_fill_(rows.unsqueeze(1), False)
+        initial = self.initial_column(state.ring.device)
+        fresh = torch.zeros_like(state.ring[:1])
+        fresh[0, :, 0] = initial
+        state.ring.copy_(torch.where(keep.view(-1, 1, 1), state.ring, fresh))
+        # Zero the KV of reset rows so a recycled slot's memory never leaks into masked arithmetic (0 * nan).
+        state.cache_k.mul_(keep.view(1, -1, 1, 1, 1).to(state.cache_k.dtype))
+        state.cache_v.mul_(keep.view(1, -1, 1, 1, 1).to(state.cache_v.dtype))
+
+    # ----- embeddings --------------------------------------------------------------------------------------
+
+    def embed_column(self, tokens: Tensor) -> Tensor:
+        """tokens [..., 17] (text, 8 agent, 8 user) -> summed input embedding [..., dim].
+
+        Audio embeddings are added in codebook order and the text embedding last, as the reference does (the
+        order matters for bf16 parity). Negative ids (-1 "zero", -2 "ungenerated") embed to zero.
+        """
+        total = None
+        for k, table in enumerate(self.emb):
+            tok = tokens[..., 1 + k]
+            e = table(tok.clamp(min=0)) * (tok >= 0).unsqueeze(-1).to(table.weight.dtype)
+            total = e if total is None else total + e
+        text = tokens[..., 0]
+        e = self.text_emb(text.clamp(min=0)) * (text >= 0).unsqueeze(-1).to(self.text_emb.weight.dtype)
+        return total + e
+
+    # ----- temporal transformer ----------------------------------------------------------------------------
+
+    def temporal_step(self, x: Tensor, state: LMState) -> Tensor:
+        """One frame for every row: x [B, dim] at each row's `pos` -> post-out_norm hidden [B, dim].
+
+        Writes each row's K/V into its ring slot pos % context and advances nothing else (the caller owns pos).
+        """
+        cfg = self.cfg
+        B = x.shape[0]
+        slot = (state.pos % cfg.context).view(B, 1)
+        state.kpos.scatter_(1, slot, state.pos.view(B, 1))
+        mask = (state.kpos >= 0).view(B, 1, 1, cfg.context)
+        cos, sin = rope_tables(state.pos.view(B, 1, 1), cfg.head_dim, cfg.max_period)  # [B, 1, 1, half]
+        rows = torch.arange(B, device=x.device)
+        h = x.unsqueeze(1)
+        for i, layer in enumerate(self.transformer.layers):
+            q, k, v = layer.self_attn.qkv(layer.norm1(h))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            state.cache_k[i, rows, :, slot.view(B)] = k.squeeze(2)
+            state.cache_v[i, rows, :, slot.view(B)] = v.squeeze(2)
+            o = F.scaled_dot_product_attention(q, state.cache_k[i], state.cache_v[i], attn_mask=mask)
+            h = h + layer.self_attn.out_proj(o.transpose(1, 2).flatten(2))
+            h = h + layer.gating(layer.norm2(h))
+        return self.out_norm(h).squeeze(1)
+
+    def prefill(self, x: Tensor, state: LMState, row: int) -> Tensor:
+        """Run T known frames x [T, dim] for one row in one forward -> post-out_norm hidden [T, dim].
+
+        Attends to the row's existing ring plus the chunk itself (causal, sliding window of `context`), then
+        keeps the chunk's last `context` keys in the ring. Equals T calls of `temporal_step` on that row.
+        """
+        cfg = self.cfg
+        T = x.shape[0]
+        C = cfg.context
+        p0 = state.pos[row]
+        qpos = p0 + torch.arange(T, device=x.device)
+        old = state.kpos[row]
+        old_ok = (old >= 0).unsqueeze(0) & (old.unsqueeze(0) > qpos.unsqueeze(1) - C)
+        rel = torch.arange(T, device=x.device)
+        new_ok = (rel.unsqueeze(0) <= rel.unsqueeze(1)) & (rel.unsqueeze(0) > rel.unsqueeze(1) - C)
+        mask = torch.cat((old_ok, new_ok), dim=1).view(1, 1, T, C + T)
+        cos, sin = rope_tables(qpos.view(1, 1, T), cfg.head_dim, cfg.max_period)
+        keep = min(T, C)
+        slots = (qpos[T - keep :] % C).long()
+        h = x.unsqueeze(0)
+        for i, layer in enumerate(self.transformer.layers):
+            q, k, v = layer.self_attn.qkv(layer.norm1(h))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            keys = torch.cat((state.cache_k[i, row : row + 1], k), dim=2)
+            values = torch.cat((state.cache_v[i, row : row + 1], v), dim=2)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            state.cache_k[i, row, :, slots] = k[0, :, T - keep :]
+            state.cache_v[i, row, :, slots] = v[0, :, T - keep :]
+            h = h + layer.self_attn.out_proj(o.transpose(1, 2).flatten(2))
+            h = h + layer.gating(layer.norm2(h))
+        state.kpos[row, slots] = qpos[T - keep :]
+        state.pos[row] += T
+        return self.out_norm(h).squeeze(0)
+
+    def text_logits(self, hidden: Tensor) -> Tensor:
+        return self.text_linear(hidden).float()
+
+    # ----- depformer ---------------------------------------------------------------------------------------
+
+    def depformer_step(self, step: int, x: Tensor, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Depformer step `step` for every row: x [B, depformer_dim] -> audio logits [B, card] (fp32).
+
+        `cache[layer]` holds (k, v) [B, heads, steps, head_dim] of the earlier steps of this frame; causal over
+        steps, no positional encoding.
+        """
+        h = x
+        for layer, (ck, cv) in zip(self.depformer.layers, cache):
+            attn = layer.self_attn
+            w_in, w_out = attn.step_weights(step)
+            q, k, v = F.linear(layer.norm1(h), w_in).unflatten(-1, (3, attn.num_heads, -1)).unbind(1)
+            ck[:, :, step] = k
+            cv[:, :, step] = v
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), ck[:, :, : step + 1], cv[:, :, : step + 1])
+            h = h + F.linear(o.flatten(1), w_out)
+            h = h + layer.gating[step](layer.norm2(h))
+        return self.linears[step](h).float()
+
+    def depformer_cache(self, batch_size: int) -> list[tuple[Tensor, Tensor]]:
+        cfg = self.cfg
+        w = self.linears[0].weight
+        shape = (batch_size, cfg.depformer_num_heads, self.depformer_steps, cfg.depformer_dim // cfg.depformer_num_heads)
+        return [
+            (torch.zeros(shape, device=w.device, dtype=w.dtype), torch.zeros(shape, device=w.device, dtype=w.dtype))
+            for _ in range(cfg.depformer_num_layers)
+        ]
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,95 @@
+"""One conversation frame for a batch of rows: user codes in, one complete token frame out.
+
+This is the reference's `LMGen.step` (spec/model.md §5.2) with a per-row call counter, written as fixed-shape
+tensor ops so the engine can capture it in a CUDA graph: write the user's codes into the token ring, apply the
+warm-up, run the temporal transformer on the previous column, sample text, run the agent's depformer steps,
+and gather the frame that became complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from model.lm import LM, RING_SIZE, LMState
+from model.sampling import RowSampling, sample
+
+
+@dataclass
+class StepConstants:
+    """Device tensors the step needs, made once outside any graph capture."""
+
+    delays: Tensor  # [17] long
+    initial: Tensor  # [17] long
+    max_top_k_text: int
+    max_top_k_audio: int
+
+    @classmethod
+    def make(cls, lm: LM, device: torch.device, max_top_k_text: int = 500, max_top_k_audio: int = 2048) -> StepConstants:
+        return cls(
+            delays=lm.delays(device),
+            initial=lm.initial_column(device),
+            max_top_k_text=max_top_k_text,
+            max_top_k_audio=max_top_k_audio,
+        )
+
+
+def _gather_columns(ring: Tensor, cols: Tensor) -> Tensor:
+    """ring [B, R, 4], cols [B, R] -> ring[b, r, cols[b, r]] as [B, R]."""
+    return ring.gather(2, cols.unsqueeze(2)).squeeze(2)
+
+
+def frame_step(
+    lm: LM,
+    state: LMState,
+    user_codes: Tensor,
+    text_sampling: RowSampling,
+    audio_sampling: RowSampling,
+    dep_cache: list[tuple[Tensor, Tensor]],
+    const: StepConstants,
+) -> tuple[Tensor, Tensor]:
+    """Advance every row by one call.
+
+    user_codes [B, 8] are the user's Mimi codes for this call's frame. Returns (frame [B, 17], emitted [B] bool):
+    the complete token frame o - 1 (text, 8 agent, 8 user codes) and whether the row emitted one (o >= 2).
+    """
+    ring, o = state.ring, state.offset
+    B, R, _ = ring.shape
+    K = lm.cfg.num_audio_codebooks
+    delays = const.delays
+
+    user_rows = slice(1 + K, R)
+    user_cols = (o.unsqueeze(1) + delays[user_rows]) % RING_SIZE
+    ring[:, user_rows].scatter_(2, user_cols.unsqueeze(2), user_codes.unsqueeze(2))
+
+    warm = o.unsqueeze(1) <= delays.unsqueeze(0)  # [B, R]: rows still inside their delay get the initial token
+    target = (o % RING_SIZE).view(B, 1, 1).expand(B, R, 1)
+    given = torch.where(warm, const.initial, ring.gather(2, target).squeeze(2))
+    ring.scatter_(2, target, given.unsqueeze(2))
+    forced = warm | state.forced
+
+    inputs = ring.gather(2, ((o - 1) % RING_SIZE).view(B, 1, 1).expand(B, R, 1)).squeeze(2)
+    hidden = lm.temporal_step(lm.embed_column(inputs), state)
+
+    text = sample(lm.text_logits(hidden), text_sampling, o, 0, const.max_top_k_text)
+    text = torch.where(forced[:, 0], given[:, 0], text)
+    tokens = [text]
+    previous = lm.depformer_text_emb(text)
+    for k in range(K):
+        logits = lm.depformer_step(k, lm.depformer_in[k](hidden) + previous, dep_cache)
+        token = sample(logits, audio_sampling, o, 1 + k, const.max_top_k_audio)
+        token = torch.where(forced[:, 1 + k], given[:, 1 + k], token)
+        tokens.append(token)
+        if k + 1 < K:
+            previous = lm.depformer_emb[k](token)
+    agent_target = target[:, : 1 + K]
+    ring[:, : 1 + K].scatter_(2, agent_target, torch.stack(tokens, dim=1).unsqueeze(2))
+
+    frame = _gather_columns(ring, (o.unsqueeze(1) - 1 + delays.unsqueeze(0)) % RING_SIZE)
+    emitted = o >= 2
+    state.forced.zero_()
+    state.offset += 1
+    state.pos += 1
+    return frame, emitted

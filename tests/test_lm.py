@@ -1,0 +1,212 @@
+"""The LM on the tiny config: streaming equals whole-sequence, batch invariance, resets, prompts, sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from model.config import SILENCE_TOKENS, TEXT_PAD, TINY_LM, LMConfig
+from model.lm import LM, RING_SIZE, count_parameters
+from model.prompts import apply_prompt, plan_prompt, plan_voice
+from model.sampling import RowSampling
+from model.step import StepConstants, frame_step
+
+CPU = torch.device("cpu")
+
+
+def make_lm(seed: int = 0, cfg: LMConfig = TINY_LM) -> LM:
+    torch.manual_seed(seed)
+    return LM(cfg, depformer_steps=cfg.num_audio_codebooks).eval()
+
+
+def sampling(batch: int, greedy: bool = True, seed: int = 0, temp: float = 0.8, top_k: int = 50) -> RowSampling:
+    return RowSampling(
+        greedy=torch.full((batch,), greedy),
+        temperature=torch.full((batch,), temp),
+        top_k=torch.full((batch,), top_k),
+        seed=torch.full((batch,), seed, dtype=torch.long),
+    )
+
+
+def run_steps(lm: LM, state, user: torch.Tensor, text_s=None, audio_s=None, record_inputs: bool = False):
+    """Feed user codes [T, B, 8]; return emitted frames [T, B, 17], emitted flags [T, B] and optional inputs."""
+    B = user.shape[1]
+    const = StepConstants.make(lm, CPU)
+    text_s = text_s or sampling(B)
+    audio_s = audio_s or sampling(B)
+    cache = lm.depformer_cache(B)
+    frames, flags, inputs = [], [], []
+    with torch.no_grad():
+        for t in range(user.shape[0]):
+            if record_inputs:
+                col = ((state.offset - 1) % RING_SIZE).view(B, 1, 1).expand(B, 17, 1)
+                inputs.append(state.ring.gather(2, col).squeeze(2).clone())
+            frame, emitted = frame_step(lm, state, user[t], text_s, audio_s, cache, const)
+            frames.append(frame)
+            flags.append(emitted)
+    out = (torch.stack(frames), torch.stack(flags))
+    return (*out, torch.stack(inputs)) if record_inputs else out
+
+
+def random_user(T: int, B: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY_LM.card, (T, B, 8), generator=g)
+
+
+def test_full_shape_parameter_count_on_meta():
+    with torch.device("meta"):
+        full = LM(LMConfig())
+        agent_only = LM(LMConfig(), depformer_steps=8)
+    assert count_parameters(full) == 8_371_408_896
+    assert count_parameters(agent_only) < count_parameters(full)
+    assert count_parameters(LM(TINY_LM)) == 9_785_344
+
+
+@pytest.mark.parametrize("T", [10, 40])
+def test_streaming_equals_whole_sequence(T: int):
+    """Step-by-step temporal + depformer equals one teacher-forced forward, also after the KV ring wraps (T > 16)."""
+    lm = make_lm(1)
+    state = lm.init_state(2)
+    frames, _, inputs = run_steps(lm, state, random_user(T, 2, 7), record_inputs=True)
+    with torch.no_grad():
+        for row in range(2):
+            fresh = lm.init_state(1)
+            hidden = lm.prefill(lm.embed_column(inputs[:, row]), fresh, 0)
+            logits = lm.text_logits(hidden)
+            stream_state = lm.init_state(1)
+            stream_logits = []
+            for t in range(T):
+                h = lm.temporal_step(lm.embed_column(inputs[t, row : row + 1]), stream_state)
+                stream_state.pos += 1
+                stream_logits.append(lm.text_logits(h))
+            torch.testing.assert_close(torch.cat(stream_logits), logits, atol=1e-4, rtol=0)
+            # Greedy text sampled at call t is the argmax of the teacher-forced logits; it shows up in the frame
+            # emitted one call later (frame o - 1 is emitted at call o).
+            sampled_text = frames[1:, row, 0]
+            assert torch.equal(sampled_text, logits[:-1].argmax(-1))
+
+
+def test_depformer_teacher_forced_matches_stream():
+    """The agent codes emitted equal an independent teacher-forced depformer pass over the recorded tokens."""
+    lm = make_lm(2)
+    state = lm.init_state(1)
+    T = 12
+    frames, _, inputs = run_steps(lm, state, random_user(T, 1, 3), record_inputs=True)
+    with torch.no_grad():
+        hidden = lm.prefill(lm.embed_column(inputs[:, 0]), lm.init_state(1), 0)
+        # At call t (offset o = t + 1) the depformer sampled text(o), agent cb0(o), cb1-7(o - 1): the ring column o.
+        for t in range(2, T - 1):
+            text = frames[t + 1, 0, 0]
+            cb0 = frames[t + 1, 0, 1]
+            cb_rest = frames[t, 0, 2:9]
+            targets = [cb0, *cb_rest]
+            cache = lm.depformer_cache(1)
+            prev = lm.depformer_text_emb(text.view(1))
+            for k in range(8):
+                logits = lm.depformer_step(k, lm.depformer_in[k](hidden[t : t + 1]) + prev, cache)
+                assert int(logits.argmax(-1)) == int(targets[k])
+                if k < 7:
+                    prev = lm.depformer_emb[k](targets[k].view(1))
+
+
+def test_batch_invariance_and_reset():
+    lm = make_lm(3)
+    T = 20
+    user = random_user(T, 3, 11)
+    alone, _ = run_steps(lm, lm.init_state(1), user[:, :1])
+    together, _ = run_steps(lm, lm.init_state(3), user)
+    assert torch.equal(alone[:, 0], together[:, 0])
+
+    # Reset row 1 mid-stream: from then on it equals a fresh row fed the same inputs, and row 0 is untouched.
+    state = lm.init_state(2)
+    before, _ = run_steps(lm, state, random_user(9, 2, 5))
+    lm.reset_rows(state, torch.tensor([False, True]))
+    after, _ = run_steps(lm, state, user[:, :2])
+    fresh, _ = run_steps(lm, lm.init_state(1), user[:, 1:2])
+    assert torch.equal(after[:, 1], fresh[:, 0])
+    cont = lm.init_state(2)
+    run_steps(lm, cont, random_user(9, 2, 5))
+    lm.reset_rows(cont, torch.tensor([False, False]))
+    untouched, _ = run_steps(lm, cont, user[:, :2])
+    assert torch.equal(after[:, 0], untouched[:, 0])
+
+
+def test_emission_and_user_rows():
+    lm = make_lm(4)
+    user = random_user(8, 1, 2)
+    frames, emitted = run_steps(lm, lm.init_state(1), user)
+    assert emitted[:, 0].tolist() == [False] + [True] * 7
+    # A fresh row has had the reference's dummy call already, so its first call consumes user frame 0; the frame
+    # emitted at call t is frame t, whose user rows are the codes fed at call t - 1.
+    for t in range(1, 8):
+        assert torch.equal(frames[t, 0, 9:17], user[t - 1, 0])
+
+
+def test_prompt_prefill_equals_frame_by_frame():
+    """A persona prompt (longer than the tiny context) as one prefill equals a frame-by-frame prefill."""
+    lm = make_lm(5)
+    persona = list(range(40, 52))
+    plan = plan_prompt(lm, None, persona)
+    assert plan.offset == 12 + len(persona)
+    a, b = lm.init_state(2), lm.init_state(2)
+    apply_prompt(lm, a, 1, plan)
+    apply_prompt(lm, b, 1, plan, chunk=1)
+    torch.testing.assert_close(a.cache_k, b.cache_k, atol=1e-5, rtol=0)
+    assert torch.equal(a.kpos, b.kpos) and torch.equal(a.ring, b.ring) and torch.equal(a.offset, b.offset)
+    user = random_user(20, 2, 9)
+    fa, _ = run_steps(lm, a, user)
+    fb, _ = run_steps(lm, b, user)
+    assert torch.equal(fa[:, 1], fb[:, 1])
+    # The first frame emitted after the prompt is the last spacer: PAD text and silence codes.
+    assert fa[0, 1, :9].tolist() == [TEXT_PAD, *SILENCE_TOKENS]
+
+
+def test_voice_pt_replays_to_same_state():
+    lm = make_lm(6)
+    codes = random_user(9, 1, 4)[:, 0]
+    persona = [50, 60, 70]
+    from_wav = plan_prompt(lm, codes, persona)
+    voice = plan_voice(lm, codes)
+    assert voice.frames == 9 and voice.to_reference()["embeddings"].shape == (8, 1, 1, TINY_LM.dim)
+    from_pt = plan_prompt(lm, voice, persona)
+    assert from_pt.offset == from_wav.offset == 9 + 12 + 3
+    assert torch.equal(from_pt.ring, from_wav.ring)
+    torch.testing.assert_close(from_pt.embeddings, from_wav.embeddings, atol=0, rtol=0)
+    a, b = lm.init_state(1), lm.init_state(1)
+    apply_prompt(lm, a, 0, from_wav)
+    apply_prompt(lm, b, 0, from_pt)
+    user = random_user(20, 1, 1)
+    assert torch.equal(run_steps(lm, a, user)[0], run_steps(lm, b, user)[0])
+
+
+def test_sampling_seeded_and_row_independent():
+    lm = make_lm(7)
+    user = random_user(12, 2, 3)
+    s1 = sampling(2, greedy=False, seed=1234)
+    a, _ = run_steps(lm, lm.init_state(2), user, s1, s1)
+    b, _ = run_steps(lm, lm.init_state(2), user, s1, s1)
+    assert torch.equal(a, b)
+    other = sampling(2, greedy=False, seed=99)
+    c, _ = run_steps(lm, lm.init_state(2), user, other, other)
+    assert not torch.equal(a[:, 0, :9], c[:, 0, :9])
+    # Row 0's samples do not depend on row 1's seed.
+    mixed = sampling(2, greedy=False, seed=1234)
+    mixed.seed[1] = 5
+    d, _ = run_steps(lm, lm.init_state(2), user, mixed, mixed)
+    assert torch.equal(a[:, 0], d[:, 0])
+    # top_k = 1 is greedy.
+    g, _ = run_steps(lm, lm.init_state(2), user)
+    k1 = sampling(2, greedy=False, seed=3, top_k=1)
+    e, _ = run_steps(lm, lm.init_state(2), user, k1, k1)
+    assert torch.equal(g, e)
+
+
+def test_context_config_is_respected():
+    cfg = dataclasses.replace(TINY_LM, context=8)
+    lm = make_lm(8, cfg)
+    state = lm.init_state(1)
+    run_steps(lm, state, random_user(20, 1, 0))
+    assert int((state.kpos >= 0).sum()) == 8
+    assert int(state.kpos.max()) == int(state.pos[0]) - 1
