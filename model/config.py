@@ -214,8 +214,9 @@ TINY_LM = LMConfig(
     depformer_dim_feedforward=int(4.125 * 32),
 )
 
+# 2048 bins (not the 64 the spec's smallest Mimi uses) so every code the tiny LM emits decodes.
 TINY_MIMI = MimiConfig(
     seanet=SeanetConfig(dimension=32, n_filters=8),
-    quantizer=QuantizerConfig(dimension=16, n_q=8, bins=64, input_dimension=32, output_dimension=32),
+    quantizer=QuantizerConfig(dimension=16, n_q=8, bins=2048, input_dimension=32, output_dimension=32),
     transformer=MimiTransformerConfig(d_model=32, num_heads=2, num_layers=2, dim_feedforward=64, context=16),
 )

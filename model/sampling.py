@@ -41,6 +41,15 @@ class RowSampling:
     top_k: Tensor  # long, >= 1
     seed: Tensor  # long, [0, 2**32)
 
+    def to(self, device: torch.device) -> RowSampling:
+        return RowSampling(*(t.to(device) for t in (self.greedy, self.temperature, self.top_k, self.seed)))
+
+    def copy_(self, other: RowSampling, rows: slice | Tensor | int) -> None:
+        """Set `rows` from `other` (same order of fields) in place, for static buffers."""
+        for mine, theirs in zip((self.greedy, self.temperature, self.top_k, self.seed),
+                                (other.greedy, other.temperature, other.top_k, other.seed)):
+            mine[rows] = theirs
+
 
 def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, max_top_k: int) -> Tensor:
     """One token per row from logits [B, V] (fp32) -> [B] long.
@@ -59,3 +68,46 @@ def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, ma
     sampled = ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
     use_greedy = params.greedy | (params.temperature <= 0)
     return torch.where(use_greedy, greedy_token, sampled)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A session's sampling settings; the defaults are the reference server's."""
+
+    greedy: bool = False
+    temp_text: float = 0.7
+    topk_text: int = 25
+    temp_audio: float = 0.8
+    topk_audio: int = 250
+    seed: int | None = None
+
+    def validate(self, max_top_k_text: int, max_top_k_audio: int) -> None:
+        """Raise ValueError naming the first bad field."""
+        checks = (
+            ("temp_text", 0.0 <= self.temp_text <= 10.0, "a temperature in [0, 10]"),
+            ("temp_audio", 0.0 <= self.temp_audio <= 10.0, "a temperature in [0, 10]"),
+            ("topk_text", 1 <= self.topk_text <= max_top_k_text, f"an integer in [1, {max_top_k_text}]"),
+            ("topk_audio", 1 <= self.topk_audio <= max_top_k_audio, f"an integer in [1, {max_top_k_audio}]"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "a non-negative integer"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"sampling '{name}' must be {what}, got {getattr(self, name)!r}")
+
+
+def seed_bits(seed: int) -> int:
+    """Fold a 64-bit seed into the 32 bits the noise hash takes."""
+    return (seed ^ (seed >> 32)) & _M32
+
+
+def row_sampling(
+    params: list[SamplingParams], seeds: list[int], device: torch.device
+) -> tuple[RowSampling, RowSampling]:
+    """Text and audio RowSampling tensors for rows with these params and resolved seeds."""
+    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+    seed = torch.tensor([seed_bits(s) for s in seeds], dtype=torch.long)
+    text = RowSampling(greedy, torch.tensor([p.temp_text for p in params]), torch.tensor([p.topk_text for p in params]),
+                       seed)
+    audio = RowSampling(greedy, torch.tensor([p.temp_audio for p in params]),
+                        torch.tensor([p.topk_audio for p in params]), seed)
+    return text.to(device), audio.to(device)

@@ -16,6 +16,9 @@ from torch import Tensor
 from model.lm import LM, RING_SIZE, LMState
 from model.sampling import RowSampling, sample
 
+MAX_TOP_K_TEXT = 500
+MAX_TOP_K_AUDIO = 2048
+
 
 @dataclass
 class StepConstants:
@@ -27,7 +30,9 @@ class StepConstants:
     max_top_k_audio: int
 
     @classmethod
-    def make(cls, lm: LM, device: torch.device, max_top_k_text: int = 500, max_top_k_audio: int = 2048) -> StepConstants:
+    def make(
+        cls, lm: LM, device: torch.device, max_top_k_text: int = MAX_TOP_K_TEXT, max_top_k_audio: int = MAX_TOP_K_AUDIO
+    ) -> StepConstants:
         return cls(
             delays=lm.delays(device),
             initial=lm.initial_column(device),
