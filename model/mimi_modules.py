@@ -1,0 +1,393 @@
+"""Mimi building blocks: causal (transposed) convolutions, SEANet, the windowed RoPE transformer and the split RVQ.
+
+Every stateful block has a one-shot `forward` and a streaming `step` that reads and updates caller-owned state
+tensors in place (fixed shapes, no host sync), so a frame step can be captured in a CUDA graph. Conv-like blocks take
+their state buffers from an iterator, in the order `buffer_shapes()` lists them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
+
+NORM_EPS = 1e-5
+CODEBOOK_EPS = 1e-5
+
+
+class CausalConv1d(nn.Module):
+    """Conv1d padded on the left only; streaming keeps the last `context` input samples."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int = 1,
+        dilation: int = 1,
+        bias: bool = True,
+        pad_mode: str = "constant",
+    ) -> None:
+        super().__init__()
+        if pad_mode not in ("constant", "replicate"):
+            raise ValueError(f"unsupported pad_mode {pad_mode!r}")
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride, dilation=dilation, bias=bias)
+        self.pad_mode = pad_mode
+        self.context = (kernel_size - 1) * dilation + 1 - stride
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [(self.conv.in_channels, self.context)] if self.context > 0 else []
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Inputs are whole frames, so every length is a multiple of the stride and no right padding is needed.
+        return self.conv(F.pad(x, (self.context, 0), mode=self.pad_mode))
+
+    def step(self, x: Tensor, buffers: Iterator[Tensor], first: Tensor | None = None) -> Tensor:
+        """`first` [B] bool marks rows on their first frame; replicate padding uses their first sample there."""
+        if self.context == 0:
+            return self.conv(x)
+        buf = next(buffers)
+        past = buf
+        if self.pad_mode == "replicate":
+            assert first is not None, "replicate padding needs the per-row first-frame mask"
+            past = torch.where(first[:, None, None], x[..., :1].expand_as(buf), buf)
+        x = torch.cat([past, x], dim=-1)
+        buf.copy_(x[..., -self.context :])
+        return self.conv(x)
+
+
+class CausalConvTranspose1d(nn.Module):
+    """ConvTranspose1d trimmed on the right; streaming carries the `kernel - stride` overlap tail to the next call."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, stride: int, groups: int = 1, bias: bool = True
+    ) -> None:
+        super().__init__()
+        self.convtr = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride, groups=groups, bias=bias)
+        self.stride = stride
+        self.overlap = kernel_size - stride
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [(self.convtr.out_channels, self.overlap)]
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.convtr(x)
+        return y[..., : y.shape[-1] - self.overlap]
+
+    def step(self, x: Tensor, buffers: Iterator[Tensor]) -> Tensor:
+        tail = next(buffers)
+        y = self.convtr(x)
+        n = x.shape[-1] * self.stride
+        out = torch.cat([y[..., : self.overlap] + tail, y[..., self.overlap : n]], dim=-1)
+        rest = y[..., n:]
+        if self.convtr.bias is not None:
+            # The next call's outputs carry the bias again; keep it only once.
+            rest = rest - self.convtr.bias[:, None]
+        tail.copy_(rest)
+        return out
+
+
+class ResidualBlock(nn.Module):
+    """SEANet residual unit: x + conv1x1(elu(conv_k(elu(x)))), identity skip. Indices 1 and 3 hold the convs."""
+
+    def __init__(self, dim: int, hidden: int, kernel_size: int, dilation: int) -> None:
+        super().__init__()
+        self.block = nn.ModuleList(
+            [
+                nn.ELU(),
+                CausalConv1d(dim, hidden, kernel_size, dilation=dilation),
+                nn.ELU(),
+                CausalConv1d(hidden, dim, 1),
+            ]
+        )
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [s for layer in self.block if isinstance(layer, CausalConv1d) for s in layer.buffer_shapes()]
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x
+        for layer in self.block:
+            y = layer(y)
+        return x + y
+
+    def step(self, x: Tensor, buffers: Iterator[Tensor]) -> Tensor:
+        y = x
+        for layer in self.block:
+            y = layer.step(y, buffers) if isinstance(layer, CausalConv1d) else layer(y)
+        return x + y
+
+
+_Stateful = (CausalConv1d, CausalConvTranspose1d, ResidualBlock)
+
+
+class _Seanet(nn.Module):
+    """A sequence of ELUs and stateful conv blocks held in `model` (the checkpoint's layer indices)."""
+
+    model: nn.ModuleList
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [s for layer in self.model if isinstance(layer, _Stateful) for s in layer.buffer_shapes()]
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.model:
+            x = layer(x)
+        return x
+
+    def step(self, x: Tensor, buffers: Iterator[Tensor]) -> Tensor:
+        for layer in self.model:
+            x = layer.step(x, buffers) if isinstance(layer, _Stateful) else layer(x)
+        return x
+
+
+class SeanetEncoder(_Seanet):
+    """Audio [B, channels, N] -> latents [B, dimension, N / prod(ratios)]."""
+
+    def __init__(self, cfg: SeanetConfig) -> None:
+        super().__init__()
+        mult = 1
+        layers: list[nn.Module] = [CausalConv1d(cfg.channels, cfg.n_filters, cfg.kernel_size)]
+        for ratio in reversed(cfg.ratios):
+            dim = mult * cfg.n_filters
+            for j in range(cfg.n_residual_layers):
+                layers.append(ResidualBlock(dim, dim // cfg.compress, cfg.residual_kernel_size, cfg.dilation_base**j))
+            layers += [nn.ELU(), CausalConv1d(dim, 2 * dim, 2 * ratio, stride=ratio)]
+            mult *= 2
+        layers += [nn.ELU(), CausalConv1d(mult * cfg.n_filters, cfg.dimension, cfg.last_kernel_size)]
+        self.model = nn.ModuleList(layers)
+
+
+class SeanetDecoder(_Seanet):
+    """Latents [B, dimension, T] -> audio [B, channels, T * prod(ratios)]."""
+
+    def __init__(self, cfg: SeanetConfig) -> None:
+        super().__init__()
+        mult = 2 ** len(cfg.ratios)
+        layers: list[nn.Module] = [CausalConv1d(cfg.dimension, mult * cfg.n_filters, cfg.kernel_size)]
+        for ratio in cfg.ratios:
+            dim = mult * cfg.n_filters
+            layers += [nn.ELU(), CausalConvTranspose1d(dim, dim // 2, 2 * ratio, ratio)]
+            for j in range(cfg.n_residual_layers):
+                layers.append(
+                    ResidualBlock(dim // 2, dim // 2 // cfg.compress, cfg.residual_kernel_size, cfg.dilation_base**j)
+                )
+            mult //= 2
+        layers += [nn.ELU(), CausalConv1d(cfg.n_filters, cfg.channels, cfg.last_kernel_size)]
+        self.model = nn.ModuleList(layers)
+
+
+@dataclass
+class KVCache:
+    """Ring KV of one transformer for B rows, with per-row positions.
+
+    `key_pos[b, s]` is the absolute position held in slot s (-1: empty); `pos[b]` is the row's next position.
+    """
+
+    keys: Tensor  # [layers, B, heads, slots, head_dim]
+    values: Tensor  # [layers, B, heads, slots, head_dim]
+    key_pos: Tensor  # [B, slots] long
+    pos: Tensor  # [B] long
+
+    def reset_rows(self, rows: Tensor) -> None:
+        self.keys.masked_fill_(rows[None, :, None, None, None], 0.0)
+        self.values.masked_fill_(rows[None, :, None, None, None], 0.0)
+        self.key_pos.masked_fill_(rows[:, None], -1)
+        self.pos.masked_fill_(rows, 0)
+
+
+def rope_tables(positions: Tensor, head_dim: int, max_period: float) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, 1, T, head_dim/2] in fp32 for positions [B, T]; frequency i is max_period^(-2i/head_dim)."""
+    idx = torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32)
+    freqs = torch.exp(idx * (-math.log(max_period) * 2 / head_dim))
+    angles = positions.float()[:, None, :, None] * freqs
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved pairs (2i, 2i+1) of x [B, H, T, D], computed in fp32."""
+    pairs = x.unflatten(-1, (-1, 2)).float()
+    re, im = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused q/k/v projection (rows q, k, v; each split head-major), no biases."""
+
+    def __init__(self, cfg: MimiTransformerConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.d_model // cfg.num_heads
+        self.max_period = cfg.max_period
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * cfg.d_model, cfg.d_model))
+        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, cache: tuple[Tensor, Tensor, Tensor] | None
+    ) -> Tensor:
+        """x [B, T, C]; mask (bool, True = attend) broadcasts to [B, 1, T, keys].
+
+        With `cache` = (keys, values, slots [B, T]) the new keys/values are written into the ring first and the
+        queries attend over the whole ring.
+        """
+        b, t, c = x.shape
+        q, k, v = F.linear(x, self.in_proj_weight).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            keys, values, slots = cache
+            index = slots[:, None, :, None].expand(b, self.num_heads, t, self.head_dim)
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
+            k, v = keys, values
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, c))
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.scale * x
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: x += ls1 * attn(ln1(x)); x += ls2 * linear2(gelu(linear1(ln2(x))))."""
+
+    def __init__(self, cfg: MimiTransformerConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.norm1 = nn.LayerNorm(cfg.d_model, eps=NORM_EPS)
+        self.norm2 = nn.LayerNorm(cfg.d_model, eps=NORM_EPS)
+        self.linear1 = nn.Linear(cfg.d_model, cfg.dim_feedforward, bias=False)
+        self.linear2 = nn.Linear(cfg.dim_feedforward, cfg.d_model, bias=False)
+        self.layer_scale_1 = LayerScale(cfg.d_model)
+        self.layer_scale_2 = LayerScale(cfg.d_model)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, cache: tuple[Tensor, Tensor, Tensor] | None
+    ) -> Tensor:
+        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), rope, mask, cache))
+        return x + self.layer_scale_2(self.linear2(F.gelu(self.linear1(self.norm2(x)))))
+
+
+class MimiTransformer(nn.Module):
+    """Causal transformer over [B, T, C] where a query at position p sees keys p - context + 1 .. p."""
+
+    def __init__(self, cfg: MimiTransformerConfig) -> None:
+        super().__init__()
+        if cfg.d_model % cfg.num_heads:
+            raise ValueError(f"d_model {cfg.d_model} is not a multiple of num_heads {cfg.num_heads}")
+        self.cfg = cfg
+        self.head_dim = cfg.d_model // cfg.num_heads
+        self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in range(cfg.num_layers)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        positions = torch.arange(t, device=x.device)
+        delta = positions[:, None] - positions[None, :]
+        mask = (delta >= 0) & (delta < self.cfg.context)
+        rope = rope_tables(positions[None], self.head_dim, self.cfg.max_period)
+        for layer in self.layers:
+            x = layer(x, rope, mask, None)
+        return x
+
+    def init_cache(self, batch_size: int, steps: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
+        """A fresh cache for calls of `steps` positions each.
+
+        The ring holds context + steps - 1 slots: the new keys are written before attending, and the earliest query
+        of a call still needs the key `context - 1` positions back.
+        """
+        slots = self.cfg.context + steps - 1
+        shape = (len(self.layers), batch_size, self.cfg.num_heads, slots, self.head_dim)
+        return KVCache(
+            keys=torch.zeros(shape, device=device, dtype=dtype),
+            values=torch.zeros(shape, device=device, dtype=dtype),
+            key_pos=torch.full((batch_size, slots), -1, device=device, dtype=torch.long),
+            pos=torch.zeros(batch_size, device=device, dtype=torch.long),
+        )
+
+    def step(self, x: Tensor, cache: KVCache) -> Tensor:
+        """x [B, T, C] continues each row's sequence at `cache.pos`; updates the cache in place."""
+        t = x.shape[1]
+        positions = cache.pos[:, None] + torch.arange(t, device=x.device)  # [B, T]
+        slots = positions % cache.key_pos.shape[1]
+        cache.key_pos.scatter_(1, slots, positions)
+        delta = positions[:, :, None] - cache.key_pos[:, None, :]  # [B, T, slots]
+        mask = ((cache.key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < self.cfg.context))[:, None]
+        rope = rope_tables(positions, self.head_dim, self.cfg.max_period)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, (cache.keys[i], cache.values[i], slots))
+        cache.pos.add_(t)
+        return x
+
+
+class Codebook(nn.Module):
+    """Euclidean codebook stored as running sums: centroid = embedding_sum / max(cluster_usage, eps)."""
+
+    def __init__(self, bins: int, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("_initialized", torch.zeros(1))
+        self.register_buffer("cluster_usage", torch.ones(bins))
+        self.register_buffer("embedding_sum", torch.zeros(bins, dim))
+
+    def embedding(self) -> Tensor:
+        return self.embedding_sum / self.cluster_usage.clamp(min=CODEBOOK_EPS)[:, None]
+
+    def encode(self, x: Tensor) -> Tensor:
+        """x [N, D] -> index of the nearest centroid (L2) [N]."""
+        return torch.cdist(x[None], self.embedding()[None], p=2)[0].argmin(dim=-1)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        return F.embedding(codes, self.embedding())
+
+
+class ResidualVQ(nn.Module):
+    """1x1 input projection, residual quantization over `levels` codebooks, 1x1 output projection."""
+
+    def __init__(self, cfg: QuantizerConfig, levels: int) -> None:
+        super().__init__()
+        self.input_proj = nn.Conv1d(cfg.input_dimension, cfg.dimension, 1, bias=False)
+        self.output_proj = nn.Conv1d(cfg.dimension, cfg.output_dimension, 1, bias=False)
+        self.layers = nn.ModuleList([Codebook(cfg.bins, cfg.dimension) for _ in range(levels)])
+
+    def encode(self, x: Tensor) -> Tensor:
+        """x [B, C, T] -> codes [B, levels, T]."""
+        residual = self.input_proj(x).transpose(1, 2)
+        b, t, d = residual.shape
+        residual = residual.reshape(b * t, d)
+        codes = []
+        for codebook in self.layers:
+            idx = codebook.encode(residual)
+            residual = residual - codebook.decode(idx)
+            codes.append(idx.view(b, t))
+        return torch.stack(codes, dim=1)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes [B, K, T] (K <= levels) -> [B, output_dimension, T]."""
+        quantized = self.layers[0].decode(codes[:, 0])
+        for i in range(1, codes.shape[1]):
+            quantized = quantized + self.layers[i].decode(codes[:, i])
+        return self.output_proj(quantized.transpose(1, 2))
+
+
+class SplitResidualVQ(nn.Module):
+    """One semantic level (`rvq_first`) and `num_codebooks - 1` acoustic levels (`rvq_rest`), both fed the same
+    latent; decoding sums the two halves' projected outputs."""
+
+    def __init__(self, cfg: QuantizerConfig, num_codebooks: int) -> None:
+        super().__init__()
+        self.rvq_first = ResidualVQ(cfg, 1)
+        self.rvq_rest = ResidualVQ(cfg, num_codebooks - 1)
+
+    def encode(self, x: Tensor) -> Tensor:
+        return torch.cat([self.rvq_first.encode(x), self.rvq_rest.encode(x)], dim=1)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])

@@ -1,0 +1,365 @@
+"""Mimi codec: streaming equals one-shot, one-shot equals `transformers.MimiModel`, per-row state, checkpoint I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig
+from model.mimi import Mimi, MimiState, checkpoint_key, load_mimi, random_mimi_state_dict
+
+CFG = TINY_MIMI
+K = CFG.num_codebooks
+# The tiny transformers see 16 steps at 25 Hz, i.e. 8 frames: 14 frames run well past the window.
+LONG = 14
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Tensor]]:
+    sd = random_mimi_state_dict(CFG, seed=0)
+    path = tmp_path_factory.mktemp("mimi") / "tiny_mimi.safetensors"
+    save_file(sd, str(path))
+    return path, sd
+
+
+@pytest.fixture(scope="module")
+def mimi(ckpt: tuple[Path, dict[str, Tensor]]) -> Mimi:
+    return load_mimi(ckpt[0], CFG)
+
+
+def audio(batch: int, frames: int, seed: int) -> Tensor:
+    """Noise plus a per-row chirp, so rows and frames all differ."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.arange(frames * FRAME_SAMPLES) / CFG.sample_rate
+    f0 = 100 + 400 * torch.rand(batch, 1, generator=gen)
+    tone = 0.3 * torch.sin(2 * math.pi * f0 * t * (1 + t))
+    return tone + 0.05 * torch.randn(batch, t.numel(), generator=gen)
+
+
+def random_codes(batch: int, frames: int, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CFG.quantizer.bins, (batch, K, frames), generator=gen)
+
+
+def stream_encode(mimi: Mimi, state: MimiState, pcm: Tensor) -> Tensor:
+    frames = pcm.split(FRAME_SAMPLES, dim=1)
+    return torch.stack([mimi.encode_frame(f, state) for f in frames], dim=-1)
+
+
+def stream_decode(mimi: Mimi, state: MimiState, codes: Tensor) -> Tensor:
+    return torch.cat([mimi.decode_frame(codes[:, :, i], state) for i in range(codes.shape[-1])], dim=-1)
+
+
+@pytest.mark.parametrize("frames", [8, LONG])
+def test_streaming_equals_one_shot(mimi: Mimi, frames: int) -> None:
+    pcm = audio(2, frames, seed=1)
+    codes = mimi.encode(pcm)
+    assert codes.shape == (2, K, frames) and codes.dtype == torch.long
+    assert torch.equal(stream_encode(mimi, mimi.init_state(2, "cpu"), pcm), codes)
+
+    out = mimi.decode(codes)
+    assert out.shape == (2, frames * FRAME_SAMPLES)
+    streamed = stream_decode(mimi, mimi.init_state(2, "cpu"), codes)
+    torch.testing.assert_close(streamed, out, rtol=0, atol=1e-5)
+
+
+# ---- transformers.MimiModel as an oracle ----
+
+_HF_LAYER_NAMES = {
+    "self_attn.out_proj.weight": "self_attn.o_proj.weight",
+    "linear1.weight": "mlp.fc1.weight",
+    "linear2.weight": "mlp.fc2.weight",
+    "norm1.weight": "input_layernorm.weight",
+    "norm1.bias": "input_layernorm.bias",
+    "norm2.weight": "post_attention_layernorm.weight",
+    "norm2.bias": "post_attention_layernorm.bias",
+    "layer_scale_1.scale": "self_attn_layer_scale.scale",
+    "layer_scale_2.scale": "mlp_layer_scale.scale",
+}
+
+
+def _rotate_half_rows(w: Tensor, heads: int) -> Tensor:
+    """Reorder each head's q/k rows from interleaved pairs (2i, 2i+1) to halves (i, i + D/2)."""
+    out_dim, in_dim = w.shape
+    return w.view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def to_hf(sd: dict[str, Tensor], heads: int) -> dict[str, Tensor]:
+    """Reference (moshi) keys -> transformers 5.x `MimiModel` keys (spec 4.3)."""
+    out: dict[str, Tensor] = {}
+    for key, value in sd.items():
+        if m := re.fullmatch(r"(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.(.+)", key):
+            half, layer, rest = m.groups()
+            prefix = f"{half}.{half}_transformer.layers.{layer}."
+            if rest == "self_attn.in_proj_weight":
+                q, k, v = value.chunk(3)
+                out[prefix + "self_attn.q_proj.weight"] = _rotate_half_rows(q, heads)
+                out[prefix + "self_attn.k_proj.weight"] = _rotate_half_rows(k, heads)
+                out[prefix + "self_attn.v_proj.weight"] = v
+            else:
+                out[prefix + _HF_LAYER_NAMES[rest]] = value
+        elif m := re.fullmatch(r"(encoder|decoder)\.model\.(.+)", key):
+            half, rest = m.groups()
+            rest = rest.replace("conv.conv.", "conv.").replace("convtr.convtr.", "conv.")
+            out[f"{half}.{half}_seanet.layers.{rest}"] = value
+        elif key == "downsample.conv.conv.conv.weight":
+            out["encoder.downsample.conv.weight"] = value
+        elif key == "upsample.convtr.convtr.convtr.weight":
+            out["decoder.upsample.conv.weight"] = value
+        else:
+            hf = key.replace("rvq_first.", "semantic_residual_vector_quantizer.")
+            hf = hf.replace("rvq_rest.", "acoustic_residual_vector_quantizer.").replace(".vq.layers.", ".layers.")
+            hf = hf.replace("._codebook.", ".codebook.").replace("_initialized", "initialized")
+            out[hf.replace("embedding_sum", "embed_sum")] = value
+    return out
+
+
+def hf_mimi(cfg: MimiConfig, sd: dict[str, Tensor]):
+    transformers = pytest.importorskip("transformers")
+    s, q, t = cfg.seanet, cfg.quantizer, cfg.transformer
+    hf_cfg = transformers.MimiConfig(
+        sampling_rate=cfg.sample_rate,
+        audio_channels=s.channels,
+        hidden_size=s.dimension,
+        num_filters=s.n_filters,
+        num_residual_layers=s.n_residual_layers,
+        upsampling_ratios=list(s.ratios),
+        kernel_size=s.kernel_size,
+        last_kernel_size=s.last_kernel_size,
+        residual_kernel_size=s.residual_kernel_size,
+        dilation_growth_rate=s.dilation_base,
+        compress=s.compress,
+        pad_mode=s.pad_mode,
+        codebook_size=q.bins,
+        codebook_dim=q.dimension,
+        vector_quantization_hidden_dimension=q.dimension,
+        num_quantizers=q.n_q,
+        num_semantic_quantizers=1,
+        upsample_groups=s.dimension,
+        num_hidden_layers=t.num_layers,
+        intermediate_size=t.dim_feedforward,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_heads,
+        sliding_window=t.context,
+        layer_scale_initial_scale=t.layer_scale,
+        rope_parameters={"rope_type": "default", "rope_theta": t.max_period},
+        norm_eps=1e-5,
+        use_cache=False,
+    )
+    assert hf_cfg.frame_rate == cfg.frame_rate
+    model = transformers.MimiModel(hf_cfg).eval()
+    model.load_state_dict(to_hf(sd, t.num_heads), strict=True)
+    return model
+
+
+def test_one_shot_matches_transformers(mimi: Mimi, ckpt: tuple[Path, dict[str, Tensor]]) -> None:
+    """Our one-shot encode/decode against `transformers.MimiModel` on the same weights, past the attention window.
+
+    By design HF applies RoPE by rotate-half (hence the q/k row permutation in `to_hf`) and computes its
+    frequencies as base ** (-2i / D) rather than exp(-2i / D * log base); the last bits differ, so the codes must
+    match exactly but the audio only to a tolerance. HF has no streaming decode, so only one-shot is compared.
+    """
+    hf = hf_mimi(CFG, ckpt[1])
+    pcm = audio(2, LONG, seed=2)
+    with torch.no_grad():
+        hf_codes = hf.encode(pcm[:, None], num_quantizers=K).audio_codes
+        codes = mimi.encode(pcm)
+        assert torch.equal(codes, hf_codes)
+        hf_out = hf.decode(codes).audio_values[:, 0]
+    out = mimi.decode(codes)
+    assert out.abs().max() > 0.05
+    torch.testing.assert_close(out, hf_out, rtol=0, atol=1e-5)
+
+
+# ---- per-row state ----
+
+
+def test_reset_rows_gives_fresh_rows_and_leaves_others(mimi: Mimi) -> None:
+    b, before, after = 3, 5, 4
+    pcm_a, pcm_b = audio(b, before, seed=3), audio(b, after, seed=4)
+    codes_a, codes_b = random_codes(b, before, seed=5), random_codes(b, after, seed=6)
+    rows = torch.tensor([False, True, False])
+
+    state = mimi.init_state(b, "cpu")
+    stream_encode(mimi, state, pcm_a)
+    stream_decode(mimi, state, codes_a)
+    mimi.reset_rows(state, rows)
+    enc = stream_encode(mimi, state, pcm_b)
+    dec = stream_decode(mimi, state, codes_b)
+
+    fresh = mimi.init_state(b, "cpu")
+    assert torch.equal(enc[1], stream_encode(mimi, fresh, pcm_b)[1])
+    assert torch.equal(dec[1], stream_decode(mimi, fresh, codes_b)[1])
+
+    kept = mimi.init_state(b, "cpu")
+    stream_encode(mimi, kept, pcm_a)
+    stream_decode(mimi, kept, codes_a)
+    cont_enc, cont_dec = stream_encode(mimi, kept, pcm_b), stream_decode(mimi, kept, codes_b)
+    assert torch.equal(enc[[0, 2]], cont_enc[[0, 2]])
+    assert torch.equal(dec[[0, 2]], cont_dec[[0, 2]])
+    # The reset row's new stream really depends on the reset: without it the outputs differ.
+    assert not torch.equal(dec[1], cont_dec[1])
+
+
+def test_rows_are_independent(mimi: Mimi) -> None:
+    pcm = audio(3, 6, seed=7)
+    other = pcm.clone()
+    other[[0, 2]] = audio(2, 6, seed=8)
+    codes = random_codes(3, 6, seed=9)
+    other_codes = codes.clone()
+    other_codes[[0, 2]] = random_codes(2, 6, seed=10)
+
+    enc = stream_encode(mimi, mimi.init_state(3, "cpu"), pcm)
+    enc_other = stream_encode(mimi, mimi.init_state(3, "cpu"), other)
+    assert torch.equal(enc[1], enc_other[1])
+    assert not torch.equal(enc[0], enc_other[0])
+    dec = stream_decode(mimi, mimi.init_state(3, "cpu"), codes)
+    dec_other = stream_decode(mimi, mimi.init_state(3, "cpu"), other_codes)
+    assert torch.equal(dec[1], dec_other[1])
+
+
+def test_bad_streaming_inputs_are_rejected(mimi: Mimi) -> None:
+    state = mimi.init_state(2, "cpu")
+    with pytest.raises(ValueError, match=r"pcm must be \[2, 1920\]"):
+        mimi.encode_frame(torch.zeros(2, 960), state)
+    with pytest.raises(ValueError, match="codes must be long"):
+        mimi.decode_frame(torch.zeros(2, K - 1, dtype=torch.long), state)
+    with pytest.raises(ValueError, match="bool mask"):
+        mimi.reset_rows(state, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"pcm must be \[B, T \* 1920\]"):
+        mimi.encode(torch.zeros(1, 1000))
+    bins = CFG.quantizer.bins
+    with pytest.raises(ValueError, match=rf"codes must lie in \[0, {bins}\)"):
+        mimi.decode(torch.full((1, K, 2), bins))
+
+
+# ---- codes carry information ----
+
+
+def test_different_audio_gives_different_codes(mimi: Mimi) -> None:
+    t = torch.arange(LONG * FRAME_SAMPLES) / CFG.sample_rate
+    pcm = torch.stack(
+        [
+            torch.zeros_like(t),
+            0.5 * torch.sin(2 * math.pi * 440 * t),
+            0.1 * torch.randn(t.shape, generator=torch.Generator().manual_seed(11)),
+        ]
+    )
+    codes = mimi.encode(pcm)
+    for i in range(3):
+        for j in range(i):
+            assert (codes[i] != codes[j]).float().mean() > 0.5
+    # Every level uses many centroids over noise and sine frames (random codebooks, not a degenerate one).
+    for level in range(K):
+        assert codes[1:, level].unique().numel() >= 6
+    out = mimi.decode(codes)
+    assert torch.isfinite(out).all()
+    assert 0.01 < float(out.std()) < 1.0
+
+
+# ---- checkpoint layout and loading ----
+
+
+def test_checkpoint_layout_matches_reference() -> None:
+    """Full-size layout (meta tensors, no memory): 318 tensors, 96.15M values, with the reference key names."""
+    full = MimiConfig()
+    with torch.device("meta"):
+        model = Mimi(full)
+    sd = {checkpoint_key(k): v for k, v in model.state_dict().items()}
+    extra_levels = full.quantizer.n_q - full.num_codebooks
+    per_level = full.quantizer.bins * full.quantizer.dimension + full.quantizer.bins + 1
+    assert len(sd) + 3 * extra_levels == 318
+    assert sum(v.numel() for v in sd.values()) + extra_levels * per_level == 96_151_393
+    shapes = {
+        "encoder.model.0.conv.conv.weight": [64, 1, 7],
+        "encoder.model.1.block.1.conv.conv.weight": [32, 64, 3],
+        "encoder.model.14.conv.conv.weight": [512, 1024, 3],
+        "decoder.model.2.convtr.convtr.weight": [1024, 512, 16],
+        "decoder.model.12.block.3.conv.conv.bias": [64],
+        "encoder_transformer.transformer.layers.7.self_attn.in_proj_weight": [1536, 512],
+        "decoder_transformer.transformer.layers.0.layer_scale_2.scale": [512],
+        "decoder_transformer.transformer.layers.0.norm1.bias": [512],
+        "downsample.conv.conv.conv.weight": [512, 512, 4],
+        "upsample.convtr.convtr.convtr.weight": [512, 1, 4],
+        "quantizer.rvq_first.input_proj.weight": [256, 512, 1],
+        "quantizer.rvq_rest.output_proj.weight": [512, 256, 1],
+        "quantizer.rvq_first.vq.layers.0._codebook.embedding_sum": [2048, 256],
+        "quantizer.rvq_rest.vq.layers.6._codebook.cluster_usage": [2048],
+    }
+    assert {k: list(sd[k].shape) for k in shapes} == shapes
+
+
+def test_random_checkpoint_round_trip(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(CFG, quantizer=dataclasses.replace(CFG.quantizer, n_q=12))
+    sd = random_mimi_state_dict(cfg, seed=3)
+    assert "quantizer.rvq_rest.vq.layers.10._codebook.embedding_sum" in sd  # all n_q levels, 4 unused
+    assert torch.equal(sd["quantizer.rvq_rest.vq.layers.0._codebook._initialized"], torch.ones(1))
+    assert (sd["quantizer.rvq_rest.vq.layers.0._codebook.cluster_usage"] > 0).all()
+    assert random_mimi_state_dict(cfg, seed=3).keys() == sd.keys()
+    assert torch.equal(
+        random_mimi_state_dict(cfg, seed=3)["encoder.model.0.conv.conv.weight"], sd["encoder.model.0.conv.conv.weight"]
+    )
+    path = tmp_path / "mimi.safetensors"
+    save_file(sd, str(path))
+    model = load_mimi(path, cfg)
+    loaded = {checkpoint_key(k): v for k, v in model.state_dict().items()}
+    assert loaded.keys() <= sd.keys()
+    for key, value in loaded.items():
+        assert torch.equal(value, sd[key]), key
+    assert not model.training
+    assert model.encode(audio(1, 2, seed=12)).shape == (1, K, 2)
+
+
+def test_small_structure_has_reference_key_count() -> None:
+    cfg = MimiConfig(
+        seanet=SeanetConfig(dimension=16, n_filters=4),
+        quantizer=QuantizerConfig(dimension=8, n_q=32, bins=16, input_dimension=16, output_dimension=16),
+        transformer=MimiTransformerConfig(d_model=16, num_heads=2, num_layers=8, dim_feedforward=32, context=8),
+    )
+    assert len(random_mimi_state_dict(cfg, seed=0)) == 318
+
+
+def _write(path: Path, sd: dict[str, Tensor]) -> Path:
+    save_file(sd, str(path))
+    return path
+
+
+def test_load_errors(tmp_path: Path, ckpt: tuple[Path, dict[str, Tensor]]) -> None:
+    sd = ckpt[1]
+    key = "decoder_transformer.transformer.layers.1.linear1.weight"
+
+    missing = _write(tmp_path / "missing.safetensors", {k: v for k, v in sd.items() if k != key})
+    with pytest.raises(ValueError, match="missing key") as err:
+        load_mimi(missing, CFG)
+    assert "missing.safetensors" in str(err.value) and key in str(err.value) and "[64, 32]" in str(err.value)
+
+    shaped = _write(tmp_path / "shape.safetensors", {**sd, key: torch.zeros(64, 31)})
+    with pytest.raises(ValueError, match=r"has shape \[64, 31\], expected \[64, 32\]") as err:
+        load_mimi(shaped, CFG)
+    assert "shape.safetensors" in str(err.value) and key in str(err.value)
+
+    ints = _write(tmp_path / "ints.safetensors", {**sd, key: torch.zeros(64, 32, dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"dtype torch.int32, expected a floating-point tensor") as err:
+        load_mimi(ints, CFG)
+    assert "ints.safetensors" in str(err.value) and key in str(err.value)
+
+    extra = "quantizer.rvq_first.vq.layers.1._codebook.embedding_sum"
+    unexpected = _write(tmp_path / "extra.safetensors", {**sd, extra: sd[extra.replace(".1.", ".0.")].clone()})
+    with pytest.raises(ValueError, match=f"unexpected key '{re.escape(extra)}'"):
+        load_mimi(unexpected, CFG)
+
+    with pytest.raises(ValueError, match="Mimi checkpoint not found") as err:
+        load_mimi(tmp_path / "nope.safetensors", CFG)
+    assert "nope.safetensors" in str(err.value)
+
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="cannot read safetensors file"):
+        load_mimi(garbage, CFG)
