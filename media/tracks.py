@@ -1,0 +1,302 @@
+"""aiortc audio tracks: a pass-through receive path and a paced 20 ms outbound track.
+
+Receive: aiortc's audio `JitterBuffer(capacity=16, prefetch=4)` adds ~81 ms and, after one lost packet, ~281 ms for
+good while it throws frames away. `install_receive_bypass` swaps it, per receiver, for a pass-through (one RTP packet
+becomes one frame at once) and swaps aiortc's timestamp mapper for one that takes a step back as reordering, not as a
+32-bit wrap. `InboundAudio` drains the remote track and writes 24 kHz mono into our own jitter buffer at each
+packet's `pts`, so a lost packet is a gap there (concealed as silence) and a late one lands at its place.
+
+Send: `OutboundAudioTrack` returns exactly 20 ms per `recv()` (aiortc stamps every packet of one `recv()` with one RTP
+timestamp), paced by the clock, silence when the playout buffer is empty, and after a stall it jumps its clock forward
+instead of bursting overdue frames. `ContainedOpusEncoder` encodes those frames as mono Opus at 24 kHz with no
+resampling, and an encoder failure costs one frame instead of ending aiortc's RTP sender for good.
+
+Both swaps touch private aiortc attributes: the version is pinned (`AIORTC_VERSION`) and checked when they are made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiortc
+import av
+import numpy as np
+from aiortc.codecs.base import Encoder
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from aiortc.rtcrtpreceiver import RTCRtpReceiver, TimestampMapper
+from aiortc.rtcrtpsender import RTCRtpSender
+from aiortc.rtp import RtpPacket
+
+from media.resample import Resampler
+
+logger = logging.getLogger(__name__)
+
+AIORTC_VERSION = "1.16.0"
+RATE = 24000                      # model rate: what the tracks carry on our side
+RTP_RATE = 48000                  # Opus RTP clock
+OUT_SAMPLES = RATE // 50          # 20 ms per outbound recv()
+STALL_S = 0.040                   # a recv() this late rebases the clock instead of sending the backlog at once
+_TIME_BASE = fractions.Fraction(1, RATE)
+
+
+class AiortcMismatch(RuntimeError):
+    """The installed aiortc is not the version whose private receive/send internals we replace."""
+
+
+def _check_aiortc() -> None:
+    if aiortc.__version__ != AIORTC_VERSION:
+        raise AiortcMismatch(f"aiortc {aiortc.__version__} is installed; the receive bypass and the contained "
+                             f"encoder are written against aiortc {AIORTC_VERSION} (pin it)")
+
+
+def _swap(obj: object, attr: str, expected: type, new: object) -> None:
+    current = getattr(obj, attr, None)
+    if not isinstance(current, expected):
+        raise AiortcMismatch(f"{type(obj).__name__}.{attr} is {type(current).__name__}, expected {expected.__name__}")
+    setattr(obj, attr, new)
+
+
+# ---- receive ------------------------------------------------------------------------------------------------------
+
+class PassThroughJitterBuffer:
+    """Stands in for aiortc's audio JitterBuffer: every packet is a whole Opus frame, handed on at once."""
+
+    capacity = 1
+
+    def add(self, packet: RtpPacket) -> tuple[bool, JitterFrame | None]:
+        return False, JitterFrame(data=packet._data, timestamp=packet.timestamp)  # type: ignore[attr-defined]
+
+
+class ReorderingTimestampMapper:
+    """RTP timestamp -> offset from the first packet, unwrapped by the signed 32-bit distance to the newest one.
+
+    aiortc's mapper treats any step back as a wrap (+2**32), which is right only behind its reordering buffer."""
+
+    def __init__(self) -> None:
+        self._origin: int | None = None
+        self._newest = 0                                     # unwrapped
+
+    def map(self, timestamp: int) -> int:
+        if self._origin is None:
+            self._origin = self._newest = timestamp
+            return 0
+        delta = (timestamp - self._newest + (1 << 31)) % (1 << 32) - (1 << 31)
+        unwrapped = self._newest + delta
+        self._newest = max(self._newest, unwrapped)
+        return unwrapped - self._origin
+
+
+def install_receive_bypass(receiver: RTCRtpReceiver) -> None:
+    """Replace this audio receiver's jitter buffer and timestamp mapper; call before any packet arrives
+    (after `setRemoteDescription`, before ICE connects)."""
+    _check_aiortc()
+    if receiver.track is None or receiver.track.kind != "audio":
+        raise ValueError("the receive bypass is for audio receivers")
+    _swap(receiver, "_RTCRtpReceiver__jitter_buffer", JitterBuffer, PassThroughJitterBuffer())
+    _swap(receiver, "_RTCRtpReceiver__timestamp_mapper", TimestampMapper, ReorderingTimestampMapper())
+
+
+def receive_bypassed(receiver: RTCRtpReceiver) -> bool:
+    return isinstance(getattr(receiver, "_RTCRtpReceiver__jitter_buffer", None), PassThroughJitterBuffer)
+
+
+class PtsSink(Protocol):
+    """Where received audio goes: `media.jitter.JitterBuffer` (24 kHz mono float32, keyed on pts)."""
+
+    def push(self, pts: int | None, samples: np.ndarray, now: float | None = None) -> object: ...
+
+
+@dataclass
+class InboundStats:
+    frames: int = 0               # 20 ms packets decoded
+    lost_frames: int = 0          # missing pts ranges, in packets of this size
+    late_frames: int = 0          # arrived behind a newer packet (reordered)
+    bad_frames: int = 0           # undecodable layout/rate: dropped and counted
+    first_arrival: float | None = None
+    last_arrival: float | None = None
+
+
+class InboundAudio:
+    """Drains a pass-through remote audio track into a `PtsSink` as 24 kHz mono, each packet at its own pts.
+
+    aiortc decodes to s16 stereo 48 kHz, 960 samples, `pts` in 1/48000 from the first packet. One stateful
+    resampler serves the stream; its output for input pts `p` is placed at `p/2 - delay`, where `delay` is the
+    resampler's held-back lead measured on the first packet, so in-order audio is contiguous and gaps stay gaps."""
+
+    def __init__(self, track: MediaStreamTrack, sink: PtsSink, clock: Callable[[], float] = time.monotonic) -> None:
+        self._track = track
+        self._sink = sink
+        self._clock = clock
+        self._resampler = Resampler(RTP_RATE, RATE)
+        self._delay: int | None = None
+        self._next_pts: int | None = None                   # 48 kHz pts the next in-order packet should carry
+        self.stats = InboundStats()
+
+    async def run(self) -> None:
+        """Until the track ends. Never raises for one bad frame."""
+        while True:
+            try:
+                frame = await self._track.recv()
+            except MediaStreamError:
+                return
+            self.accept(frame)
+
+    def accept(self, frame: av.AudioFrame) -> None:
+        now = self._clock()
+        st = self.stats
+        if frame.sample_rate != RTP_RATE or frame.format.name != "s16" or frame.pts is None:
+            st.bad_frames += 1
+            return
+        st.frames += 1
+        st.first_arrival = now if st.first_arrival is None else st.first_arrival
+        st.last_arrival = now
+        pcm = frame.to_ndarray().reshape(-1, len(frame.layout.channels)).astype(np.float32)
+        mono = pcm.mean(axis=1) / 32768.0
+        pts = int(frame.pts)
+        if self._next_pts is not None:
+            if pts > self._next_pts:
+                st.lost_frames += (pts - self._next_pts) // max(1, frame.samples)
+            elif pts < self._next_pts:
+                st.late_frames += 1
+        out = self._resampler.process(mono)
+        if self._delay is None:
+            self._delay = len(mono) // 2 - len(out)
+            at = pts // 2
+        else:
+            at = pts // 2 - self._delay
+        self._next_pts = max(self._next_pts or 0, pts + frame.samples)
+        if len(out) and at + len(out) > 0:
+            self._sink.push(at, out, now)
+
+
+# ---- send ---------------------------------------------------------------------------------------------------------
+
+class PlayoutSource(Protocol):
+    """What the outbound track reads: `media.playout.PlayoutBuffer`."""
+
+    def read(self, n: int) -> np.ndarray: ...               # always n float32 samples at 24 kHz (silence when empty)
+
+
+@dataclass
+class OutboundStats:
+    frames: int = 0               # 20 ms frames returned
+    stalls: int = 0               # times recv() came STALL_S late and the clock jumped
+    skipped_ms: float = 0.0       # clock time jumped over (no burst was sent for it)
+    failures: int = 0             # recv() bodies that failed and sent silence instead
+    started_at: float | None = None
+
+
+class OutboundAudioTrack(MediaStreamTrack):
+    """Exactly 20 ms (480 samples, s16 mono, 24 kHz) per `recv()`, due at `start + pts/24000`.
+
+    A `recv()` that comes `STALL_S` or more behind its due time (the loop was blocked) moves `pts` forward by the
+    whole frames it missed: the RTP timestamps then match the wall clock, so the browser conceals the gap instead
+    of receiving a burst it can only queue (a burst grows its jitter buffer, it never plays faster)."""
+
+    kind = "audio"
+
+    def __init__(self, source: PlayoutSource, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._source = source
+        self._clock = clock
+        self._start: float | None = None
+        self._pts = 0
+        self.stats = OutboundStats()
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        now = self._clock()
+        if self._start is None:
+            self._start = self.stats.started_at = now
+        else:
+            self._pts += OUT_SAMPLES
+            late = now - (self._start + self._pts / RATE)
+            if late >= STALL_S:
+                missed = int(late * RATE) // OUT_SAMPLES * OUT_SAMPLES
+                self._pts += missed
+                self.stats.stalls += 1
+                self.stats.skipped_ms += missed * 1000 / RATE
+            elif late < 0:
+                await asyncio.sleep(-late)
+        try:
+            samples = self._source.read(OUT_SAMPLES)
+        except Exception:
+            logger.exception("outbound audio source failed; sending silence")
+            self.stats.failures += 1
+            samples = np.zeros(OUT_SAMPLES, np.float32)
+        self.stats.frames += 1
+        return pcm_frame(samples, self._pts)
+
+
+def pcm_frame(samples: np.ndarray, pts: int) -> av.AudioFrame:
+    """float32 [-1, 1] mono at 24 kHz -> an s16 mono AudioFrame at `pts` (1/24000)."""
+    s16 = (np.clip(samples, -1.0, 1.0) * 32767.0).astype(np.int16)
+    frame = av.AudioFrame.from_ndarray(s16.reshape(1, -1), format="s16", layout="mono")
+    frame.sample_rate = RATE
+    frame.pts = pts
+    frame.time_base = _TIME_BASE
+    return frame
+
+
+class ContainedOpusEncoder(Encoder):
+    """Mono Opus from 20 ms s16 frames at 24 kHz (libopus takes 24 kHz as is: no resampler, one packet per frame).
+
+    RTP timestamps come from the frames' pts (on the 48 kHz clock), so a clock jump in the track is a jump on the wire
+    at the same frame (libopus's own packet pts lag one frame behind: each packet starts with lookahead samples).
+    Any exception is logged and counted, the codec is rebuilt, and the frame is skipped: aiortc's sender would
+    otherwise stop sending for good while the call looks alive."""
+
+    def __init__(self, bitrate: int = 48000) -> None:
+        self.bitrate = bitrate
+        self.failures = 0
+        self._codec: av.CodecContext | None = None
+        self._first_pts: int | None = None
+
+    def _open(self) -> av.CodecContext:
+        codec = av.CodecContext.create("libopus", "w")
+        codec.sample_rate = RATE
+        codec.layout = "mono"
+        codec.format = "s16"
+        codec.bit_rate = self.bitrate
+        codec.time_base = _TIME_BASE
+        codec.options = {"application": "voip"}
+        return codec
+
+    def encode(self, frame: av.AudioFrame, force_keyframe: bool = False) -> tuple[list[bytes], int | None]:
+        try:
+            if frame.sample_rate != RATE or frame.layout.name != "mono" or frame.samples != OUT_SAMPLES:
+                raise ValueError(f"expected 20 ms mono at {RATE} Hz, got {frame.samples} samples "
+                                 f"{frame.layout.name} at {frame.sample_rate} Hz")
+            if self._codec is None:
+                self._codec = self._open()
+            packets = self._codec.encode(frame)
+        except Exception:
+            logger.exception("Opus encode failed; frame skipped, encoder rebuilt")
+            self.failures += 1
+            self._codec = None
+            return [], None
+        if not packets:
+            return [], None
+        if self._first_pts is None:
+            self._first_pts = frame.pts
+        timestamp = (frame.pts - self._first_pts) * (RTP_RATE // RATE)
+        return [bytes(p) for p in packets], timestamp
+
+    def pack(self, packet: av.Packet) -> tuple[list[bytes], int]:
+        raise NotImplementedError("ContainedOpusEncoder encodes frames; it does not pack pre-encoded packets")
+
+
+def install_contained_encoder(sender: RTCRtpSender, encoder: ContainedOpusEncoder) -> None:
+    """Give an Opus sender our encoder before it starts (aiortc creates its own only when none is set)."""
+    _check_aiortc()
+    if getattr(sender, "_RTCRtpSender__encoder", "missing") is not None:
+        raise AiortcMismatch("RTCRtpSender already has an encoder (or its internals changed)")
+    sender._RTCRtpSender__encoder = encoder  # type: ignore[attr-defined]
