@@ -209,9 +209,9 @@ def _codebook_tensors(center: Tensor, spread: Tensor, bins: int, gen: torch.Gene
 def random_mimi_state_dict(cfg: MimiConfig, seed: int) -> dict[str, Tensor]:
     """A random checkpoint in the reference key layout, all `n_q` quantizer levels included.
 
-    Convs and linears get variance-preserving normal weights and nonzero biases; codebooks are random (drawn at
-    a fraction of the scale of the latents they quantize, so different audio gives different codes); the decoder's
-    last conv is scaled so decoded audio has a standard deviation near 0.1.
+    Convs and linears get variance-preserving normal weights and nonzero biases; codebooks are random but
+    scattered over the latents they quantize (so different audio gives different codes), with positive usage
+    counts and `_initialized` = 1; the decoder's last conv is scaled so decoded audio has a std near 0.1.
     """
     gen = torch.Generator().manual_seed(seed)
     model = Mimi(cfg)
@@ -249,6 +249,7 @@ def random_mimi_state_dict(cfg: MimiConfig, seed: int) -> dict[str, Tensor]:
         projected = rvq.input_proj(latent)[0]  # [dimension, T]
         center, spread = projected.mean(dim=1), 0.5 * projected.std(dim=1)
         for i in range(levels):
+            # Only the first level sees the latent itself; later ones see residuals around zero.
             level_center = center if i == 0 else torch.zeros_like(center)
             for key, value in _codebook_tensors(level_center, spread, qcfg.bins, gen).items():
                 codebooks[f"quantizer.{name}.vq.layers.{i}._codebook.{key}"] = value
