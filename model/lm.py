@@ -241,15 +241,19 @@ class LM(nn.Module):
 
     # ----- temporal transformer ----------------------------------------------------------------------------
 
-    def temporal_step(self, x: Tensor, state: LMState) -> Tensor:
+    def temporal_step(self, x: Tensor, state: LMState, active: Tensor | None = None) -> Tensor:
         """One frame for every row: x [B, dim] at each row's `pos` -> post-out_norm hidden [B, dim].
 
         Writes each row's K/V into its ring slot pos % context and advances nothing else (the caller owns pos).
+        Rows where `active` (bool [B]) is False keep their cache exactly as it was.
         """
         cfg = self.cfg
         B = x.shape[0]
         slot = (state.pos % cfg.context).view(B, 1)
-        state.kpos.scatter_(1, slot, state.pos.view(B, 1))
+        new_kpos = state.pos.view(B, 1)
+        if active is not None:
+            new_kpos = torch.where(active.view(B, 1), new_kpos, state.kpos.gather(1, slot))
+        state.kpos.scatter_(1, slot, new_kpos)
         mask = (state.kpos >= 0).view(B, 1, 1, cfg.context)
         cos, sin = rope_tables(state.pos.view(B, 1, 1), cfg.head_dim, cfg.max_period)  # [B, 1, 1, half]
         rows = torch.arange(B, device=x.device)
@@ -257,8 +261,13 @@ class LM(nn.Module):
         for i, layer in enumerate(self.transformer.layers):
             q, k, v = layer.self_attn.qkv(layer.norm1(h))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            state.cache_k[i, rows, :, slot.view(B)] = k.squeeze(2)
-            state.cache_v[i, rows, :, slot.view(B)] = v.squeeze(2)
+            k, v = k.squeeze(2), v.squeeze(2)
+            if active is not None:
+                keep = active.view(B, 1, 1)
+                k = torch.where(keep, k, state.cache_k[i, rows, :, slot.view(B)])
+                v = torch.where(keep, v, state.cache_v[i, rows, :, slot.view(B)])
+            state.cache_k[i, rows, :, slot.view(B)] = k
+            state.cache_v[i, rows, :, slot.view(B)] = v
             o = F.scaled_dot_product_attention(q, state.cache_k[i], state.cache_v[i], attn_mask=mask)
             h = h + layer.self_attn.out_proj(o.transpose(1, 2).flatten(2))
             h = h + layer.gating(layer.norm2(h))
@@ -310,7 +319,7 @@ class LM(nn.Module):
         steps, no positional encoding.
         """
         h = x
-        for layer, (ck, cv) in zip(self.depformer.layers, cache):
+        for layer, (ck, cv) in zip(self.depformer.layers, cache, strict=False):
             attn = layer.self_attn
             w_in, w_out = attn.step_weights(step)
             q, k, v = F.linear(layer.norm1(h), w_in).unflatten(-1, (3, attn.num_heads, -1)).unbind(1)
@@ -324,7 +333,8 @@ class LM(nn.Module):
     def depformer_cache(self, batch_size: int) -> list[tuple[Tensor, Tensor]]:
         cfg = self.cfg
         w = self.linears[0].weight
-        shape = (batch_size, cfg.depformer_num_heads, self.depformer_steps, cfg.depformer_dim // cfg.depformer_num_heads)
+        heads = cfg.depformer_num_heads
+        shape = (batch_size, heads, self.depformer_steps, cfg.depformer_dim // heads)
         return [
             (torch.zeros(shape, device=w.device, dtype=w.dtype), torch.zeros(shape, device=w.device, dtype=w.dtype))
             for _ in range(cfg.depformer_num_layers)

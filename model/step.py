@@ -54,14 +54,16 @@ def frame_step(
     audio_sampling: RowSampling,
     dep_cache: list[tuple[Tensor, Tensor]],
     const: StepConstants,
+    active: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Advance every row by one call.
+    """Advance every row by one call; rows where `active` (bool [B]) is False are left exactly unchanged.
 
     user_codes [B, 8] are the user's Mimi codes for this call's frame. Returns (frame [B, 17], emitted [B] bool):
     the complete token frame o - 1 (text, 8 agent, 8 user codes) and whether the row emitted one (o >= 2).
     """
     ring, o = state.ring, state.offset
     B, R, _ = ring.shape
+    ring_before = ring.clone() if active is not None else None
     K = lm.cfg.num_audio_codebooks
     delays = const.delays
 
@@ -76,7 +78,7 @@ def frame_step(
     forced = warm | state.forced
 
     inputs = ring.gather(2, ((o - 1) % RING_SIZE).view(B, 1, 1).expand(B, R, 1)).squeeze(2)
-    hidden = lm.temporal_step(lm.embed_column(inputs), state)
+    hidden = lm.temporal_step(lm.embed_column(inputs), state, active)
 
     text = sample(lm.text_logits(hidden), text_sampling, o, 0, const.max_top_k_text)
     text = torch.where(forced[:, 0], given[:, 0], text)
@@ -94,7 +96,13 @@ def frame_step(
 
     frame = _gather_columns(ring, (o.unsqueeze(1) - 1 + delays.unsqueeze(0)) % RING_SIZE)
     emitted = o >= 2
-    state.forced.zero_()
-    state.offset += 1
-    state.pos += 1
-    return frame, emitted
+    if active is None:
+        state.forced.zero_()
+        state.offset += 1
+        state.pos += 1
+        return frame, emitted
+    ring.copy_(torch.where(active.view(B, 1, 1), ring, ring_before))
+    state.forced.masked_fill_(active.unsqueeze(1), False)
+    state.offset += active.long()
+    state.pos += active.long()
+    return frame, emitted & active

@@ -210,3 +210,27 @@ def test_context_config_is_respected():
     run_steps(lm, state, random_user(20, 1, 0))
     assert int((state.kpos >= 0).sum()) == 8
     assert int(state.kpos.max()) == int(state.pos[0]) - 1
+
+
+def test_inactive_rows_are_untouched():
+    """With an exec mask, inactive rows keep their state bit for bit and active rows run as usual."""
+    lm = make_lm(9)
+    state = lm.init_state(3)
+    run_steps(lm, state, random_user(5, 3, 1))
+    snapshot = {name: getattr(state, name).clone() for name in ("cache_k", "cache_v", "kpos", "pos", "ring", "offset")}
+    active = torch.tensor([True, False, True])
+    const = StepConstants.make(lm, CPU)
+    user = random_user(4, 3, 2)
+    reference = lm.init_state(3)
+    run_steps(lm, reference, random_user(5, 3, 1))
+    with torch.no_grad():
+        for t in range(4):
+            cache = lm.depformer_cache(3)
+            frame, emitted = frame_step(lm, state, user[t], sampling(3), sampling(3), cache, const, active)
+            expect, _ = frame_step(lm, reference, user[t], sampling(3), sampling(3), lm.depformer_cache(3), const)
+            assert not bool(emitted[1])
+            assert torch.equal(frame[active], expect[active])
+    for name, before in snapshot.items():
+        after = getattr(state, name)
+        row = (slice(None), 1) if name.startswith("cache") else (1,)
+        assert torch.equal(after[row], before[row]), name
