@@ -1,0 +1,385 @@
+"""Per-session input jitter buffer: client audio at 24 kHz in, one 1920-sample (80 ms) frame out per engine tick.
+
+Audio is placed on a timeline of sample positions (`pts`, in 24 kHz samples), so late and reordered packets land
+where they belong and lost ones leave a gap that is read out as silence (concealment); the timeline is never
+shortened by loss (a forward pts jump longer than the buffer is taken as a discontinuity and spliced out
+instead). WebRTC passes the sender's pts; WebSocket and telephony appends pass `pts=None` ("right after
+the last pushed sample"). `push` runs on the asyncio thread and `read_frame` on the engine thread; a lock guards
+the ring, and the splicing work of a read happens outside it.
+
+Realtime sessions (the default) are read every 80 ms whatever arrived. Why these numbers (spec/webrtc.md s.5):
+- The engine takes 80 ms at once while the network delivers ~20 ms at a time, so the level is a sawtooth. The
+  buffer waits for `target = 1 frame + margin` before reading (primed), starting with a 40 ms margin (~120 ms).
+- The margin is the 95th percentile of the measured arrival delay: for each packet, how long its first sample
+  has waited beyond the fastest packet seen (NetEq's relative arrival delay, which includes the packet length),
+  from a histogram in 2 ms bins that forgets with a ~5 s memory. Many late packets raise it within a few
+  hundred ms (fast rise); it takes ~10 s of calm to fall (slow decay); one isolated stall lifts it for well
+  under a second, since its ten late packets are a small share of the memory. The delay base may creep up
+  15 ms per second, so a sender clock up to 1.5 % slow reads as drift, not jitter. Clamped to 20..160 ms.
+- Underrun (a primed read finds less than a frame): `read_frame` returns None (the engine feeds silence and
+  counts it), the read position stays, so nothing the client sent is lost; the buffer re-primes and its margin
+  rises by 20 ms, falling back by 20 ms per 5 s without an underrun.
+- Latency is bounded from above two ways, both dropping whole 10 ms windows joined by a 5 ms raised-cosine
+  crossfade. Gently: when the lowest level over the last 5 reads (400 ms, a whole cycle of 20/40/80/100 ms
+  packets) exceeds the target by a window or more, up to 80 ms per read of windows the client sent as silence
+  (below -50 dBFS, crossfade region included; never concealed gaps) are dropped, so clock drift and post-stall
+  backlogs drain without cutting speech or shortening the timeline for loss.
+  Hard: above `target + 160 ms` (two frames of headroom) the level is cut back to the target at once, the
+  quietest windows first. A push beyond the 500 ms hard cap drops the oldest audio at once.
+Input-clocked sessions (`realtime=False`, offline evaluation) read a frame as soon as one is complete, never
+drop, and refuse a push that would exceed the backlog bound with `BufferFull` (nothing is stored then).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+SAMPLE_RATE = 24000
+FRAME = 1920
+_BIN_MS = 2.0
+
+
+class BufferFull(Exception):
+    """An input-clocked buffer is at its backlog bound; the push was refused and nothing was stored."""
+
+
+@dataclass(frozen=True)
+class JitterConfig:
+    sample_rate: int = SAMPLE_RATE
+    frame: int = FRAME
+    prime_margin_ms: float = 40.0
+    min_margin_ms: float = 20.0
+    max_margin_ms: float = 160.0
+    underrun_step_ms: float = 20.0
+    quiet_period_s: float = 5.0
+    jitter_quantile: float = 0.95
+    jitter_memory_s: float = 5.0
+    drift_tolerance: float = 0.015
+    headroom_ms: float = 160.0
+    hard_cap_ms: float = 500.0
+    level_window_reads: int = 5
+    soft_drop_ms: float = 80.0
+    drop_window_ms: float = 10.0
+    silence_dbfs: float = -50.0
+    backlog_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class JitterStats:
+    depth_ms: float
+    target_ms: float
+    jitter_ms: float
+    underruns: int
+    late_drops: int
+    overrun_drops_ms: float
+    concealed_ms: float
+    frames_out: int
+    pushed_ms: float
+
+
+class JitterBuffer:
+    def __init__(self, realtime: bool = True, config: JitterConfig | None = None) -> None:
+        cfg = config or JitterConfig()
+        self.realtime = realtime
+        self.config = cfg
+        per_ms = cfg.sample_rate / 1000.0
+        self._frame = cfg.frame
+        self._window = round(cfg.drop_window_ms * per_ms)
+        self._fade = self._window // 2
+        if self._window < 2 or self._frame % self._window:
+            raise ValueError("drop_window_ms must split the frame into whole windows of at least 2 samples")
+        self._capacity = round(cfg.hard_cap_ms * per_ms) if realtime else round(cfg.backlog_s * cfg.sample_rate)
+        if self._capacity < 2 * self._frame:
+            raise ValueError("the buffer must hold at least two frames")
+        self._headroom = round(cfg.headroom_ms * per_ms)
+        self._soft_drop = round(cfg.soft_drop_ms * per_ms)
+        self._silence_energy = 10 ** (cfg.silence_dbfs / 10) * (self._window + self._fade)
+        self._quiet_reads = max(1, round(cfg.quiet_period_s * cfg.sample_rate / self._frame))
+        ramp = np.sin(0.5 * np.pi * (np.arange(self._fade) + 0.5) / self._fade) ** 2
+        self._fade_in = ramp.astype(np.float32)
+        self._fade_out = (1.0 - ramp).astype(np.float32)
+        self._forget = 1.0 - 0.02 / cfg.jitter_memory_s  # per 20 ms of audio observed
+        self._hist = np.zeros(math.ceil(cfg.hard_cap_ms / _BIN_MS), dtype=np.float64)
+
+        self._lock = threading.Lock()
+        self._data = np.zeros(self._capacity, dtype=np.float32)
+        self._have = np.zeros(self._capacity, dtype=bool)
+        self._read: int | None = None  # timeline position of the next sample out; None until audio arrives
+        self._end = 0  # one past the furthest sample pushed
+        self._next = 0  # one past the last push: where a pts=None append goes
+        self._shift = 0  # added to pts after the sender's timeline jumped
+        self._primed = False
+        self._ever_primed = False
+        self._boost_ms = 0.0
+        self._reads_since_underrun = 0
+        self._levels: deque[int] = deque(maxlen=cfg.level_window_reads)
+        self._base: float | None = None  # smallest (arrival time - pts time of a packet's end) seen, drifting up
+        self._last_arrival = 0.0
+        self._observed_s = 0.0
+        self._underruns = 0
+        self._late_drops = 0
+        self._dropped = 0  # samples removed from the timeline by overrun handling
+        self._concealed = 0
+        self._frames_out = 0
+        self._pushed = 0
+
+    def push(self, pts: int | None, samples: np.ndarray, now: float | None = None) -> None:
+        """Place mono float32 24 kHz audio at `pts` (None: right after the previous push)."""
+        x = np.asarray(samples, dtype=np.float32)
+        if x.ndim != 1:
+            raise ValueError(f"jitter buffer input must be 1-D mono, got shape {x.shape}")
+        if not np.isfinite(x).all():
+            raise ValueError("jitter buffer input contains NaN or infinity")
+        if pts is not None and (isinstance(pts, bool) or not isinstance(pts, (int, np.integer))):
+            raise ValueError(f"pts must be an integer sample position or None, got {pts!r}")
+        if x.size == 0:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._read is None:
+                self._read = self._end = self._next = 0 if pts is None else int(pts)
+            shift = self._shift
+            pos = max(self._next, self._read) if pts is None else int(pts) + shift
+            if pos > self._end and pos + x.size - self._read > self._capacity:
+                # The sender's timeline jumped further than the buffer holds (a muted sender, DTX): a
+                # discontinuity, not loss to conceal. Splice it on after what is buffered.
+                shift += self._end - pos
+                pos = self._end
+            end = pos + x.size
+            late = pos < self._read
+            if late:
+                x, pos = x[max(0, self._read - pos) :], max(pos, self._read)
+            if end - self._read > self._capacity:
+                if not self.realtime:
+                    ms = 1000.0 / self.config.sample_rate
+                    raise BufferFull(
+                        f"input backlog full: {(self._end - self._read) * ms:.0f} ms buffered, this append needs "
+                        f"{(end - self._end) * ms:.0f} ms more, bound {self._capacity * ms:.0f} ms"
+                    )
+                self._drop_oldest(end - self._capacity)
+                if x.size > self._capacity:
+                    x, pos = x[-self._capacity :], end - self._capacity
+            self._shift = shift
+            self._late_drops += late
+            if x.size == 0:
+                return
+            fresh = self._write(pos, x)
+            self._pushed += x.size
+            self._end = max(self._end, end)
+            self._next = end
+            if self.realtime and fresh:
+                self._observe_arrival(pos, end, now)
+
+    def read_frame(self) -> np.ndarray | None:
+        """The next 1920 samples for this tick, or None when not primed or underrun (the engine feeds silence)."""
+        with self._lock:
+            if self._read is None:
+                return None
+            level = self._end - self._read
+            drops: list[int] = []
+            if self.realtime:
+                target = self._target()
+                if not self._primed:
+                    if level < target:
+                        self._underruns += self._ever_primed
+                        return None
+                    self._primed = self._ever_primed = True
+                elif level < self._frame:
+                    self._underrun()
+                    return None
+                data, have = self._plan_drops(level, target, drops)
+            else:
+                if level < self._frame:
+                    return None
+                data, have = self._copy(self._read, self._frame)
+            span = self._frame + len(drops) * self._window
+            keep = np.ones(span, dtype=bool)
+            for i in drops:
+                keep[i * self._window : (i + 1) * self._window] = False
+            self._release(self._read, span)
+            self._read += span
+            self._dropped += span - self._frame
+            self._concealed += int(np.count_nonzero(~have[:span] & keep))
+            self._frames_out += 1
+        return self._splice(data[:span], drops)
+
+    def frames_ready(self) -> int:
+        """Whole frames `read_frame` would hand out now, without waiting for more audio."""
+        with self._lock:
+            if self._read is None:
+                return 0
+            level = self._end - self._read
+            if self.realtime and not self._primed and level < self._target():
+                return 0
+            return level // self._frame
+
+    def clear(self) -> None:
+        """Forget all buffered audio and the timeline; the next push starts a new one. Counters are kept."""
+        with self._lock:
+            self._data[:] = 0.0
+            self._have[:] = False
+            self._read = None
+            self._end = self._next = self._shift = 0
+            self._primed = self._ever_primed = False
+            self._levels.clear()
+            self._base = None
+
+    def stats(self) -> JitterStats:
+        with self._lock:
+            ms = 1000.0 / self.config.sample_rate
+            depth = 0 if self._read is None else self._end - self._read
+            return JitterStats(
+                depth_ms=depth * ms,
+                target_ms=self._target() * ms,
+                jitter_ms=self._jitter_ms(),
+                underruns=self._underruns,
+                late_drops=self._late_drops,
+                overrun_drops_ms=self._dropped * ms,
+                concealed_ms=self._concealed * ms,
+                frames_out=self._frames_out,
+                pushed_ms=self._pushed * ms,
+            )
+
+    # -- timing (caller holds the lock) --
+
+    def _observe_arrival(self, start: int, end: int, now: float) -> None:
+        rate = self.config.sample_rate
+        transit_end = now - end / rate
+        if self._base is None:
+            self._base = transit_end
+        else:
+            creep = self.config.drift_tolerance * max(0.0, now - self._last_arrival)
+            self._base = min(transit_end, self._base + creep)
+        self._last_arrival = now
+        delay = now - start / rate - self._base
+        if delay * 1000.0 >= self.config.hard_cap_ms:
+            # A pause in an append stream or a pts jump, not network jitter: re-anchor the timing.
+            self._base = transit_end
+            return
+        weight = (end - start) / (0.02 * rate)
+        self._hist *= self._forget**weight
+        self._hist[int(delay * 1000.0 / _BIN_MS)] += weight
+        self._observed_s += (end - start) / rate
+
+    def _jitter_ms(self) -> float:
+        total = self._hist.sum()
+        if total <= 0.0:
+            return self.config.prime_margin_ms
+        cdf = np.cumsum(self._hist)
+        measured = (int(np.searchsorted(cdf, self.config.jitter_quantile * total)) + 1) * _BIN_MS
+        # Trust a low measurement only after a second of arrivals; start with the priming margin.
+        return measured if self._observed_s >= 1.0 else max(measured, self.config.prime_margin_ms)
+
+    def _target(self) -> int:
+        cfg = self.config
+        margin = min(max(self._jitter_ms() + self._boost_ms, cfg.min_margin_ms), cfg.max_margin_ms)
+        return self._frame + round(margin * cfg.sample_rate / 1000.0)
+
+    def _underrun(self) -> None:
+        self._underruns += 1
+        self._primed = False
+        self._boost_ms = min(self._boost_ms + self.config.underrun_step_ms, self.config.max_margin_ms)
+        self._reads_since_underrun = 0
+        self._levels.clear()
+
+    # -- overrun (caller holds the lock) --
+
+    def _plan_drops(self, level: int, target: int, drops: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Pick the 10 ms windows (indices into the span read now) to cut; returns the span's data and mask."""
+        self._reads_since_underrun += 1
+        if self._reads_since_underrun >= self._quiet_reads and self._boost_ms > 0.0:
+            self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)
+            self._reads_since_underrun = 0
+        self._levels.append(level + self._dropped)
+        hard = level > target + self._headroom
+        if hard:
+            budget = level - target
+        elif len(self._levels) == self._levels.maxlen:
+            budget = min(min(self._levels) - self._dropped - target, self._soft_drop)
+        else:
+            budget = 0
+        n = max(0, budget // self._window)
+        data, have = self._copy(self._read, self._frame + n * self._window)
+        if n == 0:
+            return data, have
+        # Window i covers [i*W, (i+1)*W) plus the crossfade region just before it (blocks 2i-1..2i+1 of
+        # W/2 samples); window 0 is never cut, its crossfade region was already played.
+        blocks = np.square(data, dtype=np.float64).reshape(-1, self._fade).sum(axis=1)
+        energy = blocks[1:-2:2] + blocks[2:-1:2] + blocks[3::2]
+        if hard:
+            drops.extend(sorted(int(i) + 1 for i in np.argsort(energy, kind="stable")[:n]))
+        else:
+            # Gently, cut only silence the client actually sent: concealed gaps keep the timeline.
+            present = have.reshape(-1, self._fade).all(axis=1)
+            whole = present[1:-2:2] & present[2:-1:2] & present[3::2]
+            for i in np.flatnonzero((energy < self._silence_energy) & whole) + 1:
+                if len(drops) == n or i > self._frame // self._window + len(drops):
+                    break
+                drops.append(int(i))
+        return data, have
+
+    def _drop_oldest(self, new_read: int) -> None:
+        assert self._read is not None
+        self._dropped += max(0, min(new_read, self._end) - self._read)
+        self._release(self._read, min(new_read - self._read, self._capacity))
+        self._read = new_read
+        self._next = max(self._next, new_read)
+
+    # -- ring storage (caller holds the lock) --
+
+    def _slices(self, pos: int, n: int) -> list[tuple[slice, slice]]:
+        i = pos % self._capacity
+        first = min(n, self._capacity - i)
+        parts = [(slice(i, i + first), slice(0, first))]
+        if first < n:
+            parts.append((slice(0, n - first), slice(first, n)))
+        return parts
+
+    def _write(self, pos: int, x: np.ndarray) -> int:
+        fresh = 0
+        for ring, src in self._slices(pos, x.size):
+            empty = ~self._have[ring]
+            fresh += int(np.count_nonzero(empty))
+            np.copyto(self._data[ring], x[src], where=empty)
+            self._have[ring] = True
+        return fresh
+
+    def _copy(self, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        data = np.empty(n, dtype=np.float32)
+        have = np.empty(n, dtype=bool)
+        for ring, dst in self._slices(pos, n):
+            data[dst] = self._data[ring]
+            have[dst] = self._have[ring]
+        return data, have
+
+    def _release(self, pos: int, n: int) -> None:
+        for ring, _ in self._slices(pos, n):
+            self._data[ring] = 0.0
+            self._have[ring] = False
+
+    def _splice(self, data: np.ndarray, drops: list[int]) -> np.ndarray:
+        """Cut the given windows out of `data`, crossfading across each cut."""
+        if not drops:
+            return data
+        w, f = self._window, self._fade
+        pieces = []
+        kept_from = 0
+        run_start = drops[0]
+        for k, i in enumerate(drops):
+            if k + 1 < len(drops) and drops[k + 1] == i + 1:
+                continue  # adjacent windows form one cut
+            a, b = run_start * w, (i + 1) * w
+            head = data[kept_from:a].copy()
+            head[-f:] = head[-f:] * self._fade_out + data[b - f : b] * self._fade_in
+            pieces.append(head)
+            kept_from = b
+            if k + 1 < len(drops):
+                run_start = drops[k + 1]
+        pieces.append(data[kept_from:])
+        return np.concatenate(pieces)

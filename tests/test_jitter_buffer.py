@@ -1,0 +1,358 @@
+"""JitterBuffer under synthetic, deterministic arrival schedules (arrival times are passed as `now`)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from media.jitter import FRAME, BufferFull, JitterBuffer, JitterConfig, JitterStats
+
+RATE = 24000
+PACKET = 480  # 20 ms
+TICK = 0.08
+PHASE = 0.013  # engine ticks are not aligned with packet arrivals
+
+
+def noise(n: int, seed: int = 0) -> np.ndarray:
+    """Continuous non-silent audio: no window of it counts as silence."""
+    return (np.random.default_rng(seed).standard_normal(n) * 0.1).astype(np.float32)
+
+
+def speechlike(n: int, seed: int = 0) -> np.ndarray:
+    """300 ms noise bursts separated by 200 ms of exact digital silence."""
+    x = noise(n, seed)
+    x[np.arange(n) % 12000 >= 7200] = 0.0
+    return x
+
+
+@dataclass
+class Run:
+    buffer: JitterBuffer
+    frames: list[np.ndarray | None] = field(default_factory=list)
+    stats: list[JitterStats] = field(default_factory=list)
+
+    @property
+    def output(self) -> np.ndarray:
+        return np.concatenate([f for f in self.frames if f is not None])
+
+
+def simulate(
+    signal: np.ndarray,
+    arrivals: list[tuple[float, int]],
+    until: float,
+    buffer: JitterBuffer | None = None,
+    start: float = 0.0,
+) -> Run:
+    """Between `start` and `until`: push packet `pts` (PACKET samples of `signal`) at each arrival time and
+    read a frame on every 80 ms engine tick."""
+    run = Run(buffer or JitterBuffer())
+    events = [(t, 0, pts) for t, pts in arrivals if start <= t < until]
+    events += [(PHASE + k * TICK, 1, 0) for k in range(int((until - PHASE) / TICK) + 1) if PHASE + k * TICK >= start]
+    for t, kind, pts in sorted(events):
+        if kind == 0:
+            run.buffer.push(pts, signal[pts : pts + PACKET], now=t)
+        else:
+            run.frames.append(run.buffer.read_frame())
+            run.stats.append(run.buffer.stats())
+    return run
+
+
+def steady(n_packets: int, period: float = 0.02, delay: float = 0.001) -> list[tuple[float, int]]:
+    return [(period * (i + 1) + delay, PACKET * i) for i in range(n_packets)]
+
+
+def nonsilent(x: np.ndarray) -> np.ndarray:
+    return x[x != 0.0]
+
+
+def test_clean_arrivals_are_bit_exact_and_primed_once() -> None:
+    sig = noise(RATE * 10)
+    run = simulate(sig, steady(len(sig) // PACKET), 10.01)
+    s = run.buffer.stats()
+    first = next(i for i, f in enumerate(run.frames) if f is not None)
+    assert first <= 2  # primed within ~120 ms of audio
+    assert all(f is not None and f.dtype == np.float32 and f.shape == (FRAME,) for f in run.frames[first:])
+    out = run.output
+    np.testing.assert_array_equal(out, sig[: out.size])
+    assert (s.underruns, s.late_drops, s.concealed_ms, s.overrun_drops_ms) == (0, 0, 0.0, 0.0)
+    assert s.pushed_ms == pytest.approx(10000.0)
+    assert s.target_ms == pytest.approx(80 + 22)  # one frame + one 20 ms packet (+ one 2 ms histogram bin)
+    assert max(st.depth_ms for st in run.stats[first:]) <= 100  # bounded latency, no creep
+
+
+def test_loss_bursts_are_concealed_without_shortening_the_timeline() -> None:
+    sig = noise(RATE * 12, seed=1)
+    lost = {100, 200, 201, 202, 300, 301, 302, 303, 304, 450}  # 1, 3, 5 and 1 consecutive 20 ms packets
+    arrivals = [a for i, a in enumerate(steady(len(sig) // PACKET)) if i not in lost]
+    run = simulate(sig, arrivals, 11.0)
+    s = run.buffer.stats()
+    expected = sig.copy()
+    for i in lost:
+        expected[i * PACKET : (i + 1) * PACKET] = 0.0
+    out = run.output
+    np.testing.assert_array_equal(out, expected[: out.size])  # every surviving sample in its place
+    assert s.concealed_ms == pytest.approx(len(lost) * 20.0)
+    assert (s.underruns, s.late_drops, s.overrun_drops_ms) == (0, 0, 0.0)
+    # the whole input timeline is accounted for: read out or still buffered
+    assert out.size + round(s.depth_ms * RATE / 1000) == max(pts for t, pts in arrivals if t < 11.0) + PACKET
+
+
+def test_reordered_packets_land_in_place() -> None:
+    sig = noise(RATE * 6, seed=2)
+    arrivals = steady(len(sig) // PACKET)
+    rng = np.random.default_rng(7)
+    times = [t for t, _ in arrivals]
+    for i in range(10, len(times) - 3, 7):  # swap neighbours, or move one packet 2-3 slots later
+        j = i + int(rng.integers(1, 4))
+        times[i], times[j] = times[j], times[i]
+    run = simulate(sig, [(t, pts) for t, (_, pts) in zip(times, arrivals)], 6.0)
+    s = run.buffer.stats()
+    out = run.output
+    np.testing.assert_array_equal(out, sig[: out.size])
+    assert (s.late_drops, s.concealed_ms, s.underruns) == (0, 0.0, 0)
+
+
+def test_packet_older_than_read_position_is_dropped_and_counted() -> None:
+    sig = noise(RATE * 3, seed=3)
+    arrivals = steady(len(sig) // PACKET)
+    arrivals[50] = (arrivals[50][0] + 1.0, arrivals[50][1])  # arrives a second late: its slot was read already
+    run = simulate(sig, arrivals, 2.9)
+    s = run.buffer.stats()
+    assert s.late_drops == 1
+    assert s.concealed_ms == pytest.approx(20.0)
+    expected = sig.copy()
+    expected[50 * PACKET : 51 * PACKET] = 0.0
+    np.testing.assert_array_equal(run.output, expected[: run.output.size])
+
+
+def test_duplicates_are_ignored() -> None:
+    jb = JitterBuffer(realtime=False)
+    a, b = noise(FRAME, seed=4), noise(FRAME, seed=5)
+    jb.push(0, a[:1000], now=0.0)
+    jb.push(0, b[:1000], now=0.01)  # exact duplicate position: first copy wins
+    jb.push(500, b[500:1500], now=0.02)  # half overlap: only the new half is taken
+    jb.push(1500, a[1500:], now=0.03)
+    np.testing.assert_array_equal(jb.read_frame(), np.concatenate([a[:1000], b[1000:1500], a[1500:]]))
+    assert jb.stats().late_drops == 0
+
+
+def test_stall_then_burst_recovers_latency_by_dropping_silence() -> None:
+    sig = speechlike(RATE * 10, seed=6)
+    arrivals = [(max(t, 5.2) if 5.0 <= t < 5.2 else t, pts) for t, pts in steady(len(sig) // PACKET)]
+    run = simulate(sig, arrivals, 9.95)
+    s = run.buffer.stats()
+    stall_read = int((5.0 - PHASE) / TICK)
+    assert s.underruns >= 1 and run.frames[stall_read + 1] is None  # the stall is an underrun, not a stall
+    burst = next(i for i in range(stall_read, len(run.frames)) if run.frames[i] is not None and i > stall_read + 1)
+    assert run.stats[burst].depth_ms > 150  # the burst left a backlog ...
+    recovered = [i for i in range(burst, len(run.stats)) if run.stats[i].depth_ms + 80 <= run.stats[i].target_ms + 20]
+    assert recovered and recovered[0] - burst <= 10  # ... drained within a few frames
+    assert all(st.depth_ms + 80 <= st.target_ms + 160 for st in run.stats[burst:])
+    assert s.overrun_drops_ms >= 80
+    # only silence was cut: every non-silent sample came out, in order; nothing was concealed or late
+    consumed = run.output.size + round(s.overrun_drops_ms * RATE / 1000)
+    np.testing.assert_array_equal(nonsilent(run.output), nonsilent(sig[:consumed]))
+    assert (s.concealed_ms, s.late_drops) == (0.0, 0)
+
+
+@pytest.mark.parametrize("drift", [0.01, -0.01])
+def test_clock_drift_keeps_depth_bounded(drift: float) -> None:
+    seconds = 60.0
+    sig = speechlike(int(RATE * seconds * 1.02), seed=7)
+    period = 0.02 / (1 + drift)  # the sender's clock runs 1 % fast or slow against ours
+    arrivals = steady(int(seconds / period) - 1, period=period)
+    run = simulate(sig, arrivals, seconds)
+    s = run.buffer.stats()
+    assert max(st.depth_ms for st in run.stats) <= 200
+    assert max(st.depth_ms for st in run.stats[-125:]) <= 120  # no creep by the end
+    consumed = run.output.size + round(s.overrun_drops_ms * RATE / 1000)
+    np.testing.assert_array_equal(nonsilent(run.output), nonsilent(sig[:consumed]))
+    assert (s.concealed_ms, s.late_drops) == (0.0, 0)
+    if drift > 0:  # 600 ms too much audio per minute: silence is dropped, never an underrun
+        assert s.underruns == 0
+        assert 550 <= s.overrun_drops_ms <= 750
+    else:  # 600 ms too little: a few underruns (each feeds the engine one 80 ms silent frame)
+        assert 1 <= s.underruns <= 20
+
+
+def test_target_rises_fast_with_jitter_and_decays_slowly() -> None:
+    sig = noise(RATE * 40, seed=8)
+    rng = np.random.default_rng(9)
+    n = len(sig) // PACKET
+    delays = np.where(np.arange(n) < 250, rng.uniform(0.0, 0.06, n), 0.001)  # 5 s of 0-60 ms jitter, then calm
+    run = simulate(sig, [(0.02 * (i + 1) + delays[i], PACKET * i) for i in range(n)], 39.0)
+    targets = [st.target_ms for st in run.stats]
+    at = lambda seconds: targets[int((seconds - PHASE) / TICK)]
+    assert at(1.5) >= 130  # risen within the first second and a half
+    assert at(6.0) >= 130  # still high just after the jitter stopped ...
+    assert at(38.0) <= 105  # ... back down after the calm
+    assert run.buffer.stats().jitter_ms <= 25
+
+
+def test_underrun_raises_the_margin_and_it_decays() -> None:
+    sig = noise(RATE * 20, seed=10)
+    arrivals = steady(len(sig) // PACKET)
+    run = simulate(sig, arrivals, 3.0)
+    before = run.buffer.stats()
+    frames = 0
+    while run.buffer.read_frame() is not None:  # the sender goes quiet: the buffer runs dry
+        frames += 1
+    assert frames <= 2
+    after = run.buffer.stats()
+    assert after.underruns == before.underruns + 1
+    assert after.target_ms == pytest.approx(before.target_ms + 20)
+    resumed = simulate(sig, arrivals, 19.0, buffer=run.buffer, start=3.0)
+    targets = [st.target_ms for st in resumed.stats]
+    assert targets[0] == pytest.approx(before.target_ms + 20)
+    assert targets[-1] == pytest.approx(before.target_ms)  # the extra margin went after a quiet spell
+    refill = [f is None for f in resumed.frames]
+    assert 1 <= sum(refill) <= 2 and not any(refill[2:])  # re-priming ticks only, each counted
+    assert run.buffer.stats().underruns == after.underruns + sum(refill)
+
+
+def test_short_pts_jump_gap_is_cut_first() -> None:
+    sig = speechlike(RATE * 4, seed=11)
+    jump = round(0.3 * RATE)  # a 300 ms hole in the sender's timeline: fits in the buffer
+    arrivals = steady(100) + [(2.02 + 0.02 * i, PACKET * (100 + i) + jump) for i in range(50)]
+    shifted = np.concatenate([sig[: 100 * PACKET], np.zeros(jump, np.float32), sig[100 * PACKET :]])
+    run = simulate(shifted, arrivals, 3.0)
+    s = run.buffer.stats()
+    assert all(st.depth_ms + 80 <= st.target_ms + 160 for st in run.stats if st.frames_out)
+    assert run.stats[-1].depth_ms + 80 <= run.stats[-1].target_ms + 20
+    assert s.overrun_drops_ms >= 300  # the hole went, not played as 300 ms of concealment
+    consumed = run.output.size + round(s.overrun_drops_ms * RATE / 1000)
+    lost_speech = nonsilent(shifted[:consumed]).size - nonsilent(run.output).size
+    assert lost_speech <= 2 * RATE // 100  # at most two 10 ms windows besides the hole
+
+
+def test_long_pts_jump_is_spliced_out() -> None:
+    sig = noise(RATE * 4, seed=12)
+    jump = 2 * RATE  # two seconds of nothing, e.g. a muted sender: longer than the buffer can hold
+    arrivals = steady(100) + [(4.02 + 0.02 * i, PACKET * (100 + i) + jump) for i in range(50)]
+    shifted = np.concatenate([sig[: 100 * PACKET], np.zeros(jump, np.float32), sig[100 * PACKET :]])
+    run = simulate(shifted, arrivals, 5.0)
+    s = run.buffer.stats()
+    np.testing.assert_array_equal(run.output, sig[: run.output.size])  # nothing lost on either side
+    assert (s.overrun_drops_ms, s.late_drops, s.concealed_ms) == (0.0, 0, 0.0)
+    assert s.underruns >= 1  # the silence while muted was fed by the engine, counted
+
+
+def test_engine_stall_is_capped_then_cut_back() -> None:
+    jb = JitterBuffer()
+    sig = noise(RATE * 2, seed=19)
+    for i in range(40):  # 800 ms arrive while the engine reads nothing
+        jb.push(None, sig[i * PACKET : (i + 1) * PACKET], now=0.02 * (i + 1))
+    s = jb.stats()
+    assert s.depth_ms == pytest.approx(500.0)
+    assert s.overrun_drops_ms == pytest.approx(300.0)
+    frame = jb.read_frame()
+    assert frame is not None
+    after = jb.stats()
+    assert after.depth_ms + 80 == pytest.approx(after.target_ms, abs=10)
+    assert after.overrun_drops_ms > s.overrun_drops_ms
+
+
+def test_append_stream_without_pts() -> None:
+    sig = noise(RATE * 3, seed=13)
+    jb = JitterBuffer()
+    sizes = np.random.default_rng(14).integers(1, 900, 400)
+    pos, t, frames = 0, 0.0, []
+    for n in sizes:
+        if pos >= sig.size:
+            break
+        jb.push(None, sig[pos : pos + n], now=t)
+        pos += n
+        t += n / RATE
+        while t >= PHASE + TICK * len(frames):
+            frames.append(jb.read_frame())
+    out = np.concatenate([f for f in frames if f is not None])
+    np.testing.assert_array_equal(out, sig[: out.size])
+    assert jb.stats().concealed_ms == 0.0
+
+
+def test_input_clocked_reads_when_complete_and_pushes_back() -> None:
+    jb = JitterBuffer(realtime=False, config=JitterConfig(backlog_s=0.4))
+    sig = noise(RATE, seed=15)
+    jb.push(None, sig[:1000])
+    assert jb.frames_ready() == 0 and jb.read_frame() is None
+    jb.push(None, sig[1000:FRAME])
+    assert jb.frames_ready() == 1  # no priming wait
+    np.testing.assert_array_equal(jb.read_frame(), sig[:FRAME])
+    jb.push(None, sig[FRAME : FRAME + 9000])
+    with pytest.raises(BufferFull, match="400 ms"):
+        jb.push(None, sig[FRAME + 9000 : FRAME + 9700])  # 9000 + 700 > 9600 samples
+    assert jb.stats().pushed_ms == pytest.approx((FRAME + 9000) / 24)  # the refused push stored nothing
+    jb.push(None, sig[FRAME + 9000 : FRAME + 9600])  # exactly at the bound is fine
+    assert jb.frames_ready() == 5
+    out = np.concatenate([jb.read_frame() for _ in range(5)])
+    np.testing.assert_array_equal(out, sig[FRAME : 6 * FRAME])
+    assert jb.read_frame() is None
+    s = jb.stats()
+    assert (s.underruns, s.overrun_drops_ms) == (0, 0.0)
+
+
+def test_threads_lose_nothing_in_input_clocked_mode() -> None:
+    jb = JitterBuffer(realtime=False, config=JitterConfig(backlog_s=0.2))
+    sig = noise(RATE * 20, seed=16)
+    sig = sig[: sig.size - sig.size % FRAME]
+    sizes = np.random.default_rng(17).integers(1, 2000, sig.size)
+    refused = 0
+
+    def writer() -> None:
+        nonlocal refused
+        pos, k = 0, 0
+        while pos < sig.size:
+            chunk = sig[pos : pos + sizes[k]]
+            try:
+                jb.push(None, chunk)
+            except BufferFull:
+                refused += 1
+                continue
+            pos += chunk.size
+            k += 1
+
+    out: list[np.ndarray] = []
+
+    def reader() -> None:
+        while len(out) * FRAME < sig.size:
+            frame = jb.read_frame()
+            if frame is not None:
+                out.append(frame)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads)
+    np.testing.assert_array_equal(np.concatenate(out), sig)
+    assert refused > 0  # the bound was exercised
+
+
+def test_clear_starts_a_new_timeline() -> None:
+    jb = JitterBuffer(realtime=False)
+    sig = noise(4 * FRAME, seed=18)
+    jb.push(5000, sig[:1000])
+    jb.clear()
+    assert jb.frames_ready() == 0 and jb.stats().depth_ms == 0.0
+    jb.push(123_456, sig[:FRAME])  # any pts: the first push after clear anchors the timeline
+    np.testing.assert_array_equal(jb.read_frame(), sig[:FRAME])
+
+
+@pytest.mark.parametrize(
+    "samples, pts",
+    [
+        (np.zeros((2, 10), np.float32), None),
+        (np.array([0.0, np.nan], np.float32), None),
+        (np.zeros(10, np.float32), 1.5),
+        (np.zeros(10, np.float32), True),
+    ],
+)
+def test_bad_input_is_refused_and_stores_nothing(samples: np.ndarray, pts: object) -> None:
+    jb = JitterBuffer(realtime=False)
+    with pytest.raises(ValueError):
+        jb.push(pts, samples)  # type: ignore[arg-type]
+    assert jb.stats().pushed_ms == 0.0
