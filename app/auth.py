@@ -1,0 +1,71 @@
+"""API-key and Origin checks, made on the HTTP request before any upgrade or slot.
+
+A key is accepted from `Authorization: Bearer <key>`, `?api_key=<key>`, or the WebSocket subprotocol
+`openai-insecure-api-key.<key>` that browser Realtime clients send (browsers cannot set headers on a WebSocket).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from aiohttp import web
+
+from app.errors import http_error_body
+
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+
+
+def offered_subprotocols(request: web.Request) -> list[str]:
+    raw = request.headers.get("Sec-WebSocket-Protocol", "")
+    return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+def presented_key(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    if "api_key" in request.query:
+        return request.query["api_key"]
+    for proto in offered_subprotocols(request):
+        if proto.startswith(KEY_SUBPROTOCOL):
+            return proto[len(KEY_SUBPROTOCOL):]
+    return None
+
+
+def key_ok(request: web.Request, keys: tuple[str, ...]) -> bool:
+    if not keys:
+        return True
+    key = presented_key(request)
+    if key is None:
+        return False
+    return any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+
+
+def origin_ok(request: web.Request, allowed: tuple[str, ...]) -> bool:
+    """No list, or no Origin header (not a browser): allowed. Else the Origin must be listed (or the list has '*')."""
+    origin = request.headers.get("Origin")
+    return not allowed or origin is None or "*" in allowed or origin in allowed
+
+
+def refusal(request: web.Request, keys: tuple[str, ...], allowed: tuple[str, ...]) -> web.Response | None:
+    """The HTTP refusal for this request, or None when it may go on."""
+    if not origin_ok(request, allowed):
+        body = http_error_body("origin_not_allowed", f"Origin {request.headers.get('Origin')!r} is not allowed")
+        return web.Response(status=403, text=json.dumps(body), content_type="application/json")
+    if not key_ok(request, keys):
+        body = http_error_body("unauthorized", "a valid API key is required (Authorization: Bearer, ?api_key=, "
+                                               f"or the {KEY_SUBPROTOCOL}<key> subprotocol)")
+        return web.Response(status=401, text=json.dumps(body), content_type="application/json",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+def response_subprotocols(request: web.Request) -> tuple[str, ...]:
+    """What the server may answer in `Sec-WebSocket-Protocol`: browsers fail a socket whose offer gets no answer,
+    so prefer `realtime`, else any offered name that is not a key."""
+    offered = offered_subprotocols(request)
+    if "realtime" in offered:
+        return ("realtime",)
+    return tuple(p for p in offered if not p.startswith(KEY_SUBPROTOCOL))[:1]

@@ -1,0 +1,97 @@
+"""The error vocabulary every dialect shares: codes, their OpenAI error types, and the `error` event envelope.
+
+`{"type": "error", "event_id": "event_…", "error": {"type", "code", "message", "param"?, "event_id"?}}`, where
+`error.event_id` echoes the client event that caused it. `docs/protocol.md` prints `CODES` as its table.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+INVALID = "invalid_request_error"
+RATE = "rate_limit_error"
+SERVER = "server_error"
+
+
+@dataclass(frozen=True)
+class ErrorCode:
+    code: str
+    type: str
+    meaning: str
+
+
+CODES: dict[str, ErrorCode] = {
+    c.code: c
+    for c in (
+        ErrorCode("invalid_json", INVALID, "A text frame is not a JSON object."),
+        ErrorCode("bad_event", INVALID, "A required field is missing or has the wrong type."),
+        ErrorCode("unknown_event", INVALID, "The event `type` is not part of this dialect."),
+        ErrorCode("unsupported_event", INVALID, "An OpenAI event that does not apply to a model-native duplex model."),
+        ErrorCode("event_too_large", INVALID, "A message is over the size bound; the socket closes with 1009."),
+        ErrorCode("binary_unsupported", INVALID, "A binary frame on a dialect that takes JSON only."),
+        ErrorCode("config_timeout", INVALID, "No first message within the first-message timeout; the socket closes."),
+        ErrorCode("invalid_session_config", INVALID,
+                  "A session field has a bad value (sampling, modalities, pacing…)."),
+        ErrorCode("invalid_voice", INVALID, "The voice is not a bundled voice or a file in the voices folder."),
+        ErrorCode("unsupported_audio_format", INVALID, "An unknown audio format, or a rate outside 8000–48000 Hz."),
+        ErrorCode("bad_audio", INVALID, "Bad base64, a byte count that is not whole samples, or non-finite samples."),
+        ErrorCode("voice_update_unsupported", INVALID, "The voice cannot change once the conversation started."),
+        ErrorCode("persona_update_unsupported", INVALID,
+                  "The instructions cannot change once the conversation started."),
+        ErrorCode("session_config_locked", INVALID, "Sampling and pacing cannot change once the conversation started."),
+        ErrorCode("invalid_duplex_runtime_config", INVALID, "`extra_body` names a key the server owns."),
+        ErrorCode("unsupported_turn_detection", INVALID, "`turn_detection` must be null: turns are model-native."),
+        ErrorCode("native_text_append_unsupported", INVALID, "Text input is not supported: the model listens only."),
+        ErrorCode("response_not_active", INVALID,
+                  "No response to cancel, or a `response_id` that is not the open one."),
+        ErrorCode("response_create_without_input", INVALID, "`response.create` before any audio: send audio instead."),
+        ErrorCode("conversation_already_has_active_response", INVALID,
+                  "`response.create` while the model's one response is open: the model answers by itself."),
+        ErrorCode("unsupported_session_resume", INVALID, "Sessions cannot be resumed."),
+        ErrorCode("session_not_created", INVALID, "An event that needs a session before `session.create`."),
+        ErrorCode("session_already_created", INVALID, "A second `session.create` on one socket."),
+        ErrorCode("resource_exhausted", RATE, "Every conversation slot is taken; the socket closes with 1013."),
+        ErrorCode("input_backpressure", RATE, "Audio arrives faster than it is consumed; the append was dropped."),
+        ErrorCode("rate_limited", RATE, "Too many events per second; the event was dropped (sustained: close 1008)."),
+        ErrorCode("output_backpressure", RATE, "The client does not read its output; the socket closes with 1008."),
+        ErrorCode("unauthorized", INVALID, "Missing or wrong API key (HTTP 401 before the upgrade)."),
+        ErrorCode("origin_not_allowed", INVALID,
+                  "The Origin is not in the allowed list (HTTP 403 before the upgrade)."),
+        ErrorCode("runtime_failed", SERVER, "The engine failed this conversation; the socket closes with 1011."),
+        ErrorCode("engine_stopped", SERVER, "The engine stopped under the conversation."),
+        ErrorCode("internal_error", SERVER, "A server bug; the message says what failed."),
+    )
+}
+
+
+class ProtocolError(Exception):
+    """A client-visible error: raised anywhere in a dialect, turned into one `error` event by the socket loop."""
+
+    def __init__(self, code: str, message: str, *, param: str | None = None) -> None:
+        if code not in CODES:
+            raise ValueError(f"unregistered error code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def new_event_id() -> str:
+    return f"event_{uuid.uuid4().hex[:20]}"
+
+
+def error_event(code: str, message: str, *, param: str | None = None, event_id: str | None = None) -> dict[str, Any]:
+    """The shared `error` envelope; `event_id` is the client event being answered, if it named one."""
+    body: dict[str, Any] = {"type": CODES[code].type, "code": code, "message": message}
+    if param is not None:
+        body["param"] = param
+    if event_id is not None:
+        body["event_id"] = event_id
+    return {"type": "error", "event_id": new_event_id(), "error": body}
+
+
+def http_error_body(code: str, message: str) -> dict[str, Any]:
+    """The JSON body of an HTTP refusal (401, 403, 429, 503): the `error` object without the event wrapper."""
+    return {"error": {"type": CODES[code].type, "code": code, "message": message}}

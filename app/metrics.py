@@ -1,0 +1,119 @@
+"""Server counters and their Prometheus text exposition (format 0.0.4), written by hand.
+
+The app counts admissions, rejections, errors and connections; the engine's `EngineStats` gives ticks and the tick
+histogram; frame and underrun totals are closed conversations' counts plus the live ones' current counts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class CountedConversation(Protocol):
+    def counters(self) -> dict[str, int]: ...   # frames_in, frames_out, underruns
+
+
+@dataclass(frozen=True)
+class _Family:
+    name: str
+    kind: str
+    help: str
+
+
+def _label_text(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+def _num(v: float) -> str:
+    if v == float("inf"):
+        return "+Inf"
+    return repr(float(v)) if isinstance(v, float) and not float(v).is_integer() else str(int(v))
+
+
+class Metrics:
+    """Counters kept on the event loop thread; `render()` reads the engine and live conversations."""
+
+    def __init__(self) -> None:
+        self.admissions: Counter[str] = Counter()                # route
+        self.rejections: Counter[tuple[str, str]] = Counter()    # (route, code)
+        self.errors: Counter[str] = Counter()                    # code sent to a client
+        self.connections: Counter[str] = Counter()               # route, open sockets now
+        self.closed_totals: Counter[str] = Counter()             # frames_in/frames_out/underruns of closed sessions
+        self.live: set[CountedConversation] = set()
+
+    def conversation_opened(self, conv: CountedConversation) -> None:
+        self.live.add(conv)
+
+    def conversation_closed(self, conv: CountedConversation) -> None:
+        if conv in self.live:
+            self.live.discard(conv)
+            self.closed_totals.update(conv.counters())
+
+    def frame_totals(self) -> Counter[str]:
+        totals = Counter(self.closed_totals)
+        for conv in self.live:
+            totals.update(conv.counters())
+        return totals
+
+    def render(self, engine_stats: Any | None) -> str:
+        out: list[str] = []
+
+        def family(name: str, kind: str, help_: str, samples: Iterable[tuple[str, dict[str, str], float]]) -> None:
+            rows = list(samples)
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            for suffix, labels, value in rows:
+                out.append(f"{name}{suffix}{_label_text(labels)} {_num(value)}")
+
+        family("personaplex_admissions_total", "counter", "Conversations admitted, by route.",
+               (("", {"route": r}, n) for r, n in sorted(self.admissions.items())))
+        family("personaplex_rejections_total", "counter", "Connections refused, by route and error code.",
+               (("", {"route": r, "code": c}, n) for (r, c), n in sorted(self.rejections.items())))
+        family("personaplex_errors_total", "counter", "Error events sent to clients, by code.",
+               (("", {"code": c}, n) for c, n in sorted(self.errors.items())))
+        family("personaplex_connections", "gauge", "Open WebSocket connections, by route.",
+               (("", {"route": r}, n) for r, n in sorted(self.connections.items())))
+        totals = self.frame_totals()
+        family("personaplex_frames_in_total", "counter", "80 ms input frames the engine consumed.",
+               [("", {}, totals["frames_in"])])
+        family("personaplex_frames_out_total", "counter", "80 ms output frames the engine produced.",
+               [("", {}, totals["frames_out"])])
+        family("personaplex_underruns_total", "counter", "Ticks where a conversation had no input and got silence.",
+               [("", {}, totals["underruns"])])
+        if engine_stats is not None:
+            self._render_engine(family, engine_stats)
+        return "\n".join(out) + "\n"
+
+    @staticmethod
+    def _render_engine(family: Any, s: Any) -> None:
+        family("personaplex_sessions_in_use", "gauge", "Conversation slots in use.", [("", {}, s.sessions_in_use)])
+        family("personaplex_sessions_max", "gauge", "Conversation slots in all.", [("", {}, s.max_sessions)])
+        family("personaplex_engine_ticks_total", "counter", "Engine ticks run.", [("", {}, s.ticks)])
+        family("personaplex_engine_late_ticks_total", "counter", "Ticks that overran their 80 ms budget.",
+               [("", {}, s.late_ticks)])
+        family("personaplex_engine_batch", "gauge", "Conversations stepped in the last tick.", [("", {}, s.batch)])
+        family("personaplex_engine_tick_last_ms", "gauge", "Duration of the last tick.", [("", {}, s.tick_ms)])
+        family("personaplex_engine_tick_quantile_ms", "gauge", "Tick duration quantiles over a recent window.",
+               [("", {"quantile": "0.5"}, s.tick_ms_p50), ("", {"quantile": "0.99"}, s.tick_ms_p99)])
+        family("personaplex_engine_part_ms", "gauge", "Duration of each part of the last tick.",
+               (("", {"part": p}, v) for p, v in sorted(s.parts_ms.items())))
+        buckets = list(s.tick_ms_buckets)
+        rows = [("_bucket", {"le": _num(le)}, n) for le, n in buckets]
+        count = buckets[-1][1] if buckets else 0
+        if not buckets or buckets[-1][0] != float("inf"):
+            rows.append(("_bucket", {"le": "+Inf"}, s.ticks))
+            count = s.ticks
+        total = getattr(s, "tick_ms_sum", None)
+        if total is not None:
+            rows.append(("_sum", {}, total))
+        rows.append(("_count", {}, count))
+        family("personaplex_engine_tick_ms", "histogram", "Engine tick duration in milliseconds.", rows)
+        family("personaplex_engine_errors_total", "counter", "Conversations the engine failed.",
+               [("", {}, s.errors)])

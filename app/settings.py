@@ -1,0 +1,110 @@
+"""Server settings: one dataclass, filled from command-line flags over `PERSONAPLEX_*` environment variables.
+
+Every flag has an environment twin (`--max-sessions` ↔ `PERSONAPLEX_MAX_SESSIONS`); a flag wins over its variable.
+`HF_TOKEN` is read by `huggingface_hub` itself; the server only checks whether one is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
+TINY_MODEL = "tiny"
+
+
+@dataclass
+class Settings:
+    model: str = DEFAULT_MODEL            # a checkpoint folder, a Hugging Face repo id, or "tiny"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"                  # "auto": cuda when available, else cpu
+    dtype: str = "auto"                   # "auto": bfloat16 on cuda, float32 on cpu
+    max_sessions: int = 4
+    queue_timeout_s: float = 0.0          # >0: a connection waits this long for a free slot before `resource_exhausted`
+    api_keys: tuple[str, ...] = ()        # empty: no auth
+    allowed_origins: tuple[str, ...] = () # empty: any Origin
+    voices_dir: Path | None = None        # extra voice files (.pt/.wav) clients may name
+    log_level: str = "INFO"
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "personaplex")
+    strict_model: bool = False            # True: a model that fails to load is fatal instead of falling back to tiny
+    max_message_bytes: int = 4 << 20      # one WebSocket message; larger closes with 1009
+    first_message_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0         # read-idle period that ends a session
+    max_events_per_s: float = 200.0       # flood bound per socket (token bucket, burst = 2 s worth)
+    max_realtime_backlog_s: float = 4.0   # realtime WebSocket sessions: audio queued ahead of the engine (latency)
+    max_input_backlog_s: float = 30.0     # input-paced sessions: audio queued ahead of the engine before backpressure
+    max_output_backlog_s: float = 20.0    # output queued for a client that does not read before the socket closes
+    shutdown_timeout_s: float = 5.0
+
+
+_ENV_PREFIX = "PERSONAPLEX_"
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Settings()
+    p = argparse.ArgumentParser(
+        prog="personaplex-server",
+        description="Full-duplex speech-to-speech server for PersonaPlex-7B (WebSocket Realtime, native, Twilio).",
+    )
+    p.add_argument("--model", help=f"checkpoint folder, HF repo id or 'tiny' (default {d.model})")
+    p.add_argument("--host", help=f"bind address (default {d.host})")
+    p.add_argument("--port", type=int, help=f"TCP port, 0 = any free port (default {d.port})")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default auto)")
+    p.add_argument("--dtype", help="float32, bfloat16, float16 or auto (default auto)")
+    p.add_argument("--max-sessions", type=int, help=f"concurrent conversations (default {d.max_sessions})")
+    p.add_argument("--queue-timeout-s", type=float, help="wait this long for a free slot (default 0: refuse at once)")
+    p.add_argument("--api-key", action="append", dest="api_keys", help="accepted API key (repeat; env: comma list)")
+    p.add_argument("--allowed-origin", action="append", dest="allowed_origins", help="allowed Origin (repeat)")
+    p.add_argument("--voices-dir", help="folder of extra voice prompts (.pt or .wav)")
+    p.add_argument("--log-level", help=f"DEBUG, INFO, WARNING… (default {d.log_level})")
+    p.add_argument("--cache-dir", help="where the built-in tiny model is written")
+    p.add_argument("--strict-model", action="store_true", default=None, help="fail instead of falling back to tiny")
+    p.add_argument("--max-message-bytes", type=int, help=f"largest WebSocket message (default {d.max_message_bytes})")
+    p.add_argument("--first-message-timeout-s", type=float)
+    p.add_argument("--idle-timeout-s", type=float)
+    p.add_argument("--max-events-per-s", type=float)
+    p.add_argument("--max-realtime-backlog-s", type=float)
+    p.add_argument("--max-input-backlog-s", type=float)
+    p.add_argument("--max-output-backlog-s", type=float)
+    p.add_argument("--shutdown-timeout-s", type=float)
+    return p
+
+
+def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Flags from `argv`, then `PERSONAPLEX_<FLAG>` from `env`, then the defaults."""
+    env = os.environ if env is None else env
+    args = vars(build_parser().parse_args(argv))
+    s = Settings()
+    for name, default in vars(Settings()).items():
+        value = args.get(name)
+        if value is None:
+            raw = env.get(_ENV_PREFIX + name.upper())
+            if raw is None or raw == "":
+                continue
+            value = raw
+        setattr(s, name, _coerce(name, value, default))
+    return s
+
+
+def _coerce(name: str, value: object, default: object) -> object:
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            return _csv(value)
+        return tuple(v for item in value for v in _csv(item))  # type: ignore[union-attr]
+    if name in ("voices_dir", "cache_dir"):
+        return Path(str(value)).expanduser()
+    if isinstance(default, bool):
+        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(value)  # type: ignore[arg-type]
+    if isinstance(default, float):
+        return float(value)  # type: ignore[arg-type]
+    return str(value)

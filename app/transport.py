@@ -1,0 +1,339 @@
+"""The WebSocket plumbing the three dialects share: auth before upgrade, admission, a bounded receive loop, one writer.
+
+`WsSession.handle()` runs a connection: refuse a bad key or Origin with HTTP 401/403 (no slot taken), upgrade,
+then read messages with a first-message timeout and a read-idle timeout, a size bound (close 1009), and a token
+bucket against floods (`rate_limited`, close 1008 when sustained). JSON text frames are parsed and handed to
+`on_event`; a `ProtocolError` raised there becomes one `error` event and the session goes on. Output goes through
+one queue and one writer task, so events keep their order; a client that stops reading is closed (1008) once
+`max_output_backlog_s` of audio is queued. A disconnect closes the conversation (frees the slot) at once.
+
+Close codes: 1000 normal, 1001 server shutdown, 1008 policy (flood, first-message timeout, unread output),
+1009 message too big, 1011 engine failure, 1013 no free slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import WSCloseCode, WSMsgType, web
+from model.engine import ResourceExhausted, Slot
+
+from app.auth import refusal, response_subprotocols
+from app.context import CONTEXT, ServerContext
+from app.conversation import Conversation
+from app.errors import ProtocolError, error_event, new_event_id
+
+logger = logging.getLogger(__name__)
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_LATER = 1013
+
+_AUDIO = object()   # marks queue items that count towards the output backlog
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class WsSession:
+    """Base of a dialect: subclasses set `route`/`type_key` and implement `on_open`, `on_event`, `on_binary`."""
+
+    route = ""
+    type_key = "type"
+    binary_ok = False
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.ctx: ServerContext = request.app[CONTEXT]
+        self.settings = self.ctx.settings
+        self.ws = web.WebSocketResponse(
+            # Twice the bound, so a message a little over it can be answered with `event_too_large` before the
+            # close; aiohttp itself closes (1009, no event) beyond that.
+            max_msg_size=2 * self.settings.max_message_bytes,
+            protocols=response_subprotocols(request),
+            autoping=True,
+            heartbeat=None,
+        )
+        self.conversation: Conversation | None = None
+        self.idle_timeout_s = self.settings.idle_timeout_s
+        self.closed = False
+        self._out: asyncio.Queue[tuple[object, str | bytes] | None] = asyncio.Queue()
+        self._audio_queued = 0
+        self._audio_bound = max(1, int(self.settings.max_output_backlog_s / 0.08))
+        self._writer: asyncio.Task[None] | None = None
+        self._bucket = TokenBucket(self.settings.max_events_per_s, 2 * self.settings.max_events_per_s)
+        self._dropped = 0
+        self._last_flood_error = 0.0
+
+    # ---- hooks -----------------------------------------------------------------------------------------------
+
+    async def on_open(self) -> None:
+        """After the upgrade (admission, greeting). Call `self.close(...)` to end the connection."""
+
+    async def on_event(self, event: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def on_binary(self, data: bytes) -> None:
+        raise ProtocolError("binary_unsupported", f"{self.route} takes JSON text frames only")
+
+    def closed_event(self, reason: str) -> dict[str, Any] | None:
+        """The event sent before the socket closes (`session.closed`), or None."""
+        return None
+
+    async def on_disconnect(self) -> None:
+        """The socket is gone; free what the dialect holds. The conversation itself is closed by the base."""
+
+    # ---- connection ------------------------------------------------------------------------------------------
+
+    async def handle(self) -> web.StreamResponse:
+        refused = refusal(self.request, self.settings.api_keys, self.settings.allowed_origins)
+        if refused is not None:
+            self.ctx.metrics.rejections[(self.route, "unauthorized" if refused.status == 401 else
+                                         "origin_not_allowed")] += 1
+            return refused
+        if not self.ctx.ready:
+            return web.json_response({"error": {"type": "server_error", "code": "engine_stopped",
+                                                "message": "the server is starting or shutting down"}}, status=503)
+        await self.ws.prepare(self.request)
+        self.ctx.sockets.add(self)
+        self.ctx.metrics.connections[self.route] += 1
+        self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+        try:
+            await self.on_open()
+            if not self.closed:
+                await self._read_loop()
+        except Exception as e:
+            logger.exception("%s: session failed", self.route)
+            if not self.closed:
+                await self.send_error(ProtocolError("internal_error", f"{type(e).__name__}: {e}"))
+                await self.close(CLOSE_INTERNAL, "internal_error")
+        finally:
+            self.ctx.sockets.discard(self)
+            self.ctx.metrics.connections[self.route] -= 1
+            if self.conversation is not None:
+                self.conversation.close()
+            with contextlib.suppress(Exception):
+                await self.on_disconnect()
+            await self._stop_writer()
+            if not self.ws.closed:
+                await self.ws.close()
+        return self.ws
+
+    async def _read_loop(self) -> None:
+        first = True
+        while not self.closed:
+            timeout = self.settings.first_message_timeout_s if first else self.idle_timeout_s
+            try:
+                msg = await self.ws.receive(timeout=timeout)
+            except asyncio.TimeoutError:
+                if first:
+                    await self.send_error(ProtocolError(
+                        "config_timeout", f"no message within {timeout:g} s of connecting"))
+                    await self.close(CLOSE_POLICY, "config_timeout")
+                else:
+                    await self.close(CLOSE_NORMAL, "idle_timeout")
+                return
+            if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                return
+            if msg.type is WSMsgType.ERROR:
+                await self._on_receive_error(msg.data)
+                return
+            first = False
+            if not self._admit_message():
+                continue
+            if len(msg.data) > self.settings.max_message_bytes:
+                await self.send_error(ProtocolError(
+                    "event_too_large", f"message of {len(msg.data)} bytes; the bound is "
+                    f"{self.settings.max_message_bytes} bytes"))
+                await self.close(CLOSE_TOO_BIG, "event_too_large")
+                return
+            if msg.type is WSMsgType.TEXT:
+                await self._dispatch_text(msg.data)
+            elif msg.type is WSMsgType.BINARY:
+                await self._guard(self.on_binary(msg.data), None)
+
+    async def _on_receive_error(self, exc: object) -> None:
+        code = getattr(exc, "code", None)
+        if code == WSCloseCode.MESSAGE_TOO_BIG:
+            self.ctx.metrics.errors["event_too_large"] += 1
+            await self.close(CLOSE_TOO_BIG, "event_too_large")
+        else:
+            await self.close(CLOSE_POLICY, "protocol_error")
+
+    def _admit_message(self) -> bool:
+        if self._bucket.take():
+            self._dropped = 0
+            return True
+        self._dropped += 1
+        now = time.monotonic()
+        if self._dropped > self._bucket.burst:
+            self.spawn(self._flood_close())
+        elif now - self._last_flood_error >= 1.0:
+            self._last_flood_error = now
+            self.send_error_nowait(ProtocolError(
+                "rate_limited", f"more than {self.settings.max_events_per_s:g} events per second; events dropped"))
+        return False
+
+    async def _flood_close(self) -> None:
+        if not self.closed:
+            await self.send_error(ProtocolError("rate_limited", "sustained flood of events; closing"))
+            await self.close(CLOSE_POLICY, "rate_limited")
+
+    async def _dispatch_text(self, text: str) -> None:
+        try:
+            event = json.loads(text)
+        except ValueError as e:
+            await self.send_error(ProtocolError("invalid_json", f"not JSON: {e}"))
+            return
+        if not isinstance(event, dict):
+            await self.send_error(ProtocolError("invalid_json", "an event must be a JSON object"))
+            return
+        event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+        if not isinstance(event.get(self.type_key), str):
+            await self.send_error(ProtocolError("bad_event", f"an event needs a string `{self.type_key}`",
+                                                param=self.type_key), event_id)
+            return
+        await self._guard(self.on_event(event), event_id)
+
+    async def _guard(self, work: Any, event_id: str | None) -> None:
+        try:
+            await work
+        except ProtocolError as e:
+            await self.send_error(e, event_id)
+
+    # ---- admission -------------------------------------------------------------------------------------------
+
+    async def reserve(self) -> Slot | None:
+        """A slot, or None after telling the client `resource_exhausted` and closing with 1013."""
+        engine = self.ctx.engine
+        assert engine is not None
+        try:
+            if self.settings.queue_timeout_s > 0:
+                slot = await engine.reserve_wait(self.settings.queue_timeout_s)
+            else:
+                slot = engine.reserve()
+        except ResourceExhausted:
+            self.ctx.metrics.rejections[(self.route, "resource_exhausted")] += 1
+            await self.send_error(ProtocolError(
+                "resource_exhausted", f"duplex_session_capacity_exhausted: limit={engine.max_sessions}"))
+            await self.close(CLOSE_TRY_LATER, "resource_exhausted", send_closed=False)
+            return None
+        self.ctx.metrics.admissions[self.route] += 1
+        return slot
+
+    # ---- output ----------------------------------------------------------------------------------------------
+
+    def send_nowait(self, event: dict[str, Any]) -> None:
+        """Queue one server event (an `event_id` is added); safe from loop callbacks."""
+        if self.closed:
+            return
+        if "event_id" not in event and self.type_key == "type":
+            event = {"type": event["type"], "event_id": new_event_id(), **event}
+        self._out.put_nowait((None, json.dumps(event, separators=(",", ":"))))
+
+    def send_audio_nowait(self, payload: dict[str, Any] | bytes) -> None:
+        """Queue one frame's audio (a JSON event or a binary frame); counts towards the unread-output bound."""
+        if self.closed:
+            return
+        if self._audio_queued >= self._audio_bound:
+            self.spawn(self._output_overflow())
+            return
+        self._audio_queued += 1
+        if isinstance(payload, bytes):
+            self._out.put_nowait((_AUDIO, payload))
+            return
+        if "event_id" not in payload and self.type_key == "type":
+            payload = {"type": payload["type"], "event_id": new_event_id(), **payload}
+        self._out.put_nowait((_AUDIO, json.dumps(payload, separators=(",", ":"))))
+
+    async def _output_overflow(self) -> None:
+        if self.closed:
+            return
+        self.ctx.metrics.errors["output_backpressure"] += 1
+        message = f"more than {self.settings.max_output_backlog_s:g} s of output unread; closing"
+        self._out.put_nowait((None, json.dumps(error_event("output_backpressure", message))))
+        await self.close(CLOSE_POLICY, "output_backpressure")
+
+    async def send(self, event: dict[str, Any]) -> None:
+        self.send_nowait(event)
+
+    def send_error_nowait(self, err: ProtocolError, event_id: str | None = None) -> None:
+        self.ctx.metrics.errors[err.code] += 1
+        self.send_nowait(error_event(err.code, err.message, param=err.param, event_id=event_id))
+
+    async def send_error(self, err: ProtocolError, event_id: str | None = None) -> None:
+        self.send_error_nowait(err, event_id)
+
+    async def _write_loop(self) -> None:
+        while True:
+            item = await self._out.get()
+            if item is None:
+                return
+            kind, data = item
+            if kind is _AUDIO:
+                self._audio_queued -= 1
+            try:
+                if isinstance(data, bytes):
+                    await self.ws.send_bytes(data)
+                else:
+                    await self.ws.send_str(data)
+            except (ConnectionError, RuntimeError):
+                return
+
+    async def _stop_writer(self) -> None:
+        """Flush what is queued, then end the writer."""
+        if self._writer is None:
+            return
+        self._out.put_nowait(None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._writer), timeout=2.0)
+        if not self._writer.done():
+            self._writer.cancel()
+        self._writer = None
+
+    # ---- closing ---------------------------------------------------------------------------------------------
+
+    async def close(self, code: int, reason: str, *, send_closed: bool = True) -> None:
+        """Say `session.closed` (if the dialect has one), flush, close the socket; frees the slot first."""
+        if self.closed:
+            return
+        if send_closed:
+            closed = self.closed_event(reason)
+            if closed is not None:
+                self.send_nowait(closed)
+        self.closed = True
+        if self.conversation is not None:
+            self.conversation.close()
+        await self._stop_writer()
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=code, message=reason.encode()[:120])
+
+    async def shutdown(self) -> None:
+        await self.close(CLOSE_GOING_AWAY, "server_shutdown")
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.ctx.tasks.add(task)
+        task.add_done_callback(self.ctx.tasks.discard)
