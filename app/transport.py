@@ -21,12 +21,12 @@ import time
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
-from model.engine import ResourceExhausted, Slot
 
 from app.auth import refusal, response_subprotocols
 from app.context import CONTEXT, ServerContext
 from app.conversation import Conversation
 from app.errors import ProtocolError, error_event, new_event_id
+from model.engine import ResourceExhausted, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -304,14 +304,14 @@ class WsSession:
 
     async def _stop_writer(self) -> None:
         """Flush what is queued, then end the writer."""
-        if self._writer is None:
+        writer, self._writer = self._writer, None
+        if writer is None:
             return
         self._out.put_nowait(None)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self._writer), timeout=2.0)
-        if not self._writer.done():
-            self._writer.cancel()
-        self._writer = None
+            await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
+        if not writer.done():
+            writer.cancel()
 
     # ---- closing ---------------------------------------------------------------------------------------------
 

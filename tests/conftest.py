@@ -1,0 +1,122 @@
+"""Fixtures for tests that need a running server: a tiny checkpoint (once per run), a server factory on an
+ephemeral loopback port (real engine, real sockets), and speech-like input audio.
+
+    async def test_x(server):                      # a server with the default test settings
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(server.ws("/v1/realtime?duplex=1")) as ws: ...
+
+    async def test_y(start_server):                # custom settings
+        srv = await start_server(max_sessions=1, api_keys=("k",))
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from app.context import CONTEXT, ServerContext
+from app.server import create_app
+from app.settings import Settings
+from media.resample import Resampler
+from model.loading import load_model
+from model.tiny import synthetic_voice, write_tiny_checkpoint
+
+RATE = 24000
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random checkpoint in the official layout, written once per test run."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))
+
+
+@dataclass
+class RunningServer:
+    app: web.Application
+    runner: web.AppRunner
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ws(self, path: str) -> str:
+        return f"ws://127.0.0.1:{self.port}{path}"
+
+    @property
+    def ctx(self) -> ServerContext:
+        return self.app[CONTEXT]
+
+    async def stop(self) -> None:
+        """Graceful shutdown: open sessions get `session.closed` and close code 1001."""
+        await self.runner.cleanup()
+
+
+def server_settings(checkpoint: Path, **overrides: Any) -> Settings:
+    base = Settings(model=str(checkpoint), host="127.0.0.1", port=0, max_sessions=2, first_message_timeout_s=10.0,
+                    shutdown_timeout_s=3.0)
+    return replace(base, **overrides)
+
+
+@pytest.fixture
+async def start_server(tiny_checkpoint: Path) -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
+    """`await start_server(**settings)`: a server on the tiny checkpoint at 127.0.0.1:<ephemeral>; stopped after."""
+    started: list[RunningServer] = []
+
+    async def start(**overrides: Any) -> RunningServer:
+        settings = server_settings(tiny_checkpoint, **overrides)
+        app = create_app(settings, model=load_model(str(tiny_checkpoint)))
+        runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        server = RunningServer(app=app, runner=runner, port=port)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.runner.cleanup()
+
+
+@pytest.fixture
+async def server(start_server: Callable[..., Awaitable[RunningServer]]) -> RunningServer:
+    return await start_server()
+
+
+def speech_like(seconds: float, seed: int = 0, rate: int = RATE) -> np.ndarray:
+    """Voiced, syllable-shaped audio (harmonics on a moving pitch with a 3 Hz envelope), float32 at `rate`."""
+    x = synthetic_voice(seed, seconds)
+    if rate != RATE:
+        x = Resampler(RATE, rate).process(x)
+    return x.astype(np.float32)
+
+
+def espeak(text: str, rate: int = RATE) -> np.ndarray | None:
+    """Speech from espeak-ng at `rate`, or None when espeak-ng is not installed."""
+    exe = shutil.which("espeak-ng")
+    if exe is None:
+        return None
+    from model.audio import read_wav
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "speech.wav"
+        subprocess.run([exe, "-w", str(path), text], check=True, capture_output=True)
+        samples, sr = read_wav(path)
+    return Resampler(sr, rate).process(samples.astype(np.float32))
+
+
+@pytest.fixture(scope="session")
+def speech_24k() -> np.ndarray:
+    """About two seconds of speech at 24 kHz (espeak-ng when installed, else a synthetic voice)."""
+    spoken = espeak("Hello, can you hear me? I would like to book a table for two.")
+    return spoken if spoken is not None else speech_like(2.0)

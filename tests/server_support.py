@@ -1,0 +1,93 @@
+"""Client-side helpers for the server tests: read events until one arrives, encode audio, check envelopes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from media.codecs import AudioFormat
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def encode(samples: np.ndarray, encoding: str, rate: int) -> bytes:
+    return AudioFormat(encoding, rate).encode(np.clip(samples, -1.0, 1.0))
+
+
+async def next_event(ws: aiohttp.ClientWebSocketResponse, timeout: float = 10.0) -> dict[str, Any]:
+    msg = await ws.receive(timeout=timeout)
+    if msg.type is not aiohttp.WSMsgType.TEXT:
+        raise AssertionError(f"expected a text event, got {msg.type} {msg.data!r} {msg.extra!r}")
+    return json.loads(msg.data)
+
+
+async def until(ws: aiohttp.ClientWebSocketResponse, kind: str, timeout: float = 10.0,
+                seen: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Read events until one of type `kind` (kept in `seen` if given); binary frames are skipped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {kind} within {timeout} s; saw {[e.get('type') for e in seen or []][-20:]}")
+        msg = await ws.receive(timeout=left)
+        if msg.type is aiohttp.WSMsgType.BINARY:
+            continue
+        if msg.type is not aiohttp.WSMsgType.TEXT:
+            raise AssertionError(f"socket ended ({msg.type} {msg.data!r} {msg.extra!r}) while waiting for {kind}")
+        event = json.loads(msg.data)
+        if seen is not None:
+            seen.append(event)
+        if event.get("type", event.get("event")) == kind:
+            return event
+
+
+async def expect_error(ws: aiohttp.ClientWebSocketResponse, code: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The next `error` event must carry `code`; returns its `error` object (envelope checked)."""
+    seen: list[dict[str, Any]] = []
+    event = await until(ws, "error", timeout, seen)
+    err = event["error"]
+    assert err["code"] == code, err
+    assert err["type"] in ("invalid_request_error", "rate_limit_error", "server_error"), err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert event["event_id"].startswith("event_")
+    return err
+
+
+async def closed_with(ws: aiohttp.ClientWebSocketResponse, timeout: float = 5.0) -> tuple[int | None, list[dict]]:
+    """Read until the socket closes; returns the close code and the events seen on the way."""
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"socket still open after {timeout} s; saw {[e.get('type') for e in seen][-10:]}")
+        try:
+            msg = await ws.receive(timeout=left)
+        except asyncio.TimeoutError:
+            continue
+        if msg.type is aiohttp.WSMsgType.TEXT:
+            seen.append(json.loads(msg.data))
+        elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
+                          aiohttp.WSMsgType.ERROR):
+            return ws.close_code, seen
+
+
+async def sessions_in_use(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(url + "/health") as r:
+        return (await r.json())["sessions"]["in_use"]
+
+
+async def wait_in_use(http: aiohttp.ClientSession, url: str, n: int, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while await sessions_in_use(http, url) != n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sessions in use stayed {await sessions_in_use(http, url)}, expected {n}")
+        await asyncio.sleep(0.02)

@@ -1,0 +1,328 @@
+"""`/v1/realtime?duplex=1` end to end: a real aiohttp WebSocket client against the server on the tiny model."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from server_support import b64, encode, expect_error, next_event, until
+
+from media.codecs import AudioFormat
+
+FRAMES = 12
+REALTIME = "/v1/realtime?duplex=1"
+START_ORDER_GA = ["response.created", "conversation.item.added", "response.output_item.added",
+                  "response.content_part.added"]
+START_ORDER_BETA = ["response.created", "conversation.item.created", "response.output_item.added",
+                    "response.content_part.added"]
+
+
+async def stream(ws: aiohttp.ClientWebSocketResponse, samples24k: np.ndarray, fmt: AudioFormat,
+                 chunk_ms: int = 50, extra: dict[str, Any] | None = None) -> None:
+    """Send the audio as appends of `chunk_ms` (not frame-aligned on purpose) in the wire format."""
+    from media.resample import Resampler
+    wire = Resampler(24000, fmt.sample_rate).process(samples24k) if fmt.sample_rate != 24000 else samples24k
+    step = fmt.sample_rate * chunk_ms // 1000
+    for i in range(0, wire.size, step):
+        await ws.send_json({"type": "input_audio_buffer.append",
+                            "audio": b64(encode(wire[i:i + step], fmt.encoding, fmt.sample_rate)), **(extra or {})})
+
+
+async def collect_frames(ws: aiohttp.ClientWebSocketResponse, frames: int, audio_type: str,
+                         timeout: float = 20.0) -> list[dict[str, Any]]:
+    seen: list[dict[str, Any]] = []
+    count = 0
+    while count < frames:
+        event = await until(ws, audio_type, timeout, seen)
+        assert event["type"] == audio_type
+        count += 1
+    return seen
+
+
+def audio_of(events: list[dict[str, Any]], audio_type: str, fmt: AudioFormat) -> np.ndarray:
+    chunks = [fmt.decode(base64.b64decode(e["delta"], validate=True)) for e in events if e["type"] == audio_type]
+    return np.concatenate(chunks)
+
+
+FORMATS = {
+    "pcm16-24k": ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}},
+                             "output": {"format": {"type": "audio/pcm", "rate": 24000}}}},
+                  AudioFormat("pcm16", 24000), AudioFormat("pcm16", 24000), None),
+    "pcm16-16k": ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
+                             "output": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+                  AudioFormat("pcm16", 16000), AudioFormat("pcm16", 16000), None),
+    "f32-per-append": ({"output_audio_format": "pcm_f32le", "output_sample_rate_hz": 24000},
+                       AudioFormat("f32", 24000), AudioFormat("f32", 24000),
+                       {"format": "pcm_f32le", "sample_rate_hz": 24000}),
+    "pcmu": ({"audio": {"input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcmu"}}}},
+             AudioFormat("pcmu", 8000), AudioFormat("pcmu", 8000), None),
+    "pcma": ({"audio": {"input": {"format": {"type": "audio/pcma"}}, "output": {"format": {"type": "audio/pcma"}}}},
+             AudioFormat("pcma", 8000), AudioFormat("pcma", 8000), None),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+async def test_realtime_flow_each_format(server, speech_24k, name):
+    update, fmt_in, fmt_out, per_append = FORMATS[name]
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        created = await next_event(ws)
+        assert created["type"] == "session.created"
+        caps = created["session"]["capabilities"]
+        assert caps["implementation_level"] == "model_native_duplex"
+        assert caps["chunk_period_ms"] == 80 and caps["supports_barge_in"] is False
+        assert caps["supports_client_commit"] is False and caps["supports_external_turn_signal"] is False
+        assert caps["supports_multi_session"] is True and caps["session_admission_mode"] == "engine_managed"
+        await ws.send_json({"type": "session.update", "event_id": "evt_1",
+                            "session": {**update, "instructions": "You answer briefly.", "voice": "NATM1",
+                                        "extra_body": {"pacing": "input", "seed": 7}}})
+        updated = await next_event(ws)
+        assert updated["type"] == "session.updated"
+        s = updated["session"]
+        assert s["instructions"] == "You answer briefly." and s["voice"] == "NATM1" and s["pacing"] == "input"
+        assert s["sampling"]["seed"] == 7
+        if per_append is None:
+            assert s["audio"]["input"]["format"]["rate"] == fmt_in.sample_rate
+        assert s["audio"]["output"]["format"]["rate"] == fmt_out.sample_rate
+
+        # One frame more than awaited: a resampler holds back a few samples until more input comes.
+        await stream(ws, speech_24k[: (FRAMES + 1) * 1920], fmt_in, extra=per_append)
+        events = await collect_frames(ws, FRAMES, "response.output_audio.delta")
+        kinds = [e["type"] for e in events]
+        assert kinds[:4] == START_ORDER_GA, kinds[:6]
+        assert kinds[4] == "response.output_audio.delta"
+        response_id = events[0]["response_id"]
+        item_id = events[1]["item"]["id"]
+        assert events[0]["response"]["status"] == "in_progress"
+        assert events[3]["part"] == {"type": "audio", "transcript": ""}
+        deltas = [e for e in events if e["type"] == "response.output_audio.delta"]
+        assert {e["response_id"] for e in deltas} == {response_id}
+        assert {e["item_id"] for e in deltas} == {item_id}
+        assert all(e["output_index"] == 0 and e["content_index"] == 0 for e in deltas)
+        if fmt_out.sample_rate == 24000:
+            assert {len(base64.b64decode(e["delta"])) for e in deltas} == {1920 * fmt_out.bytes_per_sample}
+        audio = audio_of(events, "response.output_audio.delta", fmt_out)
+        per_frame = fmt_out.sample_rate * 80 // 1000
+        assert abs(audio.size - FRAMES * per_frame) <= per_frame // 10, audio.size
+        assert np.isfinite(audio).all() and float(np.sqrt(np.mean(audio ** 2))) > 1e-4
+        texts = [e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"]
+        assert texts and all(t and "\u2581" not in t for t in texts)
+
+        await ws.send_json({"type": "session.close"})
+        closed = await until(ws, "session.closed")
+        assert closed["reason"] == "client_close" and closed["stats"]["frames_out"] >= FRAMES
+        assert (await ws.receive()).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        assert ws.close_code == 1000
+
+
+async def test_beta_names_with_beta_header(server, speech_24k):
+    fmt = AudioFormat("pcmu", 8000)
+    async with aiohttp.ClientSession() as http, \
+            http.ws_connect(server.ws(REALTIME), headers={"OpenAI-Beta": "realtime=v1"}) as ws:
+        assert (await next_event(ws))["type"] == "session.created"
+        await ws.send_json({"type": "session.update", "session": {
+            "input_audio_format": "g711_ulaw", "output_audio_format": "g711_alaw", "pacing": "input"}})
+        s = (await next_event(ws))["session"]
+        assert (s["input_audio_format"], s["output_audio_format"]) == ("g711_ulaw", "g711_alaw")
+        await stream(ws, speech_24k[: 9 * 1920], fmt)
+        events = await collect_frames(ws, 8, "response.audio.delta")
+        kinds = [e["type"] for e in events]
+        assert kinds[:4] == START_ORDER_BETA
+        assert not any(k.startswith("response.output_audio") for k in kinds)
+        assert "response.audio_transcript.delta" in kinds
+        rid = events[0]["response_id"]
+        await ws.send_json({"type": "response.cancel", "response_id": rid})
+        seen: list[dict[str, Any]] = []
+        done = await until(ws, "response.done", seen=seen)
+        assert done["response"]["status"] == "cancelled"
+        assert [e["type"] for e in seen if not e["type"].endswith("delta")][:5] == [
+            "response.audio.done", "response.audio_transcript.done", "response.content_part.done",
+            "response.output_item.done", "response.done"]
+        await stream(ws, speech_24k[9 * 1920: 13 * 1920], fmt)
+        created = await until(ws, "response.created")
+        assert created["response_id"] != rid
+
+
+async def test_cancel_restarts_with_new_response(server, speech_24k):
+    fmt = AudioFormat("pcm16", 24000)
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        await ws.send_json({"type": "session.update", "session": {"pacing": "input"}})
+        await until(ws, "session.updated")
+        await stream(ws, speech_24k[: 6 * 1920], fmt)
+        first = await collect_frames(ws, 6, "response.output_audio.delta")
+        rid = first[0]["response_id"]
+        await ws.send_json({"type": "response.cancel", "response_id": "resp_not_this_one", "event_id": "c1"})
+        err = await expect_error(ws, "response_not_active")
+        assert err["event_id"] == "c1"
+        await ws.send_json({"type": "output_audio_buffer.clear"})
+        seen: list[dict[str, Any]] = []
+        await until(ws, "output_audio_buffer.cleared", seen=seen)
+        done = next(e for e in seen if e["type"] == "response.done")
+        assert done["response"]["id"] == rid and done["response"]["status"] == "cancelled"
+        assert done["response"]["status_details"]["reason"] == "client_cancelled"
+        assert "conversation.item.done" in [e["type"] for e in seen]
+        await stream(ws, speech_24k[6 * 1920: 10 * 1920], fmt)
+        again = await collect_frames(ws, 4, "response.output_audio.delta")
+        kinds = [e["type"] for e in again]
+        assert kinds[:4] == START_ORDER_GA
+        new_ids = {e["response_id"] for e in again if e["type"] == "response.output_audio.delta"}
+        assert len(new_ids) == 1 and rid not in new_ids
+
+
+async def test_voice_and_persona_fixed_once_started(server, speech_24k):
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        await ws.send_json({"type": "session.update", "session": {"voice": "NATF2", "instructions": "Be kind.",
+                                                                   "pacing": "input"}})
+        await until(ws, "session.updated")
+        await stream(ws, speech_24k[: 3 * 1920], AudioFormat("pcm16", 24000))
+        await until(ws, "response.output_audio.delta")
+        await ws.send_json({"type": "session.update", "session": {"voice": "NATM1"}})
+        assert (await expect_error(ws, "voice_update_unsupported"))["param"] == "session.voice"
+        await ws.send_json({"type": "session.update", "session": {"instructions": "Be rude."}})
+        await expect_error(ws, "persona_update_unsupported")
+        await ws.send_json({"type": "session.update", "session": {"temperature": 1.1}})
+        await expect_error(ws, "session_config_locked")
+        # The same values, and a new output format, are fine mid-conversation.
+        await ws.send_json({"type": "session.update", "session": {
+            "voice": "NATF2.pt", "instructions": "Be kind.",
+            "audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}})
+        s = (await until(ws, "session.updated"))["session"]
+        assert s["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 16000}
+
+
+async def test_session_update_errors_keep_the_session(server, speech_24k):
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        cases = [
+            ({"voice": "nobody"}, "invalid_voice", "session.voice"),
+            ({"voice": "../etc/passwd"}, "invalid_voice", "session.voice"),
+            ({"audio": {"input": {"format": {"type": "audio/opus"}}}}, "unsupported_audio_format",
+             "session.audio.input.format"),
+            ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 4000}}}}, "unsupported_audio_format",
+             "session.audio.input.format"),
+            ({"input_audio_format": "g711_ulaw", "input_sample_rate_hz": 16000}, "unsupported_audio_format",
+             "session.input_audio_format"),
+            ({"temperature": -1}, "invalid_session_config", "session.temperature"),
+            ({"extra_body": {"audio_topk": 0}}, "invalid_session_config", "session.audio_topk"),
+            ({"extra_body": {"personaplex_model_path": "/x"}}, "invalid_duplex_runtime_config", "session.extra_body"),
+            ({"output_modalities": ["text"]}, "invalid_session_config", "session.output_modalities"),
+            ({"pacing": "warp"}, "invalid_session_config", "session.pacing"),
+        ]
+        for i, (session, code, param) in enumerate(cases):
+            await ws.send_json({"type": "session.update", "event_id": f"u{i}", "session": session})
+            err = await expect_error(ws, code)
+            assert err["param"] == param and err["event_id"] == f"u{i}", err
+        await ws.send_json({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"},
+                                                                   "instructions": "Hi."}})
+        s = (await until(ws, "session.updated"))["session"]
+        assert s["instructions"] == "Hi." and s["turn_detection"] is None
+        await expect_error(ws, "unsupported_turn_detection")
+        # Nothing above broke the session: audio still flows.
+        await ws.send_json({"type": "session.update", "session": {"pacing": "input"}})
+        await until(ws, "session.updated")
+        await stream(ws, speech_24k[: 3 * 1920], AudioFormat("pcm16", 24000))
+        await until(ws, "response.output_audio.delta")
+
+
+async def test_bad_input_events(server, speech_24k):
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        await ws.send_str("{not json")
+        await expect_error(ws, "invalid_json")
+        await ws.send_str("[1, 2]")
+        await expect_error(ws, "invalid_json")
+        await ws.send_json({"event_id": "e0"})
+        assert (await expect_error(ws, "bad_event"))["event_id"] == "e0"
+        await ws.send_json({"type": "no.such.event", "event_id": "e1"})
+        assert (await expect_error(ws, "unknown_event"))["event_id"] == "e1"
+        await ws.send_json({"type": "input_audio_buffer.append", "event_id": "e2", "audio": "***"})
+        assert (await expect_error(ws, "bad_audio"))["event_id"] == "e2"
+        await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(b"\x01\x02\x03")})
+        await expect_error(ws, "bad_audio")
+        await ws.send_json({"type": "input_audio_buffer.append"})
+        await expect_error(ws, "bad_event")
+        nan = np.array([0.1, np.nan, 0.2], dtype="<f4").tobytes()
+        await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(nan), "format": "pcm_f32le",
+                            "sample_rate_hz": 24000})
+        await expect_error(ws, "bad_audio")
+        await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(b"\0\0"), "format": "pcm16",
+                            "sample_rate_hz": 96000})
+        await expect_error(ws, "unsupported_audio_format")
+        await ws.send_bytes(b"\0\0\0\0")
+        await expect_error(ws, "binary_unsupported")
+        # OpenAI events that do not apply get an answer, not a dropped socket.
+        await ws.send_json({"type": "response.create"})
+        await expect_error(ws, "response_create_without_input")
+        await ws.send_json({"type": "response.cancel"})
+        await expect_error(ws, "response_not_active")
+        await ws.send_json({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                                        "content": [{"type": "input_text"}]}})
+        await expect_error(ws, "native_text_append_unsupported")
+        await ws.send_json({"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": 10})
+        await expect_error(ws, "unsupported_event")
+        await ws.send_json({"type": "session.resume"})
+        await expect_error(ws, "unsupported_session_resume")
+        await ws.send_json({"type": "session.heartbeat"})
+        assert (await until(ws, "session.heartbeat_ack"))["session_id"].startswith("sess_")
+        await ws.send_json({"type": "playback.ack", "played_ms": 160})
+        assert (await until(ws, "playback.acknowledged"))["event"]["played_ms"] == 160
+        await ws.send_json({"type": "playback.ack"})
+        await expect_error(ws, "bad_event")
+        # The session still works after all of that.
+        await ws.send_json({"type": "session.update", "session": {"pacing": "input",
+                                                                   "input_audio_format": "pcm16"}})
+        await until(ws, "session.updated")
+        await stream(ws, speech_24k[: 3 * 1920], AudioFormat("pcm16", 24000))
+        await until(ws, "response.output_audio.delta")
+        await ws.send_json({"type": "response.create"})
+        await expect_error(ws, "conversation_already_has_active_response")
+        await ws.send_json({"type": "input_audio_buffer.commit"})
+        await until(ws, "input_audio_buffer.committed")
+        await ws.send_json({"type": "input_audio_buffer.clear"})
+        await until(ws, "input_audio_buffer.cleared")
+
+
+async def test_input_backpressure_on_a_flooding_sender(start_server, speech_24k):
+    server = await start_server(max_realtime_backlog_s=0.5)
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        pcm = encode(np.tile(speech_24k, 2)[: 24000 * 2], "pcm16", 24000)
+        await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(pcm[: 24000])})  # 0.5 s: fits
+        await ws.send_json({"type": "input_audio_buffer.append", "event_id": "big", "audio": b64(pcm[24000:])})
+        err = await expect_error(ws, "input_backpressure")
+        assert err["type"] == "rate_limit_error" and err["event_id"] == "big"
+        # The conversation goes on: output keeps coming.
+        await until(ws, "response.output_audio.delta")
+
+
+async def test_realtime_paced_output_keeps_up(server, speech_24k):
+    """Realtime pacing: appends of one 80 ms frame every 80 ms; output covers the input within 4 frames."""
+    import asyncio
+    frames = 15
+    pcm = encode(speech_24k[: frames * 1920], "pcm16", 24000)
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        out = 0
+
+        async def reader() -> None:
+            nonlocal out
+            while True:
+                event = await next_event(ws, timeout=10)
+                assert event["type"] != "error", event
+                if event["type"] == "response.output_audio.delta":
+                    out += 1
+
+        task = asyncio.ensure_future(reader())
+        for i in range(frames):
+            await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(pcm[i * 3840:(i + 1) * 3840])})
+            await asyncio.sleep(0.08)
+        for _ in range(40):
+            if out >= frames - 4:
+                break
+            await asyncio.sleep(0.05)
+        task.cancel()
+        assert out >= frames - 4
