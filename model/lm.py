@@ -148,6 +148,11 @@ class LMState:
     def batch_size(self) -> int:
         return self.pos.shape[0]
 
+    def rows(self, index: slice) -> LMState:
+        """A view of some rows: writes through it land in this state."""
+        return LMState(self.cache_k[:, index], self.cache_v[:, index], self.kpos[index], self.pos[index],
+                       self.ring[index], self.offset[index], self.forced[index])
+
 
 RING_SIZE = 4
 

@@ -42,6 +42,21 @@ class StreamState:
     convs: list[Tensor]
     kv: KVCache
 
+    def rows(self, index: slice) -> StreamState:
+        """A view of some rows: writes through it land in this state."""
+        return StreamState([buf[index] for buf in self.convs], self.kv.rows(index))
+
+    def clone(self) -> StreamState:
+        return StreamState([buf.clone() for buf in self.convs], KVCache(*(t.clone() for t in (
+            self.kv.keys, self.kv.values, self.kv.key_pos, self.kv.pos))))
+
+    def copy_(self, other: StreamState) -> None:
+        for mine, theirs in zip(self.convs, other.convs):
+            mine.copy_(theirs)
+        for mine, theirs in zip((self.kv.keys, self.kv.values, self.kv.key_pos, self.kv.pos),
+                                (other.kv.keys, other.kv.values, other.kv.key_pos, other.kv.pos)):
+            mine.copy_(theirs)
+
     def reset_rows(self, rows: Tensor) -> None:
         for buf in self.convs:
             buf.masked_fill_(rows[:, None, None], 0.0)
@@ -56,6 +71,10 @@ class MimiState:
     @property
     def batch_size(self) -> int:
         return self.encoder.kv.pos.shape[0]
+
+    def rows(self, index: slice) -> MimiState:
+        """A view of some rows: writes through it land in this state."""
+        return MimiState(self.encoder.rows(index), self.decoder.rows(index))
 
 
 class Mimi(nn.Module):

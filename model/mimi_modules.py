@@ -193,6 +193,10 @@ class KVCache:
     key_pos: Tensor  # [B, slots] long
     pos: Tensor  # [B] long
 
+    def rows(self, index: slice) -> KVCache:
+        """A view of some rows: writes through it land in this cache."""
+        return KVCache(self.keys[:, index], self.values[:, index], self.key_pos[index], self.pos[index])
+
     def reset_rows(self, rows: Tensor) -> None:
         self.keys.masked_fill_(rows[None, :, None, None, None], 0.0)
         self.values.masked_fill_(rows[None, :, None, None, None], 0.0)

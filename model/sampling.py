@@ -41,6 +41,10 @@ class RowSampling:
     top_k: Tensor  # long, >= 1
     seed: Tensor  # long, [0, 2**32)
 
+    def rows(self, index: slice) -> RowSampling:
+        """A view of some rows."""
+        return RowSampling(self.greedy[index], self.temperature[index], self.top_k[index], self.seed[index])
+
     def to(self, device: torch.device) -> RowSampling:
         return RowSampling(*(t.to(device) for t in (self.greedy, self.temperature, self.top_k, self.seed)))
 

@@ -46,21 +46,26 @@ def _gather_columns(ring: Tensor, cols: Tensor) -> Tensor:
     return ring.gather(2, cols.unsqueeze(2)).squeeze(2)
 
 
-def frame_step(
+@dataclass
+class TemporalResult:
+    """What the temporal half of a call hands the depformer half."""
+
+    hidden: Tensor  # [B, dim] post-out_norm
+    text: Tensor  # [B] text token (sampled or forced)
+    given: Tensor  # [B, R] tokens already in the target column (forced values where `forced`)
+    forced: Tensor  # [B, R] bool
+    ring_before: Tensor | None  # ring at the start of the call, when an exec mask is in use
+
+
+def temporal_half(
     lm: LM,
     state: LMState,
     user_codes: Tensor,
     text_sampling: RowSampling,
-    audio_sampling: RowSampling,
-    dep_cache: list[tuple[Tensor, Tensor]],
     const: StepConstants,
     active: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Advance every row by one call; rows where `active` (bool [B]) is False are left exactly unchanged.
-
-    user_codes [B, 8] are the user's Mimi codes for this call's frame. Returns (frame [B, 17], emitted [B] bool):
-    the complete token frame o - 1 (text, 8 agent, 8 user codes) and whether the row emitted one (o >= 2).
-    """
+) -> TemporalResult:
+    """User codes into the ring, warm-up, the temporal transformer on the previous column, the text token."""
     ring, o = state.ring, state.offset
     B, R, _ = ring.shape
     ring_before = ring.clone() if active is not None else None
@@ -79,11 +84,27 @@ def frame_step(
 
     inputs = ring.gather(2, ((o - 1) % RING_SIZE).view(B, 1, 1).expand(B, R, 1)).squeeze(2)
     hidden = lm.temporal_step(lm.embed_column(inputs), state, active)
-
     text = sample(lm.text_logits(hidden), text_sampling, o, 0, const.max_top_k_text)
     text = torch.where(forced[:, 0], given[:, 0], text)
-    tokens = [text]
-    previous = lm.depformer_text_emb(text)
+    return TemporalResult(hidden, text, given, forced, ring_before)
+
+
+def depformer_half(
+    lm: LM,
+    state: LMState,
+    temporal: TemporalResult,
+    audio_sampling: RowSampling,
+    dep_cache: list[tuple[Tensor, Tensor]],
+    const: StepConstants,
+    active: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The agent's depformer steps, the ring write, the completed frame, and the counters."""
+    ring, o = state.ring, state.offset
+    B, R, _ = ring.shape
+    K = lm.cfg.num_audio_codebooks
+    hidden, forced, given = temporal.hidden, temporal.forced, temporal.given
+    tokens = [temporal.text]
+    previous = lm.depformer_text_emb(temporal.text)
     for k in range(K):
         logits = lm.depformer_step(k, lm.depformer_in[k](hidden) + previous, dep_cache)
         token = sample(logits, audio_sampling, o, 1 + k, const.max_top_k_audio)
@@ -91,18 +112,37 @@ def frame_step(
         tokens.append(token)
         if k + 1 < K:
             previous = lm.depformer_emb[k](token)
-    agent_target = target[:, : 1 + K]
-    ring[:, : 1 + K].scatter_(2, agent_target, torch.stack(tokens, dim=1).unsqueeze(2))
+    target = (o % RING_SIZE).view(B, 1, 1).expand(B, 1 + K, 1)
+    ring[:, : 1 + K].scatter_(2, target, torch.stack(tokens, dim=1).unsqueeze(2))
 
-    frame = _gather_columns(ring, (o.unsqueeze(1) - 1 + delays.unsqueeze(0)) % RING_SIZE)
+    frame = _gather_columns(ring, (o.unsqueeze(1) - 1 + const.delays.unsqueeze(0)) % RING_SIZE)
     emitted = o >= 2
     if active is None:
         state.forced.zero_()
         state.offset += 1
         state.pos += 1
         return frame, emitted
-    ring.copy_(torch.where(active.view(B, 1, 1), ring, ring_before))
+    ring.copy_(torch.where(active.view(B, 1, 1), ring, temporal.ring_before))
     state.forced.masked_fill_(active.unsqueeze(1), False)
     state.offset += active.long()
     state.pos += active.long()
     return frame, emitted & active
+
+
+def frame_step(
+    lm: LM,
+    state: LMState,
+    user_codes: Tensor,
+    text_sampling: RowSampling,
+    audio_sampling: RowSampling,
+    dep_cache: list[tuple[Tensor, Tensor]],
+    const: StepConstants,
+    active: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Advance every row by one call; rows where `active` (bool [B]) is False are left exactly unchanged.
+
+    user_codes [B, 8] are the user's Mimi codes for this call's frame. Returns (frame [B, 17], emitted [B] bool):
+    the complete token frame o - 1 (text, 8 agent, 8 user codes) and whether the row emitted one (o >= 2).
+    """
+    temporal = temporal_half(lm, state, user_codes, text_sampling, const, active)
+    return depformer_half(lm, state, temporal, audio_sampling, dep_cache, const, active)

@@ -1,0 +1,727 @@
+"""The batched lockstep frame engine: one thread owns the device and advances every live conversation per tick.
+
+Every 80 ms (wall clock) the tick takes one 1920-sample frame from each live realtime slot's source (silence, and
+an underrun counted, when the source has none), runs one batched step — Mimi encode, temporal transformer,
+depformer, Mimi decode — over the smallest padded batch that covers the live slots, and hands each slot its
+audio and text piece. Input-clocked slots (offline files) are stepped on their own between ticks whenever a frame
+is ready. Admission, prompt prefill, restarts and closes run on the same thread between ticks, so the step never
+races with bookkeeping; the asyncio side only enqueues work and receives callbacks.
+
+On CUDA the three parts of a tick are captured as CUDA graphs per padded batch size, with inputs and outputs in
+static buffers moved once per tick through pinned host memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from model.config import FRAME_SAMPLES
+from model.lm import LMState
+from model.loading import PersonaPlex
+from model.mimi import Mimi, MimiState
+from model.prompts import PromptPlan, VoicePrompt, persona_tokens, plan_prompt
+from model.sampling import SamplingParams, row_sampling
+from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, StepConstants, TemporalResult, depformer_half, temporal_half
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Engine", "EngineConfig", "Slot", "SessionParams", "SamplingParams", "FrameOutput", "FrameSource", "EngineError",
+    "ResourceExhausted", "InvalidSessionParams", "SessionFailed", "EngineStats", "SlotStats",
+]
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256)
+TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0, 160.0)
+
+
+class EngineError(Exception):
+    """An engine failure with a protocol error code."""
+
+    code = "engine_error"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class ResourceExhausted(EngineError):
+    code = "resource_exhausted"
+
+
+class InvalidSessionParams(EngineError):
+    code = "invalid_session_config"
+
+
+class SessionFailed(EngineError):
+    code = "runtime_failed"
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    voice: str | None = None
+    persona: str = ""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    pacing: str = "realtime"
+
+
+@dataclass(frozen=True)
+class FrameOutput:
+    index: int  # 0-based conversation frame index
+    audio: np.ndarray  # float32 [1920] at 24 kHz
+    text: str  # this frame's text piece ("" for PAD/EPAD)
+    tokens: np.ndarray  # int64 [17]: text, 8 agent codes, 8 user codes
+
+
+class FrameSource(Protocol):
+    def read_frame(self) -> np.ndarray | None: ...
+
+    def frames_ready(self) -> int: ...
+
+
+@dataclass
+class EngineConfig:
+    max_sessions: int = 4
+    tick_ms: float = 80.0
+    queue_timeout_s: float = 0.0
+    cuda_graphs: bool = True
+    prefill_chunk: int = 128
+    prompt_cache_entries: int = 32
+
+
+@dataclass
+class SlotStats:
+    frames_in: int = 0
+    frames_out: int = 0
+    underruns: int = 0
+    state: str = "reserved"
+
+
+@dataclass
+class EngineStats:
+    ticks: int
+    late_ticks: int
+    batch: int
+    tick_ms: float
+    tick_ms_p50: float
+    tick_ms_p99: float
+    parts_ms: dict[str, float]
+    sessions_in_use: int
+    max_sessions: int
+    tick_ms_buckets: list[tuple[float, int]]
+    errors: int
+    offline_frames: int
+    prompt_cache_hits: int
+    prompt_cache_misses: int
+
+
+@dataclass
+class _Runtime:
+    """Engine-side record of one slot's session."""
+
+    index: int
+    id: str
+    stats: SlotStats = field(default_factory=SlotStats)
+    params: SessionParams | None = None
+    source: FrameSource | None = None
+    on_output: Callable[[FrameOutput], None] | None = None
+    on_error: Callable[[EngineError], None] | None = None
+    seed: int = 0
+    out_index: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.stats.state == "live"
+
+    @property
+    def offline(self) -> bool:
+        return self.params is not None and self.params.pacing == "input"
+
+
+@dataclass
+class _CachedPrompt:
+    """A prompt's effect on a fresh row: the KV slots it filled, its positions, ring and counter."""
+
+    k: Tensor  # [layers, heads, slots, head_dim]
+    v: Tensor
+    kpos: Tensor  # [slots]
+    pos: int
+    ring: Tensor
+    offset: int
+    forced: Tensor
+
+
+class Slot:
+    """The asyncio side's handle on one reserved slot."""
+
+    def __init__(self, engine: Engine, runtime: _Runtime):
+        self._engine = engine
+        self._rt = runtime
+        self.id = runtime.id
+        self.index = runtime.index
+
+    async def start(self, params: SessionParams, source: FrameSource, on_output: Callable[[FrameOutput], None],
+                    on_error: Callable[[EngineError], None]) -> None:
+        """Validate, run the voice + persona prompt between ticks, and go live."""
+        engine = self._engine
+        engine.validate(params)
+        if self._rt.stats.state != "reserved":
+            raise EngineError(f"slot {self.id} is {self._rt.stats.state}, not reserved", "invalid_state")
+        self._rt.params, self._rt.source, self._rt.on_output, self._rt.on_error = params, source, on_output, on_error
+        seed = params.sampling.seed
+        self._rt.seed = seed if seed is not None else secrets.randbits(63)
+        await engine.submit(lambda: engine.begin(self._rt))
+
+    async def restart(self) -> None:
+        """A fresh context with the same parameters; output indices restart at 0."""
+        engine = self._engine
+        if self._rt.params is None:
+            raise EngineError("session not started", "invalid_state")
+        await engine.submit(lambda: engine.begin(self._rt))
+
+    def close(self) -> None:
+        self._engine.release(self._rt)
+
+    def stats(self) -> SlotStats:
+        return SlotStats(**vars(self._rt.stats))
+
+
+def decode_agent(mimi: Mimi, frame: Tensor, emitted: Tensor, state: MimiState, bins: int,
+                 active: Tensor | None = None) -> Tensor:
+    """Mimi-decode the agent codes of token frames [B, 17] -> [B, 1920].
+
+    Rows that emitted nothing (or idle rows, which may hold the 'initial' token = card, hence the clamp) keep a
+    fresh decoder, as if the decode never ran.
+    """
+    audio = mimi.decode_frame(frame[:, 1:9].clamp(0, bins - 1), state)
+    idle = ~emitted if active is None else active & ~emitted
+    state.decoder.reset_rows(idle)
+    return audio
+
+
+def _bucket(n: int, limit: int) -> int:
+    i = bisect.bisect_left(BATCH_BUCKETS, n)
+    return min(BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else n, limit)
+
+
+class _DeviceStep:
+    """Static buffers and (on CUDA) graphs for one batched step over the first `n` rows."""
+
+    def __init__(self, engine: Engine, n: int):
+        model, device = engine.model, engine.device
+        self.n = n
+        self.lm, self.mimi = model.lm, model.mimi
+        self.lm_state: LMState = engine.lm_state.rows(slice(0, n))
+        self.mimi_state: MimiState = engine.mimi_state.rows(slice(0, n))
+        self.text_s = engine.text_sampling.rows(slice(0, n))
+        self.audio_s = engine.audio_sampling.rows(slice(0, n))
+        self.const = engine.const
+        self.pcm = engine.pcm_in[:n]
+        self.active = engine.active[:n]
+        self.dep_cache = self.lm.depformer_cache(n)
+        self.bins = model.mimi_config.quantizer.bins
+        self.codes: Tensor | None = None
+        self.temporal: TemporalResult | None = None
+        self.frame: Tensor | None = None
+        self.emitted: Tensor | None = None
+        self.audio: Tensor | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        if device.type == "cuda" and engine.config.cuda_graphs:
+            self._capture(engine.graph_pool)
+
+    def encode(self) -> None:
+        self.codes = self.mimi.encode_frame(self.pcm, self.mimi_state)
+
+    def temporal_part(self) -> None:
+        self.temporal = temporal_half(self.lm, self.lm_state, self.codes, self.text_s, self.const, self.active)
+
+    def depformer_part(self) -> None:
+        self.frame, self.emitted = depformer_half(self.lm, self.lm_state, self.temporal, self.audio_s,
+                                                  self.dep_cache, self.const, self.active)
+
+    def decode(self) -> None:
+        self.audio = decode_agent(self.mimi, self.frame, self.emitted, self.mimi_state, self.bins, self.active)
+
+    PARTS = ("encode", "temporal", "depformer", "decode")
+
+    def _capture(self, pool) -> None:
+        fns = [self.encode, self.temporal_part, self.depformer_part, self.decode]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                for fn in fns:
+                    fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graphs = []
+        with torch.no_grad():
+            for fn in fns:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    fn()
+                self.graphs.append(graph)
+
+    @torch.no_grad()
+    def run(self, timer: _PartTimer) -> tuple[Tensor, Tensor, Tensor]:
+        if self.graphs is not None:
+            for name, graph in zip(self.PARTS, self.graphs):
+                graph.replay()
+                timer.mark(name)
+        else:
+            for name, fn in zip(self.PARTS, (self.encode, self.temporal_part, self.depformer_part, self.decode)):
+                fn()
+                timer.mark(name)
+        return self.frame, self.emitted, self.audio
+
+
+class _PartTimer:
+    """Per-part times: CUDA events on the GPU (read after the tick's one sync), wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def start(self) -> None:
+        self.marks = [("start", self._now())]
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, self._now()))
+
+    def parts_ms(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in itertools.pairwise(self.marks):
+            out[name] = a.elapsed_time(b) if self.cuda else (b - a) * 1000.0
+        return out
+
+
+class Engine:
+    """Slots, the tick thread, prompt prefill and its cache. See the module docstring."""
+
+    def __init__(self, model: PersonaPlex, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config or EngineConfig()
+        if self.config.max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        B = self.config.max_sessions
+        self.device = model.device
+        lm = model.lm
+        self.lm_state = lm.init_state(B, self.device)
+        self.mimi_state = model.mimi.init_state(B, self.device)
+        self.const = StepConstants.make(lm, self.device)
+        self.text_sampling, self.audio_sampling = row_sampling([SamplingParams(greedy=True)] * B, [0] * B, self.device)
+        self.pcm_in = torch.zeros(B, FRAME_SAMPLES, device=self.device)
+        self.active = torch.zeros(B, dtype=torch.bool, device=self.device)
+        pin = self.device.type == "cuda"
+        self._pcm_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
+        self._active_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self._steps: dict[int, _DeviceStep] = {}
+        self._slots: list[_Runtime | None] = [None] * B
+        self._lock = threading.RLock()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._prompt_cache: OrderedDict[tuple, _CachedPrompt] = OrderedDict()
+        self._voice_cache: OrderedDict[str, VoicePrompt | Tensor] = OrderedDict()
+        self._timer = _PartTimer(self.device)
+        self._tick_ms: deque[float] = deque(maxlen=2000)
+        self._parts_ms: dict[str, float] = {}
+        self._buckets = [0] * (len(TICK_MS_BUCKETS) + 1)
+        self._ticks = self._late = self._errors = self._offline_frames = 0
+        self._cache_hits = self._cache_misses = 0
+        self._batch = 0
+        self._offline_rr = 0
+
+    # ----- public, any thread ------------------------------------------------------------------------------
+
+    @property
+    def max_sessions(self) -> int:
+        return self.config.max_sessions
+
+    def sessions_in_use(self) -> int:
+        with self._lock:
+            return sum(s is not None for s in self._slots)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            for n in sorted({_bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
+                self._device_step(n)
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="engine-tick", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        with self._lock:
+            for rt in self._slots:
+                if rt is not None and rt.live:
+                    self._fail(rt, EngineError("the engine stopped", "engine_stopped"))
+
+    def reserve(self) -> Slot:
+        with self._lock:
+            for i, rt in enumerate(self._slots):
+                if rt is None:
+                    runtime = _Runtime(index=i, id=f"slot-{uuid.uuid4().hex[:12]}")
+                    self._slots[i] = runtime
+                    return Slot(self, runtime)
+        raise ResourceExhausted(f"duplex_session_capacity_exhausted: limit={self.max_sessions}")
+
+    async def reserve_wait(self, timeout_s: float) -> Slot:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.reserve()
+            except ResourceExhausted:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.02)
+
+    def validate(self, params: SessionParams) -> None:
+        """Raise InvalidSessionParams for anything the session could not run with."""
+        try:
+            params.sampling.validate(MAX_TOP_K_TEXT, MAX_TOP_K_AUDIO)
+        except ValueError as exc:
+            raise InvalidSessionParams(str(exc)) from exc
+        if params.pacing not in ("realtime", "input"):
+            raise InvalidSessionParams(f"pacing must be 'realtime' or 'input', got {params.pacing!r}")
+        if params.voice is not None:
+            try:
+                self.model.resolve_voice(params.voice)
+            except ValueError as exc:
+                raise InvalidSessionParams(str(exc), "invalid_voice") from exc
+
+    async def submit(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread between ticks; its exception is raised here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def settle(exc: BaseException | None) -> None:
+            if future.done():
+                return
+            if exc is None:
+                future.set_result(None)
+            else:
+                future.set_exception(exc)
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                loop.call_soon_threadsafe(settle, exc)
+            else:
+                loop.call_soon_threadsafe(settle, None)
+
+        if self._thread is None:
+            raise EngineError("the engine is not running", "engine_stopped")
+        self._commands.put(run)
+        self._wake.set()
+        await future
+
+    def release(self, rt: _Runtime) -> None:
+        with self._lock:
+            if rt.stats.state not in ("closed",):
+                rt.stats.state = "closed"
+            if self._slots[rt.index] is rt:
+                self._slots[rt.index] = None
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            ticks = sorted(self._tick_ms)
+            cumulative, total = [], 0
+            for bound, count in zip((*TICK_MS_BUCKETS, float("inf")), self._buckets):
+                total += count
+                cumulative.append((bound, total))
+            return EngineStats(
+                ticks=self._ticks, late_ticks=self._late, batch=self._batch,
+                tick_ms=ticks and self._tick_ms[-1] or 0.0,
+                tick_ms_p50=float(np.percentile(ticks, 50)) if ticks else 0.0,
+                tick_ms_p99=float(np.percentile(ticks, 99)) if ticks else 0.0,
+                parts_ms=dict(self._parts_ms), sessions_in_use=sum(s is not None for s in self._slots),
+                max_sessions=self.max_sessions, tick_ms_buckets=cumulative, errors=self._errors,
+                offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
+                prompt_cache_misses=self._cache_misses,
+            )
+
+    # ----- engine thread -----------------------------------------------------------------------------------
+
+    def begin(self, rt: _Runtime) -> None:
+        """Reset the slot's row and run its prompt (from the prompt cache when it can). Engine thread only."""
+        with self._lock:
+            if self._slots[rt.index] is not rt or rt.stats.state in ("closed", "failed"):
+                raise EngineError("the session was closed", "session_closed")
+            rt.stats.state = "prefill"
+        params = rt.params
+        row = rt.index
+        mask = torch.zeros(self.max_sessions, dtype=torch.bool, device=self.device)
+        mask[row] = True
+        self.model.mimi.reset_rows(self.mimi_state, mask)
+        with torch.no_grad():
+            self._apply_prompt(row, params)
+        text, audio = row_sampling([params.sampling], [rt.seed], self.device)
+        self.text_sampling.copy_(text, row)
+        self.audio_sampling.copy_(audio, row)
+        with self._lock:
+            if rt.stats.state == "prefill":
+                rt.out_index = 0
+                rt.stats.state = "live"
+
+    def _apply_prompt(self, row: int, params: SessionParams) -> None:
+        key = (params.voice, params.persona.strip())
+        cached = self._prompt_cache.get(key)
+        lm, state = self.model.lm, self.lm_state
+        mask = torch.zeros(self.max_sessions, dtype=torch.bool, device=self.device)
+        mask[row] = True
+        lm.reset_rows(state, mask)
+        if cached is None:
+            self._cache_misses += 1
+            plan = self._plan(params)
+            chunk = self.config.prefill_chunk
+            for start in range(0, plan.embeddings.shape[0], chunk):
+                lm.prefill(plan.embeddings[start : start + chunk], state, row)
+            state.ring[row] = plan.ring.to(self.device)
+            state.offset[row] = plan.offset
+            if plan.embeddings.shape[0]:
+                state.forced[row] = lm.delays(self.device) > 0
+            cached = self._store_prompt(key, row)
+        else:
+            self._cache_hits += 1
+            self._prompt_cache.move_to_end(key)
+        filled = cached.kpos.shape[0]
+        state.cache_k[:, row, :, :filled] = cached.k
+        state.cache_v[:, row, :, :filled] = cached.v
+        state.kpos[row, :filled] = cached.kpos
+        state.pos[row] = cached.pos
+        state.ring[row] = cached.ring
+        state.offset[row] = cached.offset
+        state.forced[row] = cached.forced
+
+    def _plan(self, params: SessionParams) -> PromptPlan:
+        voice = None
+        if params.voice is not None:
+            voice = self._voice_cache.get(params.voice)
+            if voice is None:
+                voice = self.model.load_voice(params.voice)
+                self._voice_cache[params.voice] = voice
+                while len(self._voice_cache) > 64:
+                    self._voice_cache.popitem(last=False)
+        return plan_prompt(self.model.lm, voice, persona_tokens(self.model.tokenizer, params.persona))
+
+    def _store_prompt(self, key: tuple, row: int) -> _CachedPrompt:
+        state = self.lm_state
+        filled = int(min(int(state.pos[row]), self.model.config.context))
+        entry = _CachedPrompt(
+            k=state.cache_k[:, row, :, :filled].clone(), v=state.cache_v[:, row, :, :filled].clone(),
+            kpos=state.kpos[row, :filled].clone(), pos=int(state.pos[row]), ring=state.ring[row].clone(),
+            offset=int(state.offset[row]), forced=state.forced[row].clone(),
+        )
+        self._prompt_cache[key] = entry
+        while len(self._prompt_cache) > self.config.prompt_cache_entries:
+            self._prompt_cache.popitem(last=False)
+        return entry
+
+    def _device_step(self, n: int) -> _DeviceStep:
+        step = self._steps.get(n)
+        if step is None:
+            step = self._steps[n] = _DeviceStep(self, n)
+        return step
+
+    def _loop(self) -> None:
+        tick_s = self.config.tick_ms / 1000.0
+        deadline = time.monotonic() + tick_s
+        while self._running:
+            self._drain_commands()
+            now = time.monotonic()
+            if now >= deadline:
+                self._realtime_tick(started_late=now - deadline > tick_s / 2)
+                deadline += tick_s
+                if time.monotonic() > deadline:  # never burst to catch up: re-anchor on the clock
+                    deadline = time.monotonic() + tick_s
+                continue
+            if self._offline_step():
+                continue
+            self._wake.wait(timeout=min(deadline - now, 0.002 if self._has_offline() else 1.0))
+            self._wake.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _live(self, offline: bool) -> list[_Runtime]:
+        with self._lock:
+            return [rt for rt in self._slots if rt is not None and rt.live and rt.offline == offline]
+
+    def _has_offline(self) -> bool:
+        return bool(self._live(offline=True))
+
+    def _read_input(self, rt: _Runtime) -> bool:
+        """Put the slot's next frame (or silence) into the host input row; False if the slot failed."""
+        row = self._pcm_host[rt.index]
+        try:
+            frame = rt.source.read_frame()
+            if frame is None:
+                row.zero_()
+                rt.stats.underruns += 1
+                return True
+            data = np.asarray(frame, dtype=np.float32)
+            if data.shape != (FRAME_SAMPLES,) or not np.isfinite(data).all():
+                raise ValueError(f"the input frame must be {FRAME_SAMPLES} finite samples")
+            row.copy_(torch.from_numpy(data))
+            rt.stats.frames_in += 1
+            return True
+        except Exception as exc:
+            self._fail(rt, SessionFailed(f"input failed: {exc}"))
+            return False
+
+    def _realtime_tick(self, started_late: bool) -> None:
+        live = [rt for rt in self._live(offline=False) if self._read_input(rt)]
+        if not live:
+            self._batch = 0
+            return
+        t0 = time.perf_counter()
+        n = _bucket(max(rt.index for rt in live) + 1, self.max_sessions)
+        self._active_host[:n] = False
+        for rt in live:
+            self._active_host[rt.index] = True
+        offline_rows = [rt.index for rt in self._live(offline=True) if rt.index < n]
+        try:
+            outputs = self._run_batch(n, offline_rows)
+        except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
+            log.exception("tick failed")
+            for rt in live:
+                self._fail(rt, SessionFailed(f"step failed: {exc}"))
+            return
+        frames, emitted, audio = outputs
+        for rt in live:
+            self._deliver(rt, frames[rt.index], bool(emitted[rt.index]), audio[rt.index])
+        elapsed = (time.perf_counter() - t0) * 1000.0
+        self._record_tick(elapsed, n, late=started_late or elapsed > self.config.tick_ms)
+
+    def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One step over rows [0, n); `protected_rows` (input-clocked sessions) keep their Mimi state."""
+        step = self._device_step(n)
+        saved = [(r, self.mimi_state.encoder.rows(slice(r, r + 1)).clone(),
+                  self.mimi_state.decoder.rows(slice(r, r + 1)).clone()) for r in protected_rows]
+        self.pcm_in[:n].copy_(self._pcm_host[:n], non_blocking=True)
+        self.active[:n].copy_(self._active_host[:n], non_blocking=True)
+        self._timer.start()
+        frame, emitted, audio = step.run(self._timer)
+        for r, enc, dec in saved:
+            self.mimi_state.encoder.rows(slice(r, r + 1)).copy_(enc)
+            self.mimi_state.decoder.rows(slice(r, r + 1)).copy_(dec)
+        result = (frame.cpu().numpy(), emitted.cpu().numpy(), audio.float().cpu().numpy())
+        self._parts_ms = self._timer.parts_ms()
+        return result
+
+    def _deliver(self, rt: _Runtime, frame: np.ndarray, emitted: bool, audio: np.ndarray) -> None:
+        """Hand one slot its frame. The lock makes close() wait for a callback in flight, so none follows it."""
+        if not np.isfinite(audio).all():
+            self._fail(rt, SessionFailed("the model produced non-finite audio"))
+            return
+        if not emitted:
+            return
+        with self._lock:
+            if self._slots[rt.index] is not rt or not rt.live:
+                return
+            out = FrameOutput(index=rt.out_index, audio=audio.copy(), text=self.model.text_piece(int(frame[0])),
+                              tokens=frame.copy())
+            rt.out_index += 1
+            rt.stats.frames_out += 1
+            try:
+                rt.on_output(out)
+            except Exception as exc:
+                self._fail(rt, SessionFailed(f"output callback failed: {exc}"))
+
+    def _offline_step(self) -> bool:
+        """Step one input-clocked session that has a frame ready (round robin). True if one ran."""
+        ready = []
+        for rt in self._live(offline=True):
+            try:
+                if rt.source.frames_ready() > 0:
+                    ready.append(rt)
+            except Exception as exc:
+                self._fail(rt, SessionFailed(f"input failed: {exc}"))
+        if not ready:
+            return False
+        rt = ready[self._offline_rr % len(ready)]
+        self._offline_rr += 1
+        if not self._read_input(rt):
+            return True
+        r = rt.index
+        rows = slice(r, r + 1)
+        lm, mimi = self.model.lm, self.model.mimi
+        try:
+            with torch.no_grad():
+                mimi_rows = self.mimi_state.rows(rows)
+                codes = mimi.encode_frame(self._pcm_host[rows].to(self.device), mimi_rows)
+                lm_rows = self.lm_state.rows(rows)
+                temporal = temporal_half(lm, lm_rows, codes, self.text_sampling.rows(rows), self.const)
+                frame, emitted = depformer_half(lm, lm_rows, temporal, self.audio_sampling.rows(rows),
+                                                lm.depformer_cache(1), self.const)
+                audio = decode_agent(mimi, frame, emitted, mimi_rows, self.model.mimi_config.quantizer.bins)
+            frame_host, emitted_host, audio_host = frame[0].cpu().numpy(), bool(emitted[0]), audio[0].float().cpu()
+        except Exception as exc:
+            log.exception("offline step failed")
+            self._fail(rt, SessionFailed(f"step failed: {exc}"))
+            return True
+        self._offline_frames += 1
+        self._deliver(rt, frame_host, emitted_host, audio_host.numpy())
+        return True
+
+    def _record_tick(self, ms: float, n: int, late: bool) -> None:
+        with self._lock:
+            self._ticks += 1
+            self._late += int(late)
+            self._batch = n
+            self._tick_ms.append(ms)
+            self._buckets[bisect.bisect_left(TICK_MS_BUCKETS, ms)] += 1
+
+    def _fail(self, rt: _Runtime, error: EngineError) -> None:
+        with self._lock:
+            if rt.stats.state in ("closed", "failed"):
+                return
+            rt.stats.state = "failed"
+            self._errors += 1
+            if self._slots[rt.index] is rt:
+                self._slots[rt.index] = None
+            callback = rt.on_error
+        if callback is not None:
+            try:
+                callback(error)
+            except Exception:
+                log.exception("on_error callback failed")
+
