@@ -41,6 +41,7 @@ from model.prompts import VoicePrompt, plan_voice
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors header names
 
 
 class CheckpointError(ValueError):
@@ -142,6 +143,9 @@ def load_lm(path: Path, cfg: LMConfig, device: str = "cpu", dtype: torch.dtype =
         for key, shape in expected.items():
             if header[key] != shape:
                 raise CheckpointError(f"{path}: key '{key}' has shape {list(header[key])}, expected {list(shape)}")
+            if f.get_slice(key).get_dtype() not in FLOAT_DTYPES:
+                raise CheckpointError(f"{path}: key '{key}' has dtype {f.get_slice(key).get_dtype()}, expected a "
+                                      f"floating-point tensor ({', '.join(FLOAT_DTYPES)})")
         steps = cfg.num_audio_codebooks
         with torch.device("meta"):
             lm = LM(cfg, depformer_steps=steps)
@@ -150,10 +154,7 @@ def load_lm(path: Path, cfg: LMConfig, device: str = "cpu", dtype: torch.dtype =
         for key in expected:
             if not _wanted(key, steps):
                 continue
-            tensor = f.get_tensor(key)
-            if not tensor.is_floating_point():
-                raise CheckpointError(f"{path}: key '{key}' has dtype {tensor.dtype}, expected a floating-point tensor")
-            tensor = _slice_for_steps(key, tensor, cfg, steps)
+            tensor = _slice_for_steps(key, f.get_tensor(key), cfg, steps)
             with torch.no_grad():
                 params[key].copy_(tensor.to(dtype))
     return lm.eval()
