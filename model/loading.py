@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,8 +181,10 @@ def unpack_voices(archive: Path) -> Path:
         tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         _safe_extract(archive, tmp)
-        if not dest.exists():
+        try:
             tmp.rename(dest)
+        except OSError:  # another process unpacked it first: use theirs
+            shutil.rmtree(tmp)
         (dest / ".complete").touch()
     pts = list(dest.rglob("*.pt"))
     return pts[0].parent if pts else dest

@@ -207,6 +207,18 @@ def test_voices_unpacked_once_into_cache(tiny, voice_cache):
     assert isinstance(voice, VoicePrompt) and voice.embeddings.shape[1] == 64 and voice.ring.shape == (17, 4)
 
 
+def test_voices_unpacked_by_another_process_leave_no_temp_folder(tiny, tmp_path, monkeypatch):
+    """Two processes unpacking at once: the one that loses the rename drops its copy and uses the winner's."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PERSONAPLEX_CACHE", str(cache))
+    first = load_model(str(tiny)).voices_dir
+    digest_dir = cache / "voices" / first.relative_to(cache / "voices").parts[0]
+    (digest_dir / ".complete").unlink()  # as if the winner had renamed its folder but not yet marked it
+    again = load_model(str(tiny))
+    assert again.voices() == ["NATF2", "NATM1"] and again.voices_dir == first
+    assert [p.name for p in (cache / "voices").iterdir()] == [digest_dir.name]
+
+
 def test_voice_resolution(model, tmp_path):
     assert model.resolve_voice("NATF2") == model.voices_dir / "NATF2.pt"
     assert model.resolve_voice("NATM1.pt") == model.voices_dir / "NATM1.pt"
