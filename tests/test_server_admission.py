@@ -1,0 +1,224 @@
+"""Admission, slot recycling, disconnects, auth, limits, shutdown and the HTTP routes, over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import pytest
+from server_support import b64, closed_with, encode, expect_error, next_event, until, wait_in_use
+
+REALTIME = "/v1/realtime?duplex=1"
+
+
+async def _speak(ws: aiohttp.ClientWebSocketResponse, samples: np.ndarray, frames: int = 4) -> None:
+    await ws.send_json({"type": "session.update", "session": {"pacing": "input"}})
+    await until(ws, "session.updated")
+    await ws.send_json({"type": "input_audio_buffer.append",
+                        "audio": b64(encode(samples[: frames * 1920], "pcm16", 24000))})
+    await until(ws, "response.output_audio.delta")
+
+
+async def test_overflow_then_recycled_slot(start_server, speech_24k):
+    server = await start_server(max_sessions=1)
+    async with aiohttp.ClientSession() as http:
+        first = await http.ws_connect(server.ws(REALTIME))
+        assert (await next_event(first))["type"] == "session.created"
+        await _speak(first, speech_24k)
+
+        extra = await http.ws_connect(server.ws(REALTIME))
+        err = await expect_error(extra, "resource_exhausted")
+        assert err["type"] == "rate_limit_error" and "limit=1" in err["message"]
+        code, _ = await closed_with(extra)
+        assert code == 1013
+
+        await first.send_json({"type": "session.close"})
+        code, seen = await closed_with(first)
+        assert code == 1000 and seen[-1]["type"] == "session.closed"
+        await wait_in_use(http, server.url, 0)
+
+        replacement = await http.ws_connect(server.ws(REALTIME))
+        created = await next_event(replacement)
+        assert created["type"] == "session.created"
+        await _speak(replacement, speech_24k)
+        await replacement.close()
+
+        async with http.get(server.url + "/metrics") as r:
+            text = await r.text()
+        assert 'personaplex_rejections_total{code="resource_exhausted",route="/v1/realtime"} 1' in text
+        assert 'personaplex_admissions_total{route="/v1/realtime"} 2' in text
+
+
+async def test_vanished_client_frees_its_slot_at_once(server, speech_24k):
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(server.ws(REALTIME))
+        await next_event(ws)
+        await ws.send_json({"type": "input_audio_buffer.append",
+                            "audio": b64(encode(speech_24k[:4800], "pcm16", 24000))})
+        await until(ws, "response.output_audio.delta")
+        assert (await (await http.get(server.url + "/health")).json())["sessions"]["in_use"] == 1
+        ws._response.connection.transport.abort()  # the TCP connection drops without a close frame
+        await wait_in_use(http, server.url, 0, timeout=2.0)
+
+
+@pytest.mark.parametrize("how", ["bearer", "query", "subprotocol"])
+async def test_auth_accepts_each_key_form(start_server, how):
+    server = await start_server(api_keys=("k1", "sekret"))
+    kwargs: dict = {}
+    url = server.ws(REALTIME)
+    if how == "bearer":
+        kwargs["headers"] = {"Authorization": "Bearer sekret"}
+    elif how == "query":
+        url += "&api_key=sekret"
+    else:
+        kwargs["protocols"] = ("realtime", "openai-insecure-api-key.sekret", "openai-beta.realtime-v1")
+    async with aiohttp.ClientSession() as http, http.ws_connect(url, **kwargs) as ws:
+        assert (await next_event(ws))["type"] == "session.created"
+        if how == "subprotocol":
+            assert ws.protocol == "realtime"
+
+
+async def test_auth_refuses_before_any_slot(start_server):
+    server = await start_server(api_keys=("sekret",))
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                await http.ws_connect(server.ws(REALTIME), headers=headers)
+            assert e.value.status == 401
+        async with http.get(server.url + "/v1/realtime", headers={"Connection": "Upgrade", "Upgrade": "websocket"}) \
+                as r:
+            assert r.status == 401 and (await r.json())["error"]["code"] == "unauthorized"
+        for path in ("/v1/duplex", "/v1/twilio"):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                await http.ws_connect(server.ws(path))
+            assert e.value.status == 401
+        async with http.get(server.url + "/v1/models") as r:
+            assert r.status == 401
+        async with http.get(server.url + "/v1/models", headers={"Authorization": "Bearer sekret"}) as r:
+            assert r.status == 200
+        health = await (await http.get(server.url + "/health")).json()
+        assert health["sessions"]["in_use"] == 0
+        metrics = await (await http.get(server.url + "/metrics")).text()
+        assert 'personaplex_rejections_total{code="unauthorized",route="/v1/realtime"} 3' in metrics
+        assert "personaplex_admissions_total{" not in metrics
+
+
+async def test_origin_allow_list(start_server):
+    server = await start_server(allowed_origins=("https://app.example",))
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+            await http.ws_connect(server.ws(REALTIME), headers={"Origin": "https://evil.example"})
+        assert e.value.status == 403
+        async with http.ws_connect(server.ws(REALTIME), headers={"Origin": "https://app.example"}) as ws:
+            assert (await next_event(ws))["type"] == "session.created"
+
+
+async def test_graceful_shutdown_says_session_closed_and_1001(start_server, speech_24k):
+    server = await start_server()
+    async with aiohttp.ClientSession() as http:
+        rt = await http.ws_connect(server.ws(REALTIME))
+        await next_event(rt)
+        await _speak(rt, speech_24k)
+        native = await http.ws_connect(server.ws("/v1/duplex"))
+        await native.send_json({"type": "session.create", "session": {}})
+        await until(native, "session.created")
+        stop = asyncio.ensure_future(server.stop())
+        for ws in (rt, native):
+            code, seen = await closed_with(ws)
+            closed = [e for e in seen if e["type"] == "session.closed"]
+            assert code == 1001 and closed and closed[0]["reason"] == "server_shutdown", (code, seen[-3:])
+        await stop
+
+
+async def test_first_message_timeout(start_server):
+    server = await start_server(first_message_timeout_s=0.4)
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        await expect_error(ws, "config_timeout")
+        code, seen = await closed_with(ws)
+        assert code == 1008 and seen[-1]["type"] == "session.closed" and seen[-1]["reason"] == "config_timeout"
+        await wait_in_use(http, server.url, 0)
+
+
+async def test_idle_timeout_closes_the_session(server):
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        await ws.send_json({"type": "session.update", "session": {"idle_timeout_s": 1}})
+        assert (await until(ws, "session.updated"))["session"]["idle_timeout_s"] == 1
+        code, seen = await closed_with(ws, timeout=4)
+        assert code == 1000 and seen[-1]["reason"] == "idle_timeout"
+
+
+async def test_oversized_message_closes_1009(start_server):
+    server = await start_server(max_message_bytes=32 * 1024)
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(server.ws(REALTIME)) as ws:
+            await next_event(ws)
+            await ws.send_json({"type": "input_audio_buffer.append", "audio": "A" * 40_000})
+            await expect_error(ws, "event_too_large")
+            code, _ = await closed_with(ws)
+            assert code == 1009
+        async with http.ws_connect(server.ws(REALTIME)) as ws:   # far over: aiohttp's own bound closes it
+            await next_event(ws)
+            await ws.send_str("x" * 200_000)
+            code, _ = await closed_with(ws)
+            assert code == 1009
+        await wait_in_use(http, server.url, 0)
+
+
+async def test_flood_is_rate_limited_then_closed(start_server):
+    server = await start_server(max_events_per_s=20)
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(server.ws(REALTIME)) as ws:
+            await next_event(ws)
+            for _ in range(50):   # a burst just over the bucket: some are dropped, the session stays
+                await ws.send_json({"type": "session.heartbeat"})
+            err = await expect_error(ws, "rate_limited")
+            assert err["type"] == "rate_limit_error"
+            await asyncio.sleep(1.0)
+            await ws.send_json({"type": "session.heartbeat"})
+            await until(ws, "session.heartbeat_ack")
+        async with http.ws_connect(server.ws(REALTIME)) as ws:
+            await next_event(ws)
+            for _ in range(300):  # a sustained flood: closed
+                await ws.send_json({"type": "session.heartbeat"})
+            code, seen = await closed_with(ws)
+            assert code == 1008 and any(e.get("error", {}).get("code") == "rate_limited" for e in seen)
+
+
+async def test_http_routes(server):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.url + "/health") as r:
+            health = await r.json()
+        assert r.status == 200 and health["status"] == "ok" and health["ready"] and health["tiny"]
+        assert health["sessions"] == {"in_use": 0, "free": 2, "max": 2}
+        assert {"ticks", "late_ticks", "p50_ms", "p99_ms"} <= set(health["tick"])
+        async with http.get(server.url + "/v1/models") as r:
+            models = await r.json()
+        assert models["object"] == "list" and models["data"][0]["id"] == "personaplex-tiny"
+        assert models["data"][0]["capabilities"]["chunk_period_ms"] == 80
+        async with http.get(server.url + "/v1/voices") as r:
+            voices = await r.json()
+        assert [v["id"] for v in voices["data"]] == ["NATF2", "NATM1"] and voices["default"] == "NATF2"
+        async with http.ws_connect(server.ws(REALTIME)) as ws:
+            await next_event(ws)
+            await ws.send_str("nope")
+            await expect_error(ws, "invalid_json")
+            await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(b"\0" * 7680)})
+            await until(ws, "response.output_audio.delta")
+            async with http.get(server.url + "/metrics") as r:
+                assert r.headers["Content-Type"].startswith("text/plain")
+                text = await r.text()
+        for line in ("personaplex_sessions_in_use 1", "personaplex_sessions_max 2",
+                     'personaplex_errors_total{code="invalid_json"} 1',
+                     'personaplex_connections{route="/v1/realtime"} 1',
+                     "# TYPE personaplex_engine_tick_ms histogram", 'personaplex_engine_tick_ms_bucket{le="+Inf"}'):
+            assert line in text, line
+        values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+        for name in ("personaplex_frames_in_total", "personaplex_underruns_total",
+                     "personaplex_engine_late_ticks_total"):
+            assert values[name] >= 0
+        assert values["personaplex_frames_out_total"] > 0 and values["personaplex_engine_ticks_total"] > 0
+        async with http.get(server.url + "/v1/realtime?duplex=0") as r:
+            assert r.status == 400
