@@ -473,6 +473,36 @@ class Engine:
                 prompt_cache_misses=self._cache_misses,
             )
 
+    def step_timings(self, n: int, iterations: int) -> list[dict[str, float]]:
+        """Run the batched step over rows [0, n) with every row active, before start(): per-part ms per run.
+
+        For benchmarks and warm-up; it advances those rows' state like real ticks would.
+        """
+        if self._thread is not None:
+            raise EngineError("step_timings runs only while the engine is stopped", "invalid_state")
+        n = _bucket(n, self.max_sessions)
+        self._active_host[:n] = True
+        runs = []
+        for _ in range(iterations):
+            self._run_batch(n, [])
+            runs.append(self._parts_ms)
+        self._active_host[:n] = False
+        return runs
+
+    def fill_context(self, rows: slice, frames: int) -> None:
+        """Mark `frames` past frames as present in the KV of `rows` (their values left as they are).
+
+        For benchmarks: attention then costs what a conversation of that length costs.
+        """
+        state, context = self.lm_state, self.model.config.context
+        held = min(frames, context)
+        positions = torch.arange(frames - held, frames, device=self.device)
+        kpos = torch.full((context,), -1, dtype=torch.long, device=self.device)
+        kpos[positions % context] = positions
+        state.kpos[rows] = kpos
+        state.pos[rows] = frames
+        state.offset[rows] = frames + 1
+
     # ----- engine thread -----------------------------------------------------------------------------------
 
     def begin(self, rt: _Runtime) -> None:

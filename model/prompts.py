@@ -31,7 +31,8 @@ class VoicePrompt:
 
     def to_reference(self) -> dict[str, Tensor]:
         """The bundled `.pt` layout: embeddings [N-1, 1, 1, dim], cache [1, 17, 4]."""
-        return {"embeddings": self.embeddings.view(-1, 1, 1, self.embeddings.shape[-1]), "cache": self.ring.view(1, *self.ring.shape)}
+        dim = self.embeddings.shape[-1]
+        return {"embeddings": self.embeddings.view(-1, 1, 1, dim), "cache": self.ring.view(1, *self.ring.shape)}
 
     @classmethod
     def from_reference(cls, data: dict[str, Tensor], dim: int, where: str) -> VoicePrompt:

@@ -1,0 +1,151 @@
+"""The engine on the H200: tick time by session count and context, capacity, and session-open latency.
+
+    python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
+
+Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
+fed by sources that always have a frame. One JSON line per measurement:
+- "tick": sessions, context, tick p50/p99 ms total and per part, late ticks, GPU memory;
+- "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
+- "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import numpy as np
+import torch
+
+from bench.fullsize import gpu_memory_gb, persona, random_personaplex, voice_wav
+from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
+
+
+class EndlessSource:
+    """A client that always has its next frame ready."""
+
+    def __init__(self, seed: int):
+        self.frame = (0.1 * np.random.default_rng(seed).standard_normal(1920)).astype(np.float32)
+
+    def read_frame(self) -> np.ndarray:
+        return self.frame
+
+    def frames_ready(self) -> int:
+        return 1
+
+
+def drop(_: FrameOutput) -> None:
+    pass
+
+
+def fail(error) -> None:
+    raise SystemExit(f"session failed: {error}")
+
+
+async def open_sessions(engine: Engine, count: int, params: SessionParams) -> list[Slot]:
+    slots = []
+    for i in range(count):
+        slot = engine.reserve()
+        await slot.start(params, EndlessSource(i), drop, fail)
+        slots.append(slot)
+    return slots
+
+
+def percentiles(values: list[float]) -> tuple[float, float]:
+    return round(float(np.percentile(values, 50)), 3), round(float(np.percentile(values, 99)), 3)
+
+
+async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int) -> dict:
+    params = SessionParams(sampling=SamplingParams())
+    slots = await open_sessions(engine, sessions, params)
+    await engine.submit(lambda: engine.fill_context(slice(0, sessions), context))
+    await asyncio.sleep(1.0)  # settle
+    parts: dict[str, list[float]] = {}
+    totals: list[float] = []
+    before = engine.stats()
+    for _ in range(ticks):
+        await asyncio.sleep(engine.config.tick_ms / 1000)
+        stats = engine.stats()
+        totals.append(stats.tick_ms)
+        for name, ms in stats.parts_ms.items():
+            parts.setdefault(name, []).append(ms)
+    after = engine.stats()
+    for slot in slots:
+        slot.close()
+    p50, p99 = percentiles(totals)
+    line = {"bench": "engine_tick", "sessions": sessions, "context_frames": context, "batch": after.batch,
+            "tick_ms_p50": p50, "tick_ms_p99": p99, "late_ticks": after.late_ticks - before.late_ticks,
+            "ticks": after.ticks - before.ticks}
+    for name, values in parts.items():
+        line[f"{name}_ms_p50"], line[f"{name}_ms_p99"] = percentiles(values)
+    return {**line, **gpu_memory_gb()}
+
+
+async def measure_open(engine: Engine, background: int, wav: str, opens: int) -> list[dict]:
+    slots = await open_sessions(engine, background, SessionParams(sampling=SamplingParams()))
+    await engine.submit(lambda: engine.fill_context(slice(0, background), 3000))
+    await asyncio.sleep(1.0)
+    lines = []
+    for kind in ("cold", "cached"):
+        times = []
+        for i in range(opens):
+            text = persona(40, salt=i if kind == "cold" else 10_000)
+            params = SessionParams(voice=wav, persona=text, sampling=SamplingParams())
+            slot = engine.reserve()
+            started = time.perf_counter()
+            await slot.start(params, EndlessSource(i), drop, fail)
+            times.append((time.perf_counter() - started) * 1000)
+            slot.close()
+            await asyncio.sleep(0.1)
+        p50, p99 = percentiles(times)
+        lines.append({"bench": "engine_open", "kind": kind, "background_sessions": background,
+                      "voice_seconds": 4.0, "persona_words": 40, "open_ms_p50": p50,
+                      "open_ms_max": round(max(times), 3), "open_ms_p99": p99,
+                      "late_ticks_total": engine.stats().late_ticks})
+    for slot in slots:
+        slot.close()
+    return lines
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    model = random_personaplex()
+    started = time.perf_counter()
+    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions))
+    engine.start()
+    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions,
+                      "graph_capture_s": round(time.perf_counter() - started, 1), **gpu_memory_gb()}), flush=True)
+    best: dict[int, int] = {}
+    for context in args.contexts:
+        for sessions in args.sessions:
+            if sessions > args.max_sessions:
+                continue
+            line = await measure_ticks(engine, sessions, context, args.ticks)
+            print(json.dumps(line), flush=True)
+            if line["tick_ms_p99"] < 80.0:
+                best[context] = max(best.get(context, 0), sessions)
+    for context, sessions in best.items():
+        print(json.dumps({"bench": "engine_capacity", "context_frames": context,
+                          "largest_realtime_sessions": sessions, "max_sessions_allocated": args.max_sessions}))
+    wav = voice_wav()
+    for line in await measure_open(engine, min(args.open_background, args.max_sessions - 1), wav, args.opens):
+        print(json.dumps(line), flush=True)
+    engine.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 32, 64, 72, 76])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[0, 3000])
+    parser.add_argument("--ticks", type=int, default=60)
+    parser.add_argument("--max-sessions", type=int, default=76)
+    parser.add_argument("--open-background", type=int, default=64)
+    parser.add_argument("--opens", type=int, default=5)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Kernel-level profile of the engine's batched step (full 7B shape, random bf16 weights): top CUDA kernels as JSON.
+
+    python -m bench.profile_step [--batch 1] [--context-fill 3000] [--no-graphs] [--top 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.fullsize import random_personaplex
+from model.engine import Engine, EngineConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context-fill", type=int, default=3000)
+    parser.add_argument("--graphs", action="store_true", help="profile graph replays (kernels still listed)")
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args()
+    model = random_personaplex()
+    engine = Engine(model, EngineConfig(max_sessions=max(args.batch), cuda_graphs=args.graphs))
+    for batch in args.batch:
+        engine.fill_context(slice(0, batch), args.context_fill)
+        engine.step_timings(batch, 3)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.step_timings(batch, 5)
+            torch.cuda.synchronize()
+        rows = []
+        for event in prof.key_averages():
+            if event.device_time_total <= 0:
+                continue
+            rows.append((event.device_time_total / 5 / 1000, event.count // 5, event.key[:90]))
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        kernels = sum(r[1] for r in rows)
+        print(json.dumps({"bench": "profile_step", "batch": batch, "device_ms_per_step": round(total, 3),
+                          "kernels_per_step": kernels}))
+        for ms, count, name in rows[: args.top]:
+            print(json.dumps({"batch": batch, "ms": round(ms, 3), "calls": count, "kernel": name}))
+
+
+if __name__ == "__main__":
+    main()
