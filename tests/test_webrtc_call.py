@@ -1,0 +1,234 @@
+"""`POST /v1/realtime/calls` end to end: a real aiortc client peer against the server (tiny model) on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+from server_support import wait_in_use
+from webrtc_support import ensure_ice_host_address
+
+from app.webrtc import CALLS, WebRTCConfig
+from app.webrtc_client import CallRefused, RealtimeCall
+
+CALLS_URL = "/v1/realtime/calls"
+OFFER = "v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\n"
+
+
+@pytest.fixture(autouse=True)
+def _ice_address():
+    ensure_ice_host_address()
+
+
+async def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_call_speaks_back_and_streams_transcript_events(server, speech_24k):
+    session = {"type": "realtime", "instructions": "You are a friendly receptionist."}
+    call = RealtimeCall(server.url, speech_24k, session=session)
+    await call.connect()
+    try:
+        assert call.location and "/v1/realtime/calls/rtc_" in call.location
+        created = await call.wait_event("session.created")
+        updated = await call.wait_event("session.updated")
+        assert created["session"]["capabilities"]["implementation_level"] == "model_native_duplex"
+        assert updated["session"]["instructions"] == "You are a friendly receptionist."
+        await call.wait_event("response.created", timeout_s=15)
+        await wait_for(lambda: len(call.transcript()) > 0 and len(call.recording.chunks) > 100, 20,
+                       "audio and transcript")
+        kinds = [e["type"] for e in call.events]
+        start = kinds.index("response.created")
+        assert kinds[start:start + 4] == ["response.created", "conversation.item.added",
+                                          "response.output_item.added", "response.content_part.added"]
+        assert "response.output_audio.delta" not in kinds       # the audio is on the RTP track
+        audio = call.recording.audio()
+        assert np.isfinite(audio).all()
+        assert float(np.sqrt(np.mean(audio[-24000:] ** 2))) > 1e-3
+        stats = await call.wait_event("session.stats", timeout_s=5)
+        assert stats["input"]["frames_out"] > 0 and stats["output"]["frames_sent"] > 0
+        assert stats["rtp"]["packets_received"] > 0 and stats["output"]["encode_failures"] == 0
+        assert stats["inbound"]["frames"] > 0
+    finally:
+        status = await call.hang_up()
+    assert status == 204
+    async with aiohttp.ClientSession() as http:
+        await wait_in_use(http, server.url, 0)
+
+
+async def test_a_full_server_answers_429_and_a_hung_up_call_frees_its_slot(start_server, speech_24k):
+    srv = await start_server(max_sessions=1)
+    first = RealtimeCall(srv.url, speech_24k, loop_audio=True)
+    await first.connect()
+    second = RealtimeCall(srv.url, speech_24k)
+    with pytest.raises(CallRefused) as refused:
+        await second.connect()
+    await second.close()
+    assert refused.value.status == 429
+    assert refused.value.error()["code"] == "resource_exhausted"
+    async with aiohttp.ClientSession() as http:
+        await wait_in_use(http, srv.url, 1)
+        assert await first.hang_up() == 204
+        await wait_in_use(http, srv.url, 0)
+        async with http.delete(first.location) as res:
+            assert res.status == 404                       # already gone
+    third = RealtimeCall(srv.url, speech_24k, session={"instructions": "again"})
+    await third.connect()
+    try:
+        await third.wait_event("response.created", timeout_s=15)
+    finally:
+        await third.hang_up()
+
+
+async def test_a_client_that_leaves_without_hanging_up_frees_its_slot(server, speech_24k):
+    call = RealtimeCall(server.url, speech_24k)
+    await call.connect()
+    await call.wait_event("response.created", timeout_s=15)
+    assert len(server.app[CALLS]) == 1
+    ended = next(iter(server.app[CALLS].values()))
+    await call.close()                                     # DTLS close, no DELETE
+    async with aiohttp.ClientSession() as http:
+        await wait_in_use(http, server.url, 0, timeout=10)
+    assert ended.end_reason == "peer_closed" and not server.app[CALLS]
+
+
+async def test_a_call_whose_ice_never_connects_is_dropped(start_server, speech_24k, monkeypatch):
+    monkeypatch.setenv("PERSONAPLEX_ICE_CONNECT_TIMEOUT_S", "1")
+    srv = await start_server()
+    call = RealtimeCall(srv.url, speech_24k)
+    call.pc.setRemoteDescription = _never                   # the client never applies the answer: no ICE
+    connecting = asyncio.ensure_future(call.connect())
+    await wait_for(lambda: srv.app[CALLS], 5, "the call")
+    server_side = next(iter(srv.app[CALLS].values()))
+    assert srv.ctx.engine.sessions_in_use() == 1
+    await wait_for(lambda: server_side.closed, 5, "the call to be dropped")
+    assert server_side.end_reason == "ice_timeout" and srv.ctx.engine.sessions_in_use() == 0
+    connecting.cancel()
+    await call.close()
+
+
+async def _never(*args, **kwargs):
+    await asyncio.sleep(3600)
+
+
+async def test_the_data_channel_takes_realtime_events_both_ways(server, speech_24k):
+    call = RealtimeCall(server.url, speech_24k)
+    await call.connect()
+    try:
+        await call.wait_event("session.created")
+        call.send_event({"type": "session.heartbeat", "event_id": "e1"})
+        assert (await call.wait_event("session.heartbeat_ack"))["session_id"]
+        call.send_event({"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "e2"})
+        call.send_event({"type": "no.such.event", "event_id": "e3"})
+        call.channel.send("{not json")
+        await wait_for(lambda: len([e for e in call.events if e["type"] == "error"]) >= 3, 5, "three errors")
+        errors = {e["error"].get("event_id"): e["error"]["code"] for e in call.events if e["type"] == "error"}
+        assert errors["e2"] == "unsupported_event" and errors["e3"] == "unknown_event"
+        assert errors[None] == "invalid_json"
+        await call.wait_event("response.created", timeout_s=15)
+        call.send_event({"type": "session.update", "session": {"instructions": "A different persona."},
+                         "event_id": "e4"})
+        await wait_for(lambda: any(e["type"] == "error" and e["error"].get("event_id") == "e4"
+                                   for e in call.events), 5, "persona error")
+        assert [e["error"]["code"] for e in call.events if e["type"] == "error"
+                and e["error"].get("event_id") == "e4"] == ["persona_update_unsupported"]
+        first = call.events.copy()
+        response_id = (await call.wait_event("response.created"))["response_id"]
+        call.send_event({"type": "response.cancel"})
+        await wait_for(lambda: any(e["type"] == "response.done" for e in call.events), 5, "response.done")
+        done = next(e for e in call.events if e["type"] == "response.done")
+        assert done["response"]["id"] == response_id and done["response"]["status"] == "cancelled"
+        await wait_for(lambda: sum(e["type"] == "response.created" for e in call.events) == 2, 10, "new response")
+        assert len(call.events) > len(first)
+    finally:
+        await call.hang_up()
+
+
+async def test_session_closed_is_sent_on_hang_up_and_at_server_shutdown(start_server, speech_24k):
+    srv = await start_server()
+    call = RealtimeCall(srv.url, speech_24k)
+    await call.connect()
+    await call.wait_event("session.created")
+    await srv.stop()
+    closed = await call.wait_event("session.closed", timeout_s=5)
+    assert closed["reason"] == "server_shutdown"
+    await call.close()
+
+
+@pytest.mark.parametrize("body,ctype,status,code", [
+    (b"hello", "text/plain", 415, "bad_event"),
+    (b"not an sdp", "application/sdp", 400, "bad_event"),
+    (OFFER.encode(), "application/sdp", 400, "bad_event"),                          # no m=audio
+    (b'{"sdp": 5}', "application/json", 400, "bad_event"),
+    (b"{broken", "application/json", 400, "invalid_json"),
+])
+async def test_bad_offers_get_clear_errors_and_take_no_slot(server, body, ctype, status, code):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + CALLS_URL, data=body, headers={"Content-Type": ctype}) as res:
+            assert res.status == status
+            err = (await res.json())["error"]
+            assert err["code"] == code and err["message"]
+        await wait_in_use(http, server.url, 0)
+
+
+async def test_a_bad_session_part_is_refused_before_any_peer(server, speech_24k):
+    call = RealtimeCall(server.url, speech_24k, session={"voice": "no-such-voice"})
+    with pytest.raises(CallRefused) as refused:
+        await call.connect()
+    await call.close()
+    assert refused.value.status == 400 and refused.value.error()["code"] == "invalid_voice"
+    call = RealtimeCall(server.url, speech_24k, session={"temperature": -1})
+    with pytest.raises(CallRefused) as refused:
+        await call.connect()
+    await call.close()
+    assert refused.value.error()["code"] == "invalid_session_config"
+    async with aiohttp.ClientSession() as http:
+        await wait_in_use(http, server.url, 0)
+        assert not server.app[CALLS]
+
+
+async def test_api_keys_guard_calls(start_server, speech_24k):
+    srv = await start_server(api_keys=("sekrit",))
+    call = RealtimeCall(srv.url, speech_24k)
+    with pytest.raises(CallRefused) as refused:
+        await call.connect()
+    await call.close()
+    assert refused.value.status == 401
+    call = RealtimeCall(srv.url, speech_24k, api_key="sekrit")
+    await call.connect()
+    try:
+        await call.wait_event("session.created")
+    finally:
+        assert await call.hang_up() == 204
+
+
+def test_ice_servers_come_from_settings_or_environment():
+    class S:
+        stun_url = None
+
+    cfg = WebRTCConfig.from_settings(S(), env={"PERSONAPLEX_STUN_URL": "stun:stun.example.org:3478",
+                                               "PERSONAPLEX_TURN_URL": "turn:turn.example.org:3478",
+                                               "PERSONAPLEX_TURN_USERNAME": "u", "PERSONAPLEX_TURN_CREDENTIAL": "p"})
+    assert [s.urls for s in cfg.ice_servers] == ["stun:stun.example.org:3478", "turn:turn.example.org:3478"]
+    assert cfg.browser_ice_servers()[1] == {"urls": "turn:turn.example.org:3478", "username": "u", "credential": "p"}
+    assert WebRTCConfig.from_settings(S(), env={}).ice_servers == ()
+    with pytest.raises(ValueError):
+        WebRTCConfig.from_settings(S(), env={"PERSONAPLEX_ICE_RELAY_ONLY": "1"})
+
+
+async def test_the_page_and_its_config_are_served(server):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.url + "/") as res:
+            assert res.status == 200 and "<title>PersonaPlex" in await res.text()
+        for asset in ("app.js", "style.css"):
+            async with http.get(f"{server.url}/static/{asset}") as res:
+                assert res.status == 200
+        async with http.get(server.url + "/v1/realtime/webrtc-config") as res:
+            assert (await res.json())["ice_servers"] == []
