@@ -13,7 +13,9 @@ from model_fixtures import make_tiny, speech_wav
 
 from model.audio import read_wav, resample
 from model.config import FRAME_SAMPLES, SAMPLE_RATE, SILENCE_TOKENS, SINE_TOKENS, TEXT_PAD
+from model.generate import generate
 from model.loading import PersonaPlex, load_model
+from model.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 INPUT_RATE = 16000
@@ -111,20 +113,24 @@ def test_seeded_sampling_is_reproducible(tiny, speech, input_frames, tmp_path):
     assert not np.array_equal(a.tokens[:, :9], c.tokens[:, :9])
 
 
-def test_prompt_phases(tiny, speech, input_frames, tmp_path):
+def test_prompt_phases(tiny, speech, input_frames, model, tmp_path):
     bare = run_cli(tiny, speech, tmp_path / "bare", "--greedy", "--voice", "none")
     # No prompt: a fresh row's first call emits nothing.
     assert bare.tokens.shape == (input_frames - 1, 17)
     assert bare.audio.size == (input_frames - 1) * FRAME_SAMPLES
 
-    voice = run_cli(tiny, speech, tmp_path / "voice", "--greedy", "--voice", "NATM1")
     both = run_cli(tiny, speech, tmp_path / "both", "--greedy", "--voice", "NATM1", "--persona", PERSONA)
-    persona = run_cli(tiny, speech, tmp_path / "persona", "--greedy", "--voice", "none", "--persona", PERSONA)
-    for run in (voice, both, persona):
-        assert run.tokens.shape == (input_frames, 17)
-        assert run.tokens[0].tolist() == [TEXT_PAD, *SILENCE_TOKENS, *SINE_TOKENS]
-    # The prompt reaches the model: each one leads to a different conversation.
-    agents = [r.tokens[1:, :9] for r in (voice, both, persona)] + [bare.tokens[:, :9]]
+    # The other prompt shapes in-process, through the function the CLI runs.
+    samples, rate = read_wav(speech)
+    samples = resample(samples, rate, SAMPLE_RATE)
+    greedy = SamplingParams(greedy=True)
+    voice = generate(model, samples, "NATM1", "", greedy, seed=0).tokens
+    persona = generate(model, samples, None, PERSONA, greedy, seed=0).tokens
+    for tokens in (both.tokens, voice, persona):
+        assert tokens.shape == (input_frames, 17)
+        assert tokens[0].tolist() == [TEXT_PAD, *SILENCE_TOKENS, *SINE_TOKENS]
+    # Each prompt reaches the model: each leads to a different conversation.
+    agents = [t[1:, :9] for t in (both.tokens, voice, persona)] + [bare.tokens[:, :9]]
     for i in range(len(agents)):
         for j in range(i + 1, len(agents)):
             assert not np.array_equal(agents[i], agents[j]), (i, j)
