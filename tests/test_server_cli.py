@@ -1,0 +1,109 @@
+"""`python -m app` as a process: flags over environment variables, the loud fallback to the tiny model without a GPU,
+and a clean exit on SIGTERM; and `bench/realtime_check.py` passing against a server on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+
+from app.settings import DEFAULT_MODEL, parse_settings
+from model.audio import write_wav
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flags_win_over_environment():
+    env = {"PERSONAPLEX_PORT": "1111", "PERSONAPLEX_MAX_SESSIONS": "3", "PERSONAPLEX_API_KEYS": "a, b",
+           "PERSONAPLEX_ALLOWED_ORIGINS": "https://x.example", "PERSONAPLEX_VOICES_DIR": "~/voices",
+           "PERSONAPLEX_STRICT_MODEL": "true", "PERSONAPLEX_LOG_LEVEL": "DEBUG"}
+    s = parse_settings(["--port", "9", "--api-key", "c", "--dtype", "bfloat16"], env)
+    assert (s.port, s.max_sessions, s.api_keys, s.dtype) == (9, 3, ("c",), "bfloat16")
+    assert s.allowed_origins == ("https://x.example",) and s.voices_dir == Path.home() / "voices"
+    assert s.strict_model is True and s.log_level == "DEBUG" and s.model == DEFAULT_MODEL
+    assert parse_settings([], {"PERSONAPLEX_API_KEYS": "a, b"}).api_keys == ("a", "b")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "PERSONAPLEX_MODEL")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+async def test_no_gpu_falls_back_to_tiny_loudly_and_exits_on_sigterm(tiny_checkpoint, tmp_path):
+    if torch.cuda.is_available():
+        return  # the fallback under test is the no-GPU one
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tiny-checkpoint").symlink_to(tiny_checkpoint, target_is_directory=True)
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app", "--port", str(port), "--cache-dir", str(cache), "--max-sessions", "1",
+        cwd=ROOT, env=_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        health = None
+        deadline = time.monotonic() + 60
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        health = await r.json()
+                        if health.get("ready"):
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.2)
+        assert health is not None and health["ready"] and health["tiny"], health
+        assert "no GPU" in health["note"] and health["sessions"]["max"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, out.decode()
+    assert "SERVING THE BUILT-IN TINY TEST MODEL" in out.decode()
+
+
+async def _bench(*args: str) -> dict:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.realtime_check", *args, cwd=ROOT, env=_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert out, err.decode()
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    report["returncode"] = proc.returncode
+    return report
+
+
+async def test_realtime_check_passes_against_tiny_server(start_server, speech_24k, tmp_path):
+    server = await start_server(max_sessions=2)
+    wav = tmp_path / "speech.wav"
+    write_wav(wav, speech_24k, 24000)
+    report = await _bench("--url", server.ws(""), "--wav", str(wav), "--seconds", "2")
+    assert report["pass"] and report["returncode"] == 0, report
+    assert all(report["checks"].values())
+    assert set(report["sessions"]) == {"primary", "secondary", "replacement"}
+    for s in report["sessions"].values():
+        assert s["ok"] and s["missing_frames"] <= 4 and s["response_ids"] == 1 and s["errors"] == 0
+
+
+async def test_realtime_check_load_mode(start_server):
+    server = await start_server(max_sessions=2)
+    report = await _bench("--url", server.ws(""), "--sessions", "3", "--seconds", "2")
+    assert report["returncode"] == 0
+    assert report["sessions_admitted"] == 2 and report["refused"][0]["code"] == "resource_exhausted"
+    for s in report["per_session"]:
+        assert s["errors"] == 0 and s["response_ids"] == 1 and s["frames_in"] == 25
+        assert s["missing_frames"] <= 4 and s["server_stream_rtf"] is not None
