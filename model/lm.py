@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.attention import KVStore, decode_attention
 from model.config import LMConfig
 
 
@@ -136,8 +137,7 @@ class LMState:
     acoustic codes are already in place).
     """
 
-    cache_k: Tensor  # [layers, B, heads, context, head_dim]
-    cache_v: Tensor
+    kv: KVStore  # [layers, B, heads, context, head_dim] (bf16/fp32, or fp8 with scales)
     kpos: Tensor  # [B, context] long
     pos: Tensor  # [B] long
     ring: Tensor  # [B, rows, ring_size] long
@@ -150,8 +150,8 @@ class LMState:
 
     def rows(self, index: slice) -> LMState:
         """A view of some rows: writes through it land in this state."""
-        return LMState(self.cache_k[:, index], self.cache_v[:, index], self.kpos[index], self.pos[index],
-                       self.ring[index], self.offset[index], self.forced[index])
+        return LMState(self.kv.rows(index), self.kpos[index], self.pos[index], self.ring[index], self.offset[index],
+                       self.forced[index])
 
 
 RING_SIZE = 4
@@ -188,14 +188,14 @@ class LM(nn.Module):
 
     # ----- state -------------------------------------------------------------------------------------------
 
-    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> LMState:
+    def init_state(self, batch_size: int, device: torch.device | str | None = None, fp8_kv: bool = False) -> LMState:
+        """Fresh state for `batch_size` rows; `fp8_kv` stores the KV cache as e4m3 with per-vector scales."""
         cfg = self.cfg
         device = device or self.text_linear.weight.device
         dtype = self.text_linear.weight.dtype
         shape = (cfg.num_layers, batch_size, cfg.num_heads, cfg.context, cfg.head_dim)
         state = LMState(
-            cache_k=torch.zeros(shape, device=device, dtype=dtype),
-            cache_v=torch.zeros(shape, device=device, dtype=dtype),
+            kv=KVStore.empty(shape, dtype, device, fp8_kv),
             kpos=torch.full((batch_size, cfg.context), -1, device=device, dtype=torch.long),
             pos=torch.zeros(batch_size, device=device, dtype=torch.long),
             ring=torch.zeros(batch_size, cfg.num_rows, RING_SIZE, device=device, dtype=torch.long),
@@ -224,8 +224,7 @@ class LM(nn.Module):
         fresh[0, :, 0] = initial
         state.ring.copy_(torch.where(keep.view(-1, 1, 1), state.ring, fresh))
         # Zero the KV of reset rows so a recycled slot's memory never leaks into masked arithmetic (0 * nan).
-        state.cache_k.mul_(keep.view(1, -1, 1, 1, 1).to(state.cache_k.dtype))
-        state.cache_v.mul_(keep.view(1, -1, 1, 1, 1).to(state.cache_v.dtype))
+        state.kv.zero_rows(rows)
 
     # ----- embeddings --------------------------------------------------------------------------------------
 
@@ -259,22 +258,17 @@ class LM(nn.Module):
         if active is not None:
             new_kpos = torch.where(active.view(B, 1), new_kpos, state.kpos.gather(1, slot))
         state.kpos.scatter_(1, slot, new_kpos)
-        mask = (state.kpos >= 0).view(B, 1, 1, cfg.context)
+        # Valid keys fill slots [0, n_valid): rows fill the ring in order from a reset, and a wrapped ring is full.
+        n_valid = (state.pos + 1).clamp(max=cfg.context)
         cos, sin = rope_tables(state.pos.view(B, 1, 1), cfg.head_dim, cfg.max_period)  # [B, 1, 1, half]
         rows = torch.arange(B, device=x.device)
         h = x.unsqueeze(1)
         for i, layer in enumerate(self.transformer.layers):
             q, k, v = layer.self_attn.qkv(layer.norm1(h))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k, v = k.squeeze(2), v.squeeze(2)
-            if active is not None:
-                keep = active.view(B, 1, 1)
-                k = torch.where(keep, k, state.cache_k[i, rows, :, slot.view(B)])
-                v = torch.where(keep, v, state.cache_v[i, rows, :, slot.view(B)])
-            state.cache_k[i, rows, :, slot.view(B)] = k
-            state.cache_v[i, rows, :, slot.view(B)] = v
-            o = F.scaled_dot_product_attention(q, state.cache_k[i], state.cache_v[i], attn_mask=mask)
-            h = h + layer.self_attn.out_proj(o.transpose(1, 2).flatten(2))
+            state.kv.write(i, rows, slot.view(B), k.squeeze(2), v.squeeze(2), active)
+            o = decode_attention(q.squeeze(2), state.kv, i, n_valid)
+            h = h + layer.self_attn.out_proj(o.flatten(1)).unsqueeze(1)
             h = h + layer.gating(layer.norm2(h))
         return self.out_norm(h).squeeze(1)
 
@@ -301,11 +295,11 @@ class LM(nn.Module):
         for i, layer in enumerate(self.transformer.layers):
             q, k, v = layer.self_attn.qkv(layer.norm1(h))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            keys = torch.cat((state.cache_k[i, row : row + 1], k), dim=2)
-            values = torch.cat((state.cache_v[i, row : row + 1], v), dim=2)
+            old_k, old_v = state.kv.read_row(i, row, k.dtype)
+            keys = torch.cat((old_k.unsqueeze(0), k), dim=2)
+            values = torch.cat((old_v.unsqueeze(0), v), dim=2)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            state.cache_k[i, row, :, slots] = k[0, :, T - keep :]
-            state.cache_v[i, row, :, slots] = v[0, :, T - keep :]
+            state.kv.write_span(i, row, slots, k[0, :, T - keep :], v[0, :, T - keep :])
             h = h + layer.self_attn.out_proj(o.transpose(1, 2).flatten(2))
             h = h + layer.gating(layer.norm2(h))
         state.kpos[row, slots] = qpos[T - keep :]

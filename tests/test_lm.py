@@ -153,7 +153,7 @@ def test_prompt_prefill_equals_frame_by_frame():
     a, b = lm.init_state(2), lm.init_state(2)
     apply_prompt(lm, a, 1, plan)
     apply_prompt(lm, b, 1, plan, chunk=1)
-    torch.testing.assert_close(a.cache_k, b.cache_k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.kv.k, b.kv.k, atol=1e-5, rtol=0)
     assert torch.equal(a.kpos, b.kpos) and torch.equal(a.ring, b.ring) and torch.equal(a.offset, b.offset)
     user = random_user(20, 2, 9)
     fa, _ = run_steps(lm, a, user)
@@ -217,7 +217,9 @@ def test_inactive_rows_are_untouched():
     lm = make_lm(9)
     state = lm.init_state(3)
     run_steps(lm, state, random_user(5, 3, 1))
-    snapshot = {name: getattr(state, name).clone() for name in ("cache_k", "cache_v", "kpos", "pos", "ring", "offset")}
+    fields = {"k": lambda s: s.kv.k, "v": lambda s: s.kv.v, "kpos": lambda s: s.kpos, "pos": lambda s: s.pos,
+              "ring": lambda s: s.ring, "offset": lambda s: s.offset}
+    snapshot = {name: get(state).clone() for name, get in fields.items()}
     active = torch.tensor([True, False, True])
     const = StepConstants.make(lm, CPU)
     user = random_user(4, 3, 2)
@@ -231,6 +233,28 @@ def test_inactive_rows_are_untouched():
             assert not bool(emitted[1])
             assert torch.equal(frame[active], expect[active])
     for name, before in snapshot.items():
-        after = getattr(state, name)
-        row = (slice(None), 1) if name.startswith("cache") else (1,)
+        after = fields[name](state)
+        row = (slice(None), 1) if name in ("k", "v") else (1,)
         assert torch.equal(after[row], before[row]), name
+
+
+def test_fp8_kv_cache_tracks_the_exact_cache():
+    """FP8 KV storage (per-vector scales) stays close to full precision, also through prefill and ring wrap."""
+    lm = make_lm(10)
+    user = random_user(24, 2, 4)
+    exact = lm.init_state(2)
+    fp8 = lm.init_state(2, fp8_kv=True)
+    assert fp8.kv.k.dtype == torch.float8_e4m3fn and fp8.kv.k_scale is not None
+    plan = plan_prompt(lm, None, [40, 41, 42])
+    apply_prompt(lm, exact, 1, plan)
+    apply_prompt(lm, fp8, 1, plan)
+    with torch.no_grad():
+        for t in range(user.shape[0]):
+            x = lm.embed_column(torch.cat([torch.full((2, 1), 3), user[t], user[t]], dim=1))
+            a = lm.text_logits(lm.temporal_step(x, exact))
+            b = lm.text_logits(lm.temporal_step(x, fp8))
+            exact.pos += 1
+            fp8.pos += 1
+            torch.testing.assert_close(b, a, atol=0.15, rtol=0.05)
+    lm.reset_rows(fp8, torch.tensor([True, False]))
+    assert int(fp8.kv.k[:, 0].view(torch.uint8).count_nonzero()) == 0

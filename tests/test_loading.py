@@ -264,8 +264,8 @@ def test_pt_voice_from_wav_replays_like_the_wav(model, tmp_path):
     assert int(a.offset[0]) == int(b.offset[0]) == from_pt.frames + 12 + len(persona)
     for name in ("ring", "offset", "pos", "kpos", "forced"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    torch.testing.assert_close(a.cache_k, b.cache_k, atol=1e-6, rtol=0)
-    torch.testing.assert_close(a.cache_v, b.cache_v, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a.kv.k, b.kv.k, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a.kv.v, b.kv.v, atol=1e-6, rtol=0)
 
     const = StepConstants.make(lm, model.device)
     text_s, audio_s = row_sampling([GREEDY], [0], model.device)
@@ -291,7 +291,7 @@ def test_config_json_overrides(tiny, tmp_path):
     short = load_model(str(variant(tiny, tmp_path / "ctx", config=json.dumps({**config, "context": 8}))))
     assert short.config.context == 8
     state = short.lm.init_state(1)
-    assert state.cache_k.shape[3] == 8 and state.kpos.shape == (1, 8)
+    assert state.kv.k.shape[3] == 8 and state.kpos.shape == (1, 8)
 
     renamed = tmp_path / "renamed"
     variant(tiny, renamed, drop=(MOSHI_NAME,),

@@ -1,0 +1,197 @@
+"""Decode attention over per-row ring KV caches, and the optional FP8 storage of those caches.
+
+A row's valid keys always sit in ring slots [0, n_valid) with n_valid = min(pos + 1, context): rows start empty and
+fill slots in order, and once the ring wraps every slot is valid. So attention needs no mask, only a length per
+row, and a kernel that stops at that length costs what the real context costs. On CUDA a Triton split-K kernel
+does this (several programs per (row, head) so that small batches still fill the GPU, partial softmaxes merged
+after); elsewhere the same arithmetic runs through SDPA with a length mask.
+
+FP8 storage (e4m3 with one fp32 scale per row, head and slot) halves the bytes a tick reads and the memory a
+session holds; values are dequantised in the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@dataclass
+class KVStore:
+    """One layer-stacked KV cache: values [layers, B, heads, slots, head_dim] and, for FP8, scales [.., slots]."""
+
+    k: Tensor
+    v: Tensor
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scale is not None
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], dtype: torch.dtype, device, fp8: bool) -> KVStore:
+        if not fp8:
+            return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+        scales = shape[:-1]
+        return cls(torch.zeros(shape, device=device, dtype=FP8), torch.zeros(shape, device=device, dtype=FP8),
+                   torch.zeros(scales, device=device), torch.zeros(scales, device=device))
+
+    def rows(self, index: slice) -> KVStore:
+        """A view of some batch rows."""
+        return KVStore(*(None if t is None else t[:, index] for t in (self.k, self.v, self.k_scale, self.v_scale)))
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def write(self, layer: int, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> None:
+        """Store k, v [N, heads, head_dim] at (rows[i], slots[i]); where `keep` [N] is False the old entry stays."""
+        for cache, scale, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            old = cache[layer, rows, :, slots]
+            if scale is None:
+                value = new if keep is None else torch.where(keep.view(-1, 1, 1), new, old)
+                cache[layer, rows, :, slots] = value
+                continue
+            q, s = quantize(new)
+            if keep is not None:
+                q = torch.where(keep.view(-1, 1, 1), q.view(torch.uint8), old.view(torch.uint8)).view(FP8)
+                s = torch.where(keep.view(-1, 1), s, scale[layer, rows, :, slots])
+            cache[layer, rows, :, slots] = q
+            scale[layer, rows, :, slots] = s
+
+    def write_span(self, layer: int, row: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v [heads, T, head_dim] of one row at `slots` [T] (prefill)."""
+        for cache, scale, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if scale is None:
+                cache[layer, row, :, slots] = new
+            else:
+                q, s = quantize(new)
+                cache[layer, row, :, slots] = q
+                scale[layer, row, :, slots] = s
+
+    def read_row(self, layer: int, row: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """One row's whole ring [heads, slots, head_dim] in `dtype` (dequantised)."""
+        if not self.fp8:
+            return self.k[layer, row], self.v[layer, row]
+        return (dequantize(self.k[layer, row], self.k_scale[layer, row], dtype),
+                dequantize(self.v[layer, row], self.v_scale[layer, row], dtype))
+
+    def zero_rows(self, rows: Tensor) -> None:
+        for t in self.tensors():
+            raw = t.view(torch.uint8) if t.dtype == FP8 else t
+            raw.masked_fill_(rows.view(1, -1, *([1] * (t.dim() - 2))), 0)
+
+
+def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., head_dim] -> (fp8 values, fp32 scale [...]) with the vector's max at the format's max."""
+    amax = x.float().abs().amax(dim=-1).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    return (x.float() / scale.unsqueeze(-1)).to(FP8), scale
+
+
+def dequantize(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return (x.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def attention_reference(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> Tensor:
+    """q [B, heads, head_dim] over each row's first n_valid slots -> [B, heads, head_dim] (SDPA + length mask)."""
+    k, v = store.k[layer], store.v[layer]
+    if store.fp8:
+        k = dequantize(k, store.k_scale[layer], q.dtype)
+        v = dequantize(v, store.v_scale[layer], q.dtype)
+    slots = torch.arange(k.shape[2], device=q.device)
+    mask = (slots.view(1, -1) < n_valid.view(-1, 1)).view(q.shape[0], 1, 1, -1)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask).squeeze(2)
+
+
+def use_kernel(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def split_length(batch: int, heads: int, slots: int, block: int = 64, target_programs: int = 1024) -> int:
+    """Keys per program: enough programs to fill the GPU at small batch, long runs at large batch."""
+    splits = max(1, min(math.ceil(slots / block), target_programs // max(1, batch * heads)))
+    return math.ceil(math.ceil(slots / splits) / block) * block
+
+
+def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> Tensor:
+    """Attention of one query per row over its first n_valid ring slots; q [B, heads, head_dim]."""
+    if not use_kernel(q.device):
+        return attention_reference(q, store, layer, n_valid)
+    B, H, D = q.shape
+    slots = store.k.shape[3]
+    block = 64
+    span = split_length(B, H, slots, block)
+    splits = math.ceil(slots / span)
+    acc = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
+    m = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+    denom = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+    k, v = store.k[layer], store.v[layer]
+    ks = store.k_scale[layer] if store.fp8 else k
+    vs = store.v_scale[layer] if store.fp8 else v
+    _partial_kernel[(B * H, splits)](
+        q, k, v, ks, vs, n_valid, acc, m, denom,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1),
+        H, span, 1.0 / math.sqrt(D),
+        HAS_SCALE=store.fp8, BLOCK_N=block, D=D, num_warps=4,
+    )
+    top = m.amax(dim=2, keepdim=True)
+    weight = torch.where(denom > 0, torch.exp(m - top), torch.zeros_like(m))
+    out = (acc * weight.unsqueeze(-1)).sum(2) / (denom * weight).sum(2, keepdim=True)
+    return out.to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(Q, K, V, KS, VS, NV, ACC, M, L,
+                        sqb, sqh, skb, skh, sks, ssb, ssh,
+                        H, SPAN, scale,
+                        HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        b = bh // H
+        h = bh % H
+        n_valid = tl.load(NV + b)
+        start = split * SPAN
+        end = tl.minimum(start + SPAN, n_valid)
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * sqb + h * sqh + d).to(tl.float32) * scale
+        m_i = tl.full([], -float("inf"), tl.float32)
+        l_i = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([D], dtype=tl.float32)
+        base = b * skb + h * skh
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            valid = offs < end
+            k = tl.load(K + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(V + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            if HAS_SCALE:
+                k = k * tl.load(KS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[:, None]
+                v = v * tl.load(VS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[:, None]
+            s = tl.sum(k * q[None, :], axis=1)
+            s = tl.where(valid, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        out = bh * splits + split
+        tl.store(ACC + out * D + d, acc)
+        tl.store(M + out, m_i)
+        tl.store(L + out, l_i)
