@@ -107,3 +107,11 @@ async def test_realtime_check_load_mode(start_server):
     for s in report["per_session"]:
         assert s["errors"] == 0 and s["response_ids"] == 1 and s["frames_in"] == 25
         assert s["missing_frames"] <= 4 and s["server_stream_rtf"] is not None
+
+
+def test_every_error_code_is_documented():
+    from app.errors import CODES
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    table = doc[doc.index("## 4. Error codes"):]
+    for code in CODES.values():
+        assert f"| `{code.code}` | `{code.type}` |" in table, code.code
