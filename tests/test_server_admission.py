@@ -222,3 +222,38 @@ async def test_http_routes(server):
         assert values["personaplex_frames_out_total"] > 0 and values["personaplex_engine_ticks_total"] > 0
         async with http.get(server.url + "/v1/realtime?duplex=0") as r:
             assert r.status == 400
+
+
+async def test_engine_stop_under_a_live_session(server, speech_24k):
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        await ws.send_json({"type": "input_audio_buffer.append",
+                            "audio": b64(encode(speech_24k[:4800], "pcm16", 24000))})
+        await until(ws, "response.output_audio.delta")
+        engine = server.ctx.engine
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        seen: list[dict] = []
+        done = await until(ws, "response.done", seen=seen)
+        assert done["response"]["status"] == "failed"
+        await expect_error(ws, "engine_stopped")
+        code, rest = await closed_with(ws)
+        assert code == 1011 and rest[-1]["type"] == "session.closed" and rest[-1]["reason"] == "engine_stopped"
+
+
+async def test_voices_folder(start_server, tiny_checkpoint, tmp_path, speech_24k):
+    from model.loading import load_model
+    bundled = load_model(str(tiny_checkpoint)).voices_dir
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    (voices / "Receptionist.pt").write_bytes((bundled / "NATM1.pt").read_bytes())
+    (voices / "notes.txt").write_text("not a voice")
+    server = await start_server(voices_dir=voices)
+    async with aiohttp.ClientSession() as http:
+        listing = await (await http.get(server.url + "/v1/voices")).json()
+        assert {(v["id"], v["source"]) for v in listing["data"]} == {
+            ("NATF2", "bundled"), ("NATM1", "bundled"), ("Receptionist", "voices_dir")}
+        async with http.ws_connect(server.ws(REALTIME)) as ws:
+            await next_event(ws)
+            await ws.send_json({"type": "session.update", "session": {"voice": "Receptionist.pt"}})
+            assert (await until(ws, "session.updated"))["session"]["voice"] == "Receptionist.pt"
+            await _speak(ws, speech_24k)
