@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
-from model.engine import EngineError, FrameOutput, SessionParams, Slot
 
 from app.metrics import Metrics
 from media.jitter import BufferFull, JitterBuffer, JitterConfig
+from model.engine import EngineError, FrameOutput, SessionParams, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,6 @@ class Conversation:
         self._last_index = -1           # last frame index delivered in this context
         self._restarting: int | None = None  # last index of the context being ended, while restart() runs
         self._final_counters: dict[str, int] | None = None
-        self.frames_delivered = 0
         self.backpressure_refusals = 0
         if metrics is not None:
             metrics.conversation_opened(self)
@@ -206,7 +205,6 @@ class Conversation:
             self.epoch += 1
             self._last_index = -1
         self._last_index = frame.index
-        self.frames_delivered += 1
         for listener in list(self._frame_listeners):
             try:
                 listener(frame)

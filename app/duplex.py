@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
-from app.conversation import Backpressure, Conversation, InputPolicy
+from app.conversation import Backpressure
 from app.errors import ProtocolError
 from app.realtime import capabilities
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, format_from, with_update
@@ -35,7 +35,6 @@ def format_object(fmt: AudioFormat) -> dict[str, Any]:
 
 class DuplexSession(WsSession):
     route = "/v1/duplex"
-    binary_ok = True
 
     def __init__(self, request: web.Request) -> None:
         super().__init__(request)
@@ -117,9 +116,7 @@ class DuplexSession(WsSession):
         slot = await self.reserve()
         if slot is None:
             return
-        conv = Conversation(slot, metrics=self.ctx.metrics,
-                            input_policy=InputPolicy(backlog_s=self.settings.max_realtime_backlog_s,
-                                                     input_backlog_s=self.settings.max_input_backlog_s))
+        conv = self.new_conversation(slot)
         self.decoder = InputDecoder(config.input_format)
         self.encoder = OutputEncoder(config.output_format)
         self.transport = transport

@@ -20,11 +20,10 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
-from model.engine import EngineError, FrameOutput, InvalidSessionParams
 
 from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
 from app.auth import BETA_SUBPROTOCOL, offered_subprotocols
-from app.conversation import Backpressure, Conversation, InputPolicy, State
+from app.conversation import Backpressure, State
 from app.errors import ProtocolError
 from app.session_config import (
     SAMPLING_KEYS,
@@ -37,6 +36,7 @@ from app.session_config import (
 )
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL, WsSession
 from media.codecs import AudioFormat
+from model.engine import EngineError, FrameOutput, InvalidSessionParams
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,6 @@ class RealtimeSession(WsSession):
         self.encoder: OutputEncoder | None = None
         self.response: Response | None = None
         self._start_task: asyncio.Task[None] | None = None
-        self.idle_timeout_s = self.settings.idle_timeout_s
 
     # ---- open ------------------------------------------------------------------------------------------------
 
@@ -128,10 +127,7 @@ class RealtimeSession(WsSession):
         slot = await self.reserve()
         if slot is None:
             return
-        self.conversation = Conversation(
-            slot, metrics=self.ctx.metrics,
-            input_policy=InputPolicy(backlog_s=self.settings.max_realtime_backlog_s,
-                                     input_backlog_s=self.settings.max_input_backlog_s))
+        self.conversation = self.new_conversation(slot)
         self.conversation.add_listener(self._on_frame, self._on_engine_error)
         self.config = default_config(self.ctx)
         self.decoder = InputDecoder(self.config.input_format)

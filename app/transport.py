@@ -24,7 +24,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from app.auth import refusal, response_subprotocols
 from app.context import CONTEXT, ServerContext
-from app.conversation import Conversation
+from app.conversation import Conversation, InputPolicy
 from app.errors import ProtocolError, error_event, new_event_id
 from model.engine import ResourceExhausted, Slot
 
@@ -62,7 +62,6 @@ class WsSession:
 
     route = ""
     type_key = "type"
-    binary_ok = False
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
@@ -242,6 +241,13 @@ class WsSession:
             return None
         self.ctx.metrics.admissions[self.route] += 1
         return slot
+
+    def new_conversation(self, slot: Slot) -> Conversation:
+        """A conversation on `slot` whose pushes past the backlog bounds are refused (WebSocket audio must lose
+        nothing: the client gets `input_backpressure` instead)."""
+        policy = InputPolicy(backlog_s=self.settings.max_realtime_backlog_s,
+                             input_backlog_s=self.settings.max_input_backlog_s)
+        return Conversation(slot, metrics=self.ctx.metrics, input_policy=policy)
 
     # ---- output ----------------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from app.audio import InputDecoder, b64decode, b64encode
-from app.conversation import Backpressure, Conversation, InputPolicy
+from app.conversation import Backpressure
 from app.errors import ProtocolError
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, default_config, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, WsSession
@@ -117,8 +117,7 @@ class TwilioSession(WsSession):
         if slot is None:
             return
         self.stream_sid = sid
-        conv = self.conversation = Conversation(
-            slot, metrics=self.ctx.metrics, input_policy=InputPolicy(backlog_s=self.settings.max_realtime_backlog_s))
+        conv = self.conversation = self.new_conversation(slot)
         conv.add_listener(self._on_frame, self._on_engine_error)
         task = conv.start(config.params())
         task.add_done_callback(self._started)
