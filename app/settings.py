@@ -29,7 +29,7 @@ class Settings:
     allowed_origins: tuple[str, ...] = () # empty: any Origin
     voices_dir: Path | None = None        # extra voice files (.pt/.wav) clients may name
     log_level: str = "INFO"
-    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "personaplex")
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "personaplex-server")
     strict_model: bool = False            # True: a model that fails to load is fatal instead of falling back to tiny
     max_message_bytes: int = 4 << 20      # one WebSocket message; larger closes with 1009
     first_message_timeout_s: float = 10.0
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="personaplex-server",
         description="Full-duplex speech-to-speech server for PersonaPlex-7B (WebSocket Realtime, native, Twilio).",
+        epilog="Every flag has an environment twin: --max-sessions is PERSONAPLEX_MAX_SESSIONS (lists comma-separated, "
+               "e.g. PERSONAPLEX_API_KEYS=k1,k2); a flag wins. HF_TOKEN is used for gated Hugging Face repos. Without "
+               "a GPU, or when the model cannot be loaded, the server runs the built-in tiny test model and says so.",
     )
     p.add_argument("--model", help=f"checkpoint folder, HF repo id or 'tiny' (default {d.model})")
     p.add_argument("--host", help=f"bind address (default {d.host})")
