@@ -112,9 +112,10 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
 async def main_async(args: argparse.Namespace) -> None:
     model = random_personaplex()
     started = time.perf_counter()
-    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions))
+    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv))
     engine.start()
-    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions,
+    kv = "fp8" if args.fp8_kv else "bf16"
+    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv,
                       "graph_capture_s": round(time.perf_counter() - started, 1), **gpu_memory_gb()}), flush=True)
     best: dict[int, int] = {}
     for context in args.contexts:
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--max-sessions", type=int, default=76)
     parser.add_argument("--open-background", type=int, default=64)
     parser.add_argument("--opens", type=int, default=5)
+    parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     asyncio.run(main_async(args))

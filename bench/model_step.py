@@ -39,17 +39,21 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--context-fill", type=int, nargs="+", default=[0, 3000])
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
     args = parser.parse_args()
     model = random_personaplex()
-    engine = Engine(model, EngineConfig(max_sessions=max(args.batches), cuda_graphs=not args.no_graphs))
+    engine = Engine(model, EngineConfig(max_sessions=max(args.batches), cuda_graphs=not args.no_graphs,
+                                        fp8_kv=args.fp8_kv))
+    kv = "fp8" if args.fp8_kv else "bf16"
     for fill in args.context_fill:
         for batch in args.batches:
             engine.fill_context(slice(0, batch), fill)
             engine.step_timings(batch, 5)
             runs = engine.step_timings(batch, args.iterations)
             torch.cuda.synchronize()
-            print(json.dumps({"bench": "model_step", "batch": batch, "context_frames": fill,
-                              "cuda_graphs": not args.no_graphs, **summarize(runs), **gpu_memory_gb()}), flush=True)
+            line = {"bench": "model_step", "batch": batch, "context_frames": fill, "cuda_graphs": not args.no_graphs,
+                    "kv": kv, **summarize(runs), **gpu_memory_gb()}
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

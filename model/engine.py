@@ -127,6 +127,7 @@ class EngineStats:
     sessions_in_use: int
     max_sessions: int
     tick_ms_buckets: list[tuple[float, int]]
+    tick_ms_sum: float
     errors: int
     offline_frames: int
     prompt_cache_hits: int
@@ -353,6 +354,7 @@ class Engine:
         self._parts_ms: dict[str, float] = {}
         self._buckets = [0] * (len(TICK_MS_BUCKETS) + 1)
         self._ticks = self._late = self._errors = self._offline_frames = 0
+        self._tick_ms_sum = 0.0
         self._cache_hits = self._cache_misses = 0
         self._batch = 0
         self._offline_rr = 0
@@ -468,7 +470,8 @@ class Engine:
                 tick_ms_p50=float(np.percentile(ticks, 50)) if ticks else 0.0,
                 tick_ms_p99=float(np.percentile(ticks, 99)) if ticks else 0.0,
                 parts_ms=dict(self._parts_ms), sessions_in_use=sum(s is not None for s in self._slots),
-                max_sessions=self.max_sessions, tick_ms_buckets=cumulative, errors=self._errors,
+                max_sessions=self.max_sessions, tick_ms_buckets=cumulative, tick_ms_sum=self._tick_ms_sum,
+                errors=self._errors,
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
                 prompt_cache_misses=self._cache_misses,
             )
@@ -738,6 +741,7 @@ class Engine:
             self._late += int(late)
             self._batch = n
             self._tick_ms.append(ms)
+            self._tick_ms_sum += ms
             self._buckets[bisect.bisect_left(TICK_MS_BUCKETS, ms)] += 1
 
     def _fail(self, rt: _Runtime, error: EngineError) -> None:

@@ -1,0 +1,70 @@
+"""Decode-attention kernel alone on the GPU: ms and effective TB/s by launch shape, against cuDNN SDPA.
+
+    python -m bench.attention_kernel
+
+One layer of the 7B shape (32 heads x 128) over a 3000-slot ring; prints one JSON line per configuration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+import model.attention as attention
+from model.attention import KernelConfig, KVStore, decode_attention
+
+
+def timed(fn, iterations: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iterations):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iterations
+
+
+def main() -> None:
+    H, C, D = 32, 3000, 128
+    for B, fill in ((64, 3000), (64, 500), (1, 3000)):
+        n_valid = torch.full((B,), fill, device="cuda")
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        for fp8 in (False, True):
+            store = KVStore.empty((1, B, H, C, D), torch.bfloat16, "cuda", fp8)
+            for t in store.tensors():
+                t.copy_(torch.randn(t.shape, device="cuda", dtype=torch.bfloat16).abs() * 0.05 if t.dim() == 4
+                        else torch.randn(t.shape, device="cuda", dtype=torch.bfloat16))
+            kv_bytes = sum(t[:, :, :, :fill].numel() * t.element_size() for t in store.tensors())
+            results = []
+            for block, warps, stages, programs, dot in itertools.product((32, 64, 128), (4, 8), (2, 3), (1024, 4096),
+                                                                         (True, False)):
+                shape = KernelConfig(block, warps, stages, programs, dot)
+                attention.KERNEL_BF16 = attention.KERNEL_FP8 = shape
+                try:
+                    ms = timed(partial(decode_attention, q, store, 0, n_valid))
+                except Exception as exc:  # a shape Triton cannot compile
+                    results.append({"error": str(exc)[:80], "block": block, "warps": warps, "dot": dot})
+                    continue
+                results.append({"ms": round(ms, 4), "tb_s": round(kv_bytes / ms / 1e9, 2), "block": block,
+                                "warps": warps, "stages": stages, "programs": programs, "dot": dot})
+            ok = sorted((r for r in results if "ms" in r), key=lambda r: r["ms"])
+            line = {"bench": "attention_kernel", "batch": B, "filled": fill, "kv": "fp8" if fp8 else "bf16",
+                    "best": ok[:3], "worst": ok[-1:], "errors": [r for r in results if "error" in r][:2]}
+            if not fp8:
+                k = store.k[0]
+                mask = torch.ones(B, 1, 1, C, dtype=torch.bool, device="cuda")
+                mask[..., fill:] = False
+                sdpa = partial(F.scaled_dot_product_attention, q.unsqueeze(2), k, store.v[0], attn_mask=mask)
+                line["cudnn_sdpa_ms"] = round(timed(sdpa), 4)
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
