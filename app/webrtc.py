@@ -55,7 +55,8 @@ from app.errors import ProtocolError, http_error_body
 from app.realtime import RealtimeSession
 from app.session_config import default_config
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
-from media.playout import PlayoutBuffer
+from media.jitter import FRAME, JitterStats
+from media.playout import PlayoutBuffer, PlayoutConfig
 from media.tracks import (
     RATE,
     ContainedOpusEncoder,
@@ -71,6 +72,10 @@ logger = logging.getLogger(__name__)
 CALLS_ROUTE = "/v1/realtime/calls"
 CHANNEL_LABEL = "oai-events"
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+# The outbound track reads right after each engine frame lands (OutboundAudioTrack.align), so the prebuffer is all
+# the slack a late tick needs; start at 20 ms, not 40: an underrun adds 20 ms (media.playout).
+PLAYOUT = PlayoutConfig(start_prebuffer_ms=20.0)
+ALIGN_AT_FRAME = 2          # the first frame comes straight after the prompt prefill, off the tick grid
 _RTP_ONLY = ("input_audio_buffer.append", "input_audio_buffer.commit", "input.commit")
 
 
@@ -217,12 +222,15 @@ class CallSession(RealtimeSession):
         self.webrtc = config
         policy = RTCIceTransportPolicy.RELAY if config.relay_only else RTCIceTransportPolicy.ALL
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=list(config.ice_servers), iceTransportPolicy=policy))
-        self.playout = TimedPlayout(PlayoutBuffer(RATE))
+        self.playout = TimedPlayout(PlayoutBuffer(RATE, PLAYOUT))
         self.track = OutboundAudioTrack(self.playout)
         self.opus = ContainedOpusEncoder()
         self.inbound: InboundAudio | None = None
         self.channel: Any = None
         self.input_waits_ms: deque[float] = deque(maxlen=750)
+        self._arrivals: deque[tuple[int, int, float]] = deque(maxlen=64)   # recent pushes: (pts, end, arrival)
+        self._origin: int | None = None      # input timeline position the engine's read count starts from
+        self._tick_s = 0.0                   # the engine's recent tick duration (its read came that much earlier)
         self.opened_at = time.monotonic()
         self.connected_at: float | None = None
         self.end_reason: str | None = None
@@ -347,6 +355,8 @@ class CallSession(RealtimeSession):
             raise ProtocolError("unsupported_event", f"{kind}: on a WebRTC call the microphone audio travels on the "
                                 "RTP track", param="type")
         await super().on_event(event)
+        if kind in ("input_audio_buffer.clear", "input.cancel"):
+            self._origin = None                            # the buffer starts a new timeline
         if kind in ("response.cancel", "output_audio_buffer.clear"):
             self.playout.clear()                           # the cancelled context's audio must not play on
 
@@ -359,7 +369,27 @@ class CallSession(RealtimeSession):
             return
         if conv.state is State.IDLE:
             self._start()
+        now = time.monotonic() if now is None else now
         conv.push(pts, samples, now)
+        if pts is not None:
+            if self._origin is None and conv.input is not None:
+                self._origin = pts - self._consumed(conv.input.stats())
+            self._arrivals.append((pts, pts + samples.size, now))
+
+    @staticmethod
+    def _consumed(st: JitterStats) -> int:
+        """Input positions the engine has moved past: frames read plus windows shed."""
+        return st.frames_out * FRAME + round(st.overrun_drops_ms * RATE / 1000)
+
+    def _time_input_wait(self, st: JitterStats, now: float) -> None:
+        """How long the newest sample of the frame the engine just read had waited in the jitter buffer."""
+        if self._origin is None:
+            return
+        newest = self._origin + self._consumed(st) - 1
+        for start, end, arrival in reversed(self._arrivals):
+            if start <= newest < end:
+                self.input_waits_ms.append((now - self._tick_s - arrival) * 1000.0)
+                return
 
     def _started(self, task: asyncio.Task[None]) -> None:
         super()._started(task)
@@ -371,8 +401,11 @@ class CallSession(RealtimeSession):
             return
         conv = self.conversation
         if conv is not None and conv.input is not None:
-            # The engine just read this frame's input: what is left is how long its newest sample waited.
-            self.input_waits_ms.append(conv.input.stats().depth_ms)
+            if frame.index % 25 == 0 and self.ctx.engine is not None:
+                self._tick_s = self.ctx.engine.stats().tick_ms_p50 / 1000.0
+            self._time_input_wait(conv.input.stats(), time.monotonic())
+        if frame.index == ALIGN_AT_FRAME:
+            self.track.align(time.monotonic())            # reads right after the engine's writes, from here on
         self.playout.write(frame.audio)
         super()._on_frame(frame)
 

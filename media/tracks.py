@@ -190,6 +190,7 @@ class OutboundStats:
     stalls: int = 0               # times recv() came STALL_S late and the clock jumped
     skipped_ms: float = 0.0       # clock time jumped over (no burst was sent for it)
     failures: int = 0             # recv() bodies that failed and sent silence instead
+    aligned: int = 0              # align() calls
     started_at: float | None = None
 
 
@@ -208,7 +209,25 @@ class OutboundAudioTrack(MediaStreamTrack):
         self._clock = clock
         self._start: float | None = None
         self._pts = 0
+        self._sleeping: asyncio.Future[None] | None = None    # the recv() waiting for its due time, if any
         self.stats = OutboundStats()
+
+    def align(self, written_at: float, after_s: float = 0.002) -> None:
+        """Make the next read (the one waiting now, or else the next `recv()`) fall `after_s` after `written_at`,
+        and the 20 ms grid with it.
+
+        The writer's frames (80 ms from the engine, on its own clock) land at a fixed phase of this grid; left
+        alone, each waits 0–20 ms for a read on top of the playout prebuffer. Call it as the first frame is
+        written: that read then finds the frame and each later frame waits just the prebuffer (+ `after_s`).
+        The RTP timestamps stay continuous: the packets leave up to 20 ms earlier (or `after_s` later) than they
+        would have, once, which the receiver's jitter buffer takes as a step in network delay."""
+        if self._start is None:
+            return
+        pts = self._pts if self._sleeping is not None else self._pts + OUT_SAMPLES
+        self._start = written_at + after_s - pts / RATE
+        self.stats.aligned += 1
+        if self._sleeping is not None and not self._sleeping.done():
+            self._sleeping.set_result(None)
 
     async def recv(self) -> av.AudioFrame:
         if self.readyState != "live":
@@ -224,8 +243,9 @@ class OutboundAudioTrack(MediaStreamTrack):
                 self._pts += missed
                 self.stats.stalls += 1
                 self.stats.skipped_ms += missed * 1000 / RATE
-            elif late < 0:
-                await asyncio.sleep(-late)
+            while late < 0:
+                await self._sleep(-late)
+                late = self._clock() - (self._start + self._pts / RATE)
         try:
             samples = self._source.read(OUT_SAMPLES)
         except Exception:
@@ -234,6 +254,22 @@ class OutboundAudioTrack(MediaStreamTrack):
             samples = np.zeros(OUT_SAMPLES, np.float32)
         self.stats.frames += 1
         return pcm_frame(samples, self._pts)
+
+    async def _sleep(self, seconds: float) -> None:
+        """asyncio.sleep that `align()` can cut short."""
+        loop = asyncio.get_running_loop()
+        self._sleeping = loop.create_future()
+        timer = loop.call_later(seconds, _settle, self._sleeping)
+        try:
+            await self._sleeping
+        finally:
+            timer.cancel()
+            self._sleeping = None
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def pcm_frame(samples: np.ndarray, pts: int) -> av.AudioFrame:

@@ -252,3 +252,25 @@ async def test_inbound_audio_lands_each_packet_at_its_pts_in_the_jitter_buffer()
     finally:
         reader.cancel()
         await close(a, b)
+
+
+async def test_align_moves_the_read_grid_to_just_after_a_write_without_a_timestamp_gap():
+    track = OutboundAudioTrack(ArraySource(tone(1.0)))
+    pts = [(await track.recv()).pts for _ in range(3)]
+    written = time.monotonic() + 0.007                 # a frame lands 7 ms from now, off the 20 ms grid
+    await asyncio.sleep(0.007)
+    track.align(written)
+    t = [time.monotonic()]
+    for _ in range(3):
+        pts.append((await track.recv()).pts)
+        t.append(time.monotonic())
+    assert pts == [i * OUT_SAMPLES for i in range(6)]  # RTP time stays continuous
+    assert written + 0.002 - 0.001 <= t[1] < written + 0.002 + 0.010
+    assert track.stats.aligned == 1
+    # a recv() already waiting for its due time is woken and re-timed
+    waiting = asyncio.ensure_future(track.recv())
+    await asyncio.sleep(0.001)
+    due_before = t[-1] + 0.020
+    track.align(time.monotonic() - 0.015)              # its new due time has already passed
+    await waiting
+    assert time.monotonic() < due_before
