@@ -188,6 +188,10 @@ async function pollStats() {
     $("stat-jb-server").textContent = `${fmt(jb.depth_ms, "ms")} (target ${fmt(jb.target_ms, "ms")}, underruns ${jb.underruns ?? "–"})`;
     const out = srv.output || {};
     $("stat-playout").textContent = `${fmt(out.depth_ms, "ms")} (underruns ${out.underruns ?? "–"})`;
+    const lat = srv.latency_ms || {};
+    const inMs = lat.input_added?.p50, outMs = lat.output_added?.p50;
+    $("stat-latency").textContent = inMs === undefined || inMs === null || outMs === undefined || outMs === null
+      ? "–" : `${fmt(inMs, "ms")} in + ${fmt(outMs, "ms")} out`;
     const eng = srv.engine || {};
     $("stat-tick").textContent = `${fmt(eng.tick_ms_p50, "ms", 1)} p50, ${fmt(eng.tick_ms_p99, "ms", 1)} p99`;
   } else if (s.remoteInbound) {
