@@ -516,9 +516,8 @@ class Engine:
             rt.stats.state = "prefill"
         params = rt.params
         row = rt.index
-        mask = torch.zeros(self.max_sessions, dtype=torch.bool, device=self.device)
-        mask[row] = True
-        self.model.mimi.reset_rows(self.mimi_state, mask)
+        self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
+                                   torch.ones(1, dtype=torch.bool, device=self.device))
         with torch.no_grad():
             self._apply_prompt(row, params)
         text, audio = row_sampling([params.sampling], [rt.seed], self.device)
@@ -533,9 +532,7 @@ class Engine:
         key = (params.voice, params.persona.strip())
         cached = self._prompt_cache.get(key)
         lm, state = self.model.lm, self.lm_state
-        mask = torch.zeros(self.max_sessions, dtype=torch.bool, device=self.device)
-        mask[row] = True
-        lm.reset_rows(state, mask)
+        lm.reset_row(state, row)
         if cached is None:
             self._cache_misses += 1
             plan = self._plan(params)

@@ -15,9 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.attention import KVStore, decode_attention
 from model.config import LMConfig
+
+# Prefill lengths vary with every persona; cuDNN would build a new plan for each (hundreds of ms), so it is left out.
+PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -29,9 +33,7 @@ class RMSNorm(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, 1, dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        var = self.eps + xf.pow(2).mean(dim=-1, keepdim=True)
-        return (xf * (self.alpha.float().view(-1) * torch.rsqrt(var))).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.alpha.view(-1).float(), self.eps).to(x.dtype)
 
 
 class GatedFFN(nn.Module):
@@ -47,22 +49,20 @@ class GatedFFN(nn.Module):
         return self.linear_out(F.silu(gate) * up)
 
 
-def rope_tables(positions: Tensor, head_dim: int, max_period: float) -> tuple[Tensor, Tensor]:
-    """cos/sin for interleaved RoPE at integer `positions` (any shape) -> [..., head_dim // 2] fp32."""
+def rope_tables(positions: Tensor, head_dim: int, max_period: float) -> Tensor:
+    """Unit rotations for interleaved RoPE at integer `positions` (any shape) -> complex64 [..., head_dim // 2]."""
     half = head_dim // 2
     freqs = torch.exp(
         torch.arange(half, device=positions.device, dtype=torch.float32) * (-math.log(max_period) * 2 / head_dim)
     )
     angles = positions.float().unsqueeze(-1) * freqs
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (2i, 2i+1) of x [..., T, head_dim]; cos/sin broadcast to [..., T, head_dim // 2]."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    real, imag = xf[..., 0], xf[..., 1]
-    out = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
+    """Rotate pairs (2i, 2i+1) of x [..., T, head_dim] as complex numbers; rotation broadcasts to [..., T, half]."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
 class TemporalAttention(nn.Module):
@@ -226,6 +226,11 @@ class LM(nn.Module):
         # Zero the KV of reset rows so a recycled slot's memory never leaks into masked arithmetic (0 * nan).
         state.kv.zero_rows(rows)
 
+    def reset_row(self, state: LMState, row: int) -> None:
+        """reset_rows for one row, touching only that row's memory (a KV row, not the whole cache)."""
+        one = state.rows(slice(row, row + 1))
+        self.reset_rows(one, torch.ones(1, dtype=torch.bool, device=one.pos.device))
+
     # ----- embeddings --------------------------------------------------------------------------------------
 
     def embed_column(self, tokens: Tensor) -> Tensor:
@@ -260,12 +265,12 @@ class LM(nn.Module):
         state.kpos.scatter_(1, slot, new_kpos)
         # Valid keys fill slots [0, n_valid): rows fill the ring in order from a reset, and a wrapped ring is full.
         n_valid = (state.pos + 1).clamp(max=cfg.context)
-        cos, sin = rope_tables(state.pos.view(B, 1, 1), cfg.head_dim, cfg.max_period)  # [B, 1, 1, half]
+        rotation = rope_tables(state.pos.view(B, 1, 1), cfg.head_dim, cfg.max_period)  # [B, 1, 1, half]
         rows = torch.arange(B, device=x.device)
         h = x.unsqueeze(1)
         for i, layer in enumerate(self.transformer.layers):
             q, k, v = layer.self_attn.qkv(layer.norm1(h))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, rotation), apply_rope(k, rotation)
             state.kv.write(i, rows, slot.view(B), k.squeeze(2), v.squeeze(2), active)
             o = decode_attention(q.squeeze(2), state.kv, i, n_valid)
             h = h + layer.self_attn.out_proj(o.flatten(1)).unsqueeze(1)
@@ -288,17 +293,18 @@ class LM(nn.Module):
         rel = torch.arange(T, device=x.device)
         new_ok = (rel.unsqueeze(0) <= rel.unsqueeze(1)) & (rel.unsqueeze(0) > rel.unsqueeze(1) - C)
         mask = torch.cat((old_ok, new_ok), dim=1).view(1, 1, T, C + T)
-        cos, sin = rope_tables(qpos.view(1, 1, T), cfg.head_dim, cfg.max_period)
+        rotation = rope_tables(qpos.view(1, 1, T), cfg.head_dim, cfg.max_period)
         keep = min(T, C)
         slots = (qpos[T - keep :] % C).long()
         h = x.unsqueeze(0)
         for i, layer in enumerate(self.transformer.layers):
             q, k, v = layer.self_attn.qkv(layer.norm1(h))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, rotation), apply_rope(k, rotation)
             old_k, old_v = state.kv.read_row(i, row, k.dtype)
             keys = torch.cat((old_k.unsqueeze(0), k), dim=2)
             values = torch.cat((old_v.unsqueeze(0), v), dim=2)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            with sdpa_kernel(PREFILL_BACKENDS):
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             state.kv.write_span(i, row, slots, k[0, :, T - keep :], v[0, :, T - keep :])
             h = h + layer.self_attn.out_proj(o.transpose(1, 2).flatten(2))
             h = h + layer.gating(layer.norm2(h))

@@ -229,9 +229,9 @@ class PersonaPlex:
         audio = normalize_loudness(resample(samples, rate, SAMPLE_RATE), SAMPLE_RATE)
         frames = -(-audio.size // FRAME_SAMPLES)
         audio = np.pad(audio, (0, frames * FRAME_SAMPLES - audio.size))
-        state = self.mimi.init_state(1, self.device)
-        pcm = torch.from_numpy(audio).to(self.device).view(frames, 1, FRAME_SAMPLES)
-        return torch.cat([self.mimi.encode_frame(pcm[i], state) for i in range(frames)]).cpu()
+        # One forward over the whole recording: equal to streaming it frame by frame from a fresh state.
+        pcm = torch.from_numpy(audio).to(self.device).view(1, frames * FRAME_SAMPLES)
+        return self.mimi.encode(pcm)[0].T.cpu()
 
     def resolve_voice(self, voice: str) -> Path:
         """A bundled name ('NATF2' or 'NATF2.pt') or a path to a `.pt` / `.wav` file."""

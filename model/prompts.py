@@ -145,9 +145,7 @@ def plan_voice(lm: LM, voice_codes: Tensor) -> VoicePrompt:
 def apply_prompt(lm: LM, state: LMState, row: int, plan: PromptPlan, chunk: int | None = None) -> None:
     """Reset `row` and run the plan: prefill in chunks of `chunk` frames (None: one forward), set ring and counter."""
     device = state.ring.device
-    mask = torch.zeros(state.batch_size, dtype=torch.bool, device=device)
-    mask[row] = True
-    lm.reset_rows(state, mask)
+    lm.reset_row(state, row)
     total = plan.embeddings.shape[0]
     step = total if chunk is None else chunk
     for start in range(0, total, max(step, 1)):
