@@ -89,7 +89,7 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
     await asyncio.sleep(1.0)
     lines = []
     for kind in ("cold", "cached"):
-        times = []
+        times, work = [], []
         for i in range(opens):
             text = persona(40, salt=i if kind == "cold" else 10_000)
             params = SessionParams(voice=wav, persona=text, sampling=SamplingParams())
@@ -97,12 +97,14 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
             started = time.perf_counter()
             await slot.start(params, EndlessSource(i), drop, fail)
             times.append((time.perf_counter() - started) * 1000)
+            work.append(engine.stats().open_work_ms_last)
             slot.close()
             await asyncio.sleep(0.1)
         p50, p99 = percentiles(times)
         lines.append({"bench": "engine_open", "kind": kind, "background_sessions": background,
                       "voice_seconds": 4.0, "persona_words": 40, "open_ms_p50": p50,
                       "open_ms_max": round(max(times), 3), "open_ms_p99": p99,
+                      "engine_work_ms_p50": percentiles(work)[0], "engine_work_ms_max": round(max(work), 3),
                       "late_ticks_total": engine.stats().late_ticks})
     for slot in slots:
         slot.close()

@@ -132,6 +132,7 @@ class EngineStats:
     offline_frames: int
     prompt_cache_hits: int
     prompt_cache_misses: int
+    open_work_ms_last: float  # engine-thread time of the last session start (prompt prefill or cache copy)
 
 
 @dataclass
@@ -355,6 +356,7 @@ class Engine:
         self._buckets = [0] * (len(TICK_MS_BUCKETS) + 1)
         self._ticks = self._late = self._errors = self._offline_frames = 0
         self._tick_ms_sum = 0.0
+        self._open_ms = 0.0
         self._cache_hits = self._cache_misses = 0
         self._batch = 0
         self._offline_rr = 0
@@ -473,7 +475,7 @@ class Engine:
                 max_sessions=self.max_sessions, tick_ms_buckets=cumulative, tick_ms_sum=self._tick_ms_sum,
                 errors=self._errors,
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
-                prompt_cache_misses=self._cache_misses,
+                prompt_cache_misses=self._cache_misses, open_work_ms_last=self._open_ms,
             )
 
     def step_timings(self, n: int, iterations: int) -> list[dict[str, float]]:
@@ -514,6 +516,7 @@ class Engine:
             if self._slots[rt.index] is not rt or rt.stats.state in ("closed", "failed"):
                 raise EngineError("the session was closed", "session_closed")
             rt.stats.state = "prefill"
+        started = time.perf_counter()
         params = rt.params
         row = rt.index
         self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
@@ -523,6 +526,9 @@ class Engine:
         text, audio = row_sampling([params.sampling], [rt.seed], self.device)
         self.text_sampling.copy_(text, row)
         self.audio_sampling.copy_(audio, row)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._open_ms = (time.perf_counter() - started) * 1000.0
         with self._lock:
             if rt.stats.state == "prefill":
                 rt.out_index = 0
