@@ -89,8 +89,12 @@ async def _startup(app: web.Application) -> None:
     if ctx.model is None:
         ctx.model, ctx.model_note = await loop.run_in_executor(None, load_for, ctx.settings)
     logger.info("%s", ctx.model_note or f"model {ctx.model.source}")
+    fp8 = ctx.settings.kv_cache == "fp8"
+    if fp8 and ctx.model.device.type != "cuda":
+        logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", ctx.model.dtype)
     engine = Engine(ctx.model, EngineConfig(max_sessions=ctx.settings.max_sessions,
-                                            queue_timeout_s=ctx.settings.queue_timeout_s))
+                                            queue_timeout_s=ctx.settings.queue_timeout_s,
+                                            fp8_kv=fp8 and ctx.model.device.type == "cuda"))
     engine.start()
     ctx.engine = engine
 
