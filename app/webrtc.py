@@ -13,11 +13,12 @@ the microphone arrives on the RTP track (appends are refused), the model's audio
 deltas), the conversation starts with the first RTP audio, `response.cancel` also empties the playout buffer, and a
 `session.stats` event every second carries the media counters.
 
-Media: aiortc's receive jitter buffer is bypassed (`media.tracks`); each decoded 20 ms packet is resampled to
-24 kHz and lands at its pts in the conversation's jitter buffer; engine frames go to a `PlayoutBuffer` read 20 ms
-at a time by the paced `OutboundAudioTrack` (mono Opus at 24 kHz). The call ends, and its slot is freed at once,
-on DELETE, when ICE fails or does not connect within `connect_timeout_s`, when the peer closes (DTLS close or RTCP
-BYE), or at server shutdown (`session.closed` first, reason `server_shutdown`).
+Media: aiortc's receive jitter buffer is bypassed (`media.tracks.InboundAudio`): each 20 ms packet is decoded as
+it arrives, resampled to 24 kHz and lands at its pts in the conversation's jitter buffer; engine frames go to a
+`PlayoutBuffer` read 20 ms at a time by the paced `OutboundAudioTrack` (mono Opus at 24 kHz), whose read grid is
+aligned to the engine's writes. The call ends, and its slot is freed at once, on DELETE, when ICE fails or does not
+connect within `connect_timeout_s`, when the peer closes (DTLS close or RTCP BYE), or at server shutdown
+(`session.closed` first, reason `server_shutdown`).
 
 ICE servers: none by default (host candidates only: localhost and LAN). `PERSONAPLEX_STUN_URL`,
 `PERSONAPLEX_TURN_URL` (+ `PERSONAPLEX_TURN_USERNAME`, `PERSONAPLEX_TURN_CREDENTIAL`) and
@@ -63,7 +64,6 @@ from media.tracks import (
     InboundAudio,
     OutboundAudioTrack,
     install_contained_encoder,
-    install_receive_bypass,
 )
 from model.engine import FrameOutput, InvalidSessionParams, ResourceExhausted, Slot
 
@@ -75,7 +75,10 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 # The outbound track reads right after each engine frame lands (OutboundAudioTrack.align), so the prebuffer is all
 # the slack a late tick needs; start at 20 ms, not 40: an underrun adds 20 ms (media.playout).
 PLAYOUT = PlayoutConfig(start_prebuffer_ms=20.0)
-ALIGN_AT_FRAME = 2          # the first frame comes straight after the prompt prefill, off the tick grid
+# A context's frame 0 comes straight after the prompt prefill, 0-80 ms behind the tick grid: playing it would leave
+# that much standing latency for the rest of the call (the playout buffer sheds only beyond prebuffer + 160 ms).
+# It is the model's answer to the first 80 ms of the call, i.e. to nothing yet: its transcript is still sent.
+FIRST_PLAYED_FRAME = 1
 _RTP_ONLY = ("input_audio_buffer.append", "input_audio_buffer.commit", "input.commit")
 
 
@@ -231,6 +234,7 @@ class CallSession(RealtimeSession):
         self._arrivals: deque[tuple[int, int, float]] = deque(maxlen=64)   # recent pushes: (pts, end, arrival)
         self._origin: int | None = None      # input timeline position the engine's read count starts from
         self._tick_s = 0.0                   # the engine's recent tick duration (its read came that much earlier)
+        self._underruns_seen = 0
         self.opened_at = time.monotonic()
         self.connected_at: float | None = None
         self.end_reason: str | None = None
@@ -276,8 +280,7 @@ class CallSession(RealtimeSession):
             if other is not mic:
                 other.direction = "inactive"          # video, or extra audio lines: not ours to decode
         install_contained_encoder(mic.sender, self.opus)
-        install_receive_bypass(mic.receiver)
-        self.inbound = InboundAudio(mic.receiver.track, self)
+        self.inbound = InboundAudio(mic.receiver, self)
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", self._on_connection_state)
         await pc.setLocalDescription(await pc.createAnswer())
@@ -304,7 +307,7 @@ class CallSession(RealtimeSession):
 
     async def _receive_audio(self) -> None:
         assert self.inbound is not None
-        await self.inbound.run()                          # returns when the remote track ends (BYE, peer gone)
+        await self.inbound.ended()                        # the receiver stopped: RTCP BYE, peer gone
         if not self.closed:
             self.spawn(self.close(CLOSE_NORMAL, "peer_closed"))
 
@@ -404,9 +407,14 @@ class CallSession(RealtimeSession):
             if frame.index % 25 == 0 and self.ctx.engine is not None:
                 self._tick_s = self.ctx.engine.stats().tick_ms_p50 / 1000.0
             self._time_input_wait(conv.input.stats(), time.monotonic())
-        if frame.index == ALIGN_AT_FRAME:
-            self.track.align(time.monotonic())            # reads right after the engine's writes, from here on
-        self.playout.write(frame.audio)
+        if frame.index >= FIRST_PLAYED_FRAME:
+            underruns = self.playout.playout.stats().underruns
+            if frame.index == FIRST_PLAYED_FRAME or underruns != self._underruns_seen:
+                # Reads right after the engine's writes from here on; again after the buffer ran dry (a late
+                # tick, another session's prefill), since this write restarts playback.
+                self.track.align(time.monotonic())
+                self._underruns_seen = underruns
+            self.playout.write(frame.audio)
         super()._on_frame(frame)
 
     # ---- counters --------------------------------------------------------------------------------------------

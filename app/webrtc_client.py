@@ -1,8 +1,9 @@
 """A Python WebRTC client for `POST /v1/realtime/calls`: an aiortc peer that speaks a waveform and records the reply.
 
 Used by the end-to-end tests and by `bench/webrtc_load.py`, and usable from scripts. The microphone is an
-`OutboundAudioTrack` over the given samples (20 ms paced, then silence); the model's audio is read through the same
-pass-through receive path the server uses and recorded at its pts; `oai-events` messages are kept in order.
+`OutboundAudioTrack` over the given samples (20 ms paced, then silence); the model's audio comes through the same
+receive path the server uses (`InboundAudio`, no aiortc jitter buffer) and is recorded at its pts; `oai-events`
+messages are kept in order.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from media.tracks import (
     InboundAudio,
     OutboundAudioTrack,
     install_contained_encoder,
-    install_receive_bypass,
 )
 
 
@@ -107,7 +107,6 @@ class RealtimeCall:
         self.location: str | None = None
         self.connected_at: float | None = None
         self._event_waiters: list[tuple[str, asyncio.Future[dict[str, Any]]]] = []
-        self._tasks: list[asyncio.Task[None]] = []
         self._dc_open = asyncio.Event()
         self._connected = asyncio.Event()
         self._failed = asyncio.Event()
@@ -139,9 +138,7 @@ class RealtimeCall:
         answer = await self._post_offer(pc.localDescription.sdp)
         await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
         # the remote track exists from here on; packets can only come after ICE and DTLS
-        install_receive_bypass(transceiver.receiver)
-        self.inbound = InboundAudio(transceiver.receiver.track, self.recording)
-        self._tasks.append(asyncio.ensure_future(self.inbound.run()))
+        self.inbound = InboundAudio(transceiver.receiver, self.recording)
         waits = [asyncio.ensure_future(self._connected.wait()), asyncio.ensure_future(self._failed.wait())]
         done, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         for w in pending:
@@ -206,8 +203,3 @@ class RealtimeCall:
 
     async def close(self) -> None:
         await self.pc.close()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task

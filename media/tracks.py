@@ -1,10 +1,9 @@
 """aiortc audio tracks: a pass-through receive path and a paced 20 ms outbound track.
 
 Receive: aiortc's audio `JitterBuffer(capacity=16, prefetch=4)` adds ~81 ms and, after one lost packet, ~281 ms for
-good while it throws frames away. `install_receive_bypass` swaps it, per receiver, for a pass-through (one RTP packet
-becomes one frame at once) and swaps aiortc's timestamp mapper for one that takes a step back as reordering, not as a
-32-bit wrap. `InboundAudio` drains the remote track and writes 24 kHz mono into our own jitter buffer at each
-packet's `pts`, so a lost packet is a gap there (concealed as silence) and a late one lands at its place.
+good while it throws frames away. `InboundAudio` takes its place in the receiver: every RTP packet is decoded as it
+arrives and written as 24 kHz mono into our own jitter buffer at its pts, so a lost packet is a gap there (concealed
+as silence) and a late one lands at its place.
 
 Send: `OutboundAudioTrack` returns exactly 20 ms per `recv()` (aiortc stamps every packet of one `recv()` with one RTP
 timestamp), paced by the clock, silence when the playout buffer is empty, and after a stall it jumps its clock forward
@@ -17,6 +16,7 @@ Both swaps touch private aiortc attributes: the version is pinned (`AIORTC_VERSI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fractions
 import logging
 import time
@@ -30,11 +30,9 @@ import numpy as np
 from aiortc.codecs.base import Encoder
 from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from aiortc.rtcrtpreceiver import RTCRtpReceiver, TimestampMapper
+from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.rtp import RtpPacket
-
-from media.resample import Resampler
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +63,6 @@ def _swap(obj: object, attr: str, expected: type, new: object) -> None:
 
 # ---- receive ------------------------------------------------------------------------------------------------------
 
-class PassThroughJitterBuffer:
-    """Stands in for aiortc's audio JitterBuffer: every packet is a whole Opus frame, handed on at once."""
-
-    capacity = 1
-
-    def add(self, packet: RtpPacket) -> tuple[bool, JitterFrame | None]:
-        return False, JitterFrame(data=packet._data, timestamp=packet.timestamp)  # type: ignore[attr-defined]
-
-
 class ReorderingTimestampMapper:
     """RTP timestamp -> offset from the first packet, unwrapped by the signed 32-bit distance to the newest one.
 
@@ -93,20 +82,6 @@ class ReorderingTimestampMapper:
         return unwrapped - self._origin
 
 
-def install_receive_bypass(receiver: RTCRtpReceiver) -> None:
-    """Replace this audio receiver's jitter buffer and timestamp mapper; call before any packet arrives
-    (after `setRemoteDescription`, before ICE connects)."""
-    _check_aiortc()
-    if receiver.track is None or receiver.track.kind != "audio":
-        raise ValueError("the receive bypass is for audio receivers")
-    _swap(receiver, "_RTCRtpReceiver__jitter_buffer", JitterBuffer, PassThroughJitterBuffer())
-    _swap(receiver, "_RTCRtpReceiver__timestamp_mapper", TimestampMapper, ReorderingTimestampMapper())
-
-
-def receive_bypassed(receiver: RTCRtpReceiver) -> bool:
-    return isinstance(getattr(receiver, "_RTCRtpReceiver__jitter_buffer", None), PassThroughJitterBuffer)
-
-
 class PtsSink(Protocol):
     """Where received audio goes: `media.jitter.JitterBuffer` (24 kHz mono float32, keyed on pts)."""
 
@@ -115,65 +90,82 @@ class PtsSink(Protocol):
 
 @dataclass
 class InboundStats:
-    frames: int = 0               # 20 ms packets decoded
-    lost_frames: int = 0          # missing pts ranges, in packets of this size
+    frames: int = 0               # packets decoded
+    lost_frames: int = 0          # gaps in pts, in packets, when seen (a late packet may fill one afterwards)
     late_frames: int = 0          # arrived behind a newer packet (reordered)
-    bad_frames: int = 0           # undecodable layout/rate: dropped and counted
+    bad_frames: int = 0           # undecodable: dropped and counted
     first_arrival: float | None = None
     last_arrival: float | None = None
 
 
 class InboundAudio:
-    """Drains a pass-through remote audio track into a `PtsSink` as 24 kHz mono, each packet at its own pts.
+    """Takes an Opus receiver's packets in place of aiortc's audio jitter buffer and writes them, as 24 kHz mono, into
+    a `PtsSink` at their own pts the moment each arrives.
 
-    aiortc decodes to s16 stereo 48 kHz, 960 samples, `pts` in 1/48000 from the first packet. One stateful
-    resampler serves the stream; its output for input pts `p` is placed at `p/2 - delay`, where `delay` is the
-    resampler's held-back lead measured on the first packet, so in-order audio is contiguous and gaps stay gaps."""
+    Each packet is decoded here, on the event loop (libopus, mono: ~30 µs), rather than handed to aiortc's decoder
+    thread and back through a queue and the remote track; one stateful swr resampler takes 48 kHz to 24 kHz. Its
+    output for RTP time `t` (48 kHz, from the first packet) goes to `t/2 - delay`, where `delay` is the resampler's
+    held-back lead seen on the first packet: in-order audio is contiguous, a lost packet leaves a gap of exactly its
+    length, a reordered one lands in its own place. aiortc still keeps its RTCP statistics; the remote track gets
+    no frames and ends (`ended()` returns) when the receiver stops: RTCP BYE, or the peer connection closing.
 
-    def __init__(self, track: MediaStreamTrack, sink: PtsSink, clock: Callable[[], float] = time.monotonic) -> None:
-        self._track = track
+    Install after `setRemoteDescription` has made the receiver's track and before ICE connects. The call must
+    have negotiated Opus only (the packets are not checked for their payload type)."""
+
+    def __init__(self, receiver: RTCRtpReceiver, sink: PtsSink, clock: Callable[[], float] = time.monotonic) -> None:
+        _check_aiortc()
+        if receiver.track is None or receiver.track.kind != "audio":
+            raise ValueError("InboundAudio takes an audio receiver whose remote track exists")
+        self._track = receiver.track
         self._sink = sink
         self._clock = clock
-        self._resampler = Resampler(RTP_RATE, RATE)
+        self._decoder = av.CodecContext.create("libopus", "r")
+        self._decoder.layout = "mono"
+        self._resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
+        self._mapper = ReorderingTimestampMapper()
         self._delay: int | None = None
-        self._next_pts: int | None = None                   # 48 kHz pts the next in-order packet should carry
+        self._next: int | None = None                       # RTP time the next in-order packet should carry
         self.stats = InboundStats()
+        _swap(receiver, "_RTCRtpReceiver__jitter_buffer", JitterBuffer, self)
 
-    async def run(self) -> None:
-        """Until the track ends. Never raises for one bad frame."""
-        while True:
-            try:
-                frame = await self._track.recv()
-            except MediaStreamError:
-                return
-            self.accept(frame)
-
-    def accept(self, frame: av.AudioFrame) -> None:
+    def add(self, packet: RtpPacket) -> tuple[bool, JitterFrame | None]:
+        """aiortc's `JitterBuffer.add`: called with every depayloaded packet; aiortc gets no frame back to decode."""
         now = self._clock()
         st = self.stats
-        if frame.sample_rate != RTP_RATE or frame.format.name != "s16" or frame.pts is None:
+        try:
+            frames = self._decoder.decode(av.Packet(packet._data))  # type: ignore[attr-defined]
+            out = [f.to_ndarray().reshape(-1) for frame in frames for f in self._resampler.resample(frame)]
+        except (av.FFmpegError, ValueError):
             st.bad_frames += 1
-            return
+            return False, None
+        if not frames:
+            return False, None
+        samples = sum(f.samples for f in frames)
+        t = self._mapper.map(packet.timestamp)
         st.frames += 1
         st.first_arrival = now if st.first_arrival is None else st.first_arrival
         st.last_arrival = now
-        pcm = frame.to_ndarray().reshape(-1, len(frame.layout.channels)).astype(np.float32)
-        mono = pcm.mean(axis=1) / 32768.0
-        pts = int(frame.pts)
-        if self._next_pts is not None:
-            if pts > self._next_pts:
-                st.lost_frames += (pts - self._next_pts) // max(1, frame.samples)
-            elif pts < self._next_pts:
+        if self._next is not None:
+            if t > self._next:
+                st.lost_frames += (t - self._next) // samples
+            elif t < self._next:
                 st.late_frames += 1
-        out = self._resampler.process(mono)
+        self._next = max(self._next or 0, t + samples)
+        audio = np.concatenate(out) if len(out) > 1 else (out[0] if out else np.zeros(0, np.float32))
         if self._delay is None:
-            self._delay = len(mono) // 2 - len(out)
-            at = pts // 2
+            self._delay = samples // 2 - audio.size
+            at = t // 2
         else:
-            at = pts // 2 - self._delay
-        self._next_pts = max(self._next_pts or 0, pts + frame.samples)
-        if len(out) and at + len(out) > 0:
-            self._sink.push(at, out, now)
+            at = t // 2 - self._delay
+        if audio.size and at + audio.size > 0:
+            self._sink.push(at, audio, now)
+        return False, None
+
+    async def ended(self) -> None:
+        """Returns when the receiver has stopped (its remote track ended)."""
+        with contextlib.suppress(MediaStreamError):
+            while True:
+                await self._track.recv()
 
 
 # ---- send ---------------------------------------------------------------------------------------------------------

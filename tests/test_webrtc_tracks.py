@@ -1,4 +1,5 @@
-"""media/tracks.py on live aiortc peers over loopback: the receive bypass, the paced 20 ms track, contained failures."""
+"""media/tracks.py on live aiortc peers over loopback: the receive path in place of aiortc's jitter buffer, the paced
+20 ms track, contained failures."""
 
 from __future__ import annotations
 
@@ -24,9 +25,7 @@ from media.tracks import (
     InboundAudio,
     OutboundAudioTrack,
     ReorderingTimestampMapper,
-    install_receive_bypass,
     pcm_frame,
-    receive_bypassed,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,16 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def tone(seconds: float, hz: float = 440.0) -> np.ndarray:
     t = np.arange(int(seconds * RATE)) / RATE
     return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
-
-
-async def collect(track, n: int, timeout_s: float = 10.0) -> list[tuple[int, float]]:
-    """(pts, arrival) of the next n frames from a remote track."""
-    out = []
-    async with asyncio.timeout(timeout_s):
-        while len(out) < n:
-            frame = await track.recv()
-            out.append((frame.pts, time.monotonic()))
-    return out
 
 
 async def close(*pcs) -> None:
@@ -69,71 +58,104 @@ def test_timestamp_mapper_takes_steps_back_as_reordering_and_forward_wraps_as_wr
     assert m.map(960) == 2880
 
 
-async def read_until(rx, tap, packets: int) -> tuple[list[int], list[int]]:
-    """Frames out of the remote track until `packets` reached the receiver: (pts list, lookahead list), where
-    lookahead = packets that had arrived after the frame's own packet when the frame came out."""
-    got, lookahead = [], []
+class Arrivals:
+    """A PtsSink noting, per packet, its frame number (20 ms units) and how many packets the receiver had handled."""
+
+    def __init__(self) -> None:
+        self.tap = None
+        self.got: list[tuple[int, int, float]] = []          # (frame number, packets handled, arrival)
+
+    def push(self, pts: int | None, samples: np.ndarray, now: float | None = None) -> None:
+        self.got.append(((pts + OUT_SAMPLES // 2) // OUT_SAMPLES, self.tap.handled, now))
+
+    def frames(self) -> list[int]:
+        return [n for n, _, _ in self.got]
+
+
+async def pair(track, **impair):
+    sink = Arrivals()
+    a, b, rx, encoder, tap, inbound = await connect_pair(track, sink=sink, **impair)
+    sink.tap = tap
+    return a, b, rx, encoder, tap, inbound, sink
+
+
+async def until_handled(tap, packets: int) -> None:
     async with asyncio.timeout(10):
         while tap.handled < packets:
-            frame = await rx.receiver.track.recv()
-            got.append(frame.pts)
-            lookahead.append(tap.handled - 1 - tap.index_of(frame.pts))
-    return got, lookahead
+            await asyncio.sleep(0.02)
 
 
-def missing(tap, got: list[int]) -> set[int]:
-    """Packets the receiver saw (or had dropped) whose frame never came out, up to the last frame that did."""
-    last = tap.index_of(max(got))
-    return {tap.pts_of(i) for i in range(last + 1)} - set(got)
+def frame_of(tap, index: int) -> int:
+    return tap.pts_of(index) // 960
 
 
-async def test_bypass_delivers_each_packet_at_once_and_a_loss_is_exactly_one_missing_frame():
+async def test_each_packet_lands_as_it_arrives_and_a_loss_is_exactly_one_missing_frame():
     track = OutboundAudioTrack(ArraySource(tone(4.0)))
-    a, b, rx, _, tap = await connect_pair(track, bypass=True, drop=lambda i: i in (40, 41, 90))
+    a, b, _, _, tap, inbound, sink = await pair(track, drop=lambda i: i in (40, 41, 90))
     try:
-        assert receive_bypassed(rx.receiver)
-        got, lookahead = await read_until(rx, tap, 130)
-        assert missing(tap, got) == {tap.pts_of(i) for i in (40, 41, 90)}
-        assert got == sorted(got)
-        # a frame comes out as soon as its packet is in (the stock buffer waits for 4 more: prefetch=4)
-        assert np.percentile(lookahead, 95) <= 1
+        await until_handled(tap, 130)
+        got = sink.frames()
+        assert set(range(max(got) + 1)) - set(got) == {frame_of(tap, i) for i in (40, 41, 90)}
+        assert got == sorted(got) and inbound.stats.lost_frames == 3
+        # written into the sink while its own packet is handled (the stock buffer waits for 4 more: prefetch=4)
+        assert all(handled - 1 == tap.index_of(n * 960) for n, handled, _ in sink.got)
     finally:
         await close(a, b)
 
 
 async def test_stock_buffer_holds_frames_back_and_loses_more_than_the_network_did():
-    """What the bypass removes (aiortc 1.16.0, as measured in spec/webrtc.md §1): not our code, the reason for it."""
+    """What InboundAudio replaces (aiortc 1.16.0, as measured in spec/webrtc.md §1): the reason for it."""
     track = OutboundAudioTrack(ArraySource(tone(4.0)))
-    a, b, rx, _, tap = await connect_pair(track, bypass=False, drop=lambda i: i == 40)
+    a, b, rx, _, tap, _ = await connect_pair(track, drop=lambda i: i == 40)
     try:
-        got, lookahead = await read_until(rx, tap, 130)
+        got, lookahead = [], []
+        async with asyncio.timeout(10):
+            while tap.handled < 130:
+                frame = await rx.receiver.track.recv()
+                got.append(frame.pts)
+                lookahead.append(tap.handled - 1 - tap.index_of(frame.pts))
         assert min(lookahead) >= 4
-        assert len(missing(tap, got)) > 1
+        last = tap.index_of(max(got))
+        assert len({tap.pts_of(i) for i in range(last + 1)} - set(got)) > 1
     finally:
         await close(a, b)
 
 
-async def test_bypass_hands_on_a_reordered_packet_with_its_own_pts():
+async def test_a_reordered_packet_lands_at_its_own_pts():
     track = OutboundAudioTrack(ArraySource(tone(3.0)))
-    a, b, rx, _, tap = await connect_pair(track, bypass=True, delay_s=lambda i: 0.07 if i == 30 else 0.0)
+    a, b, _, _, tap, inbound, sink = await pair(track, delay_s=lambda i: 0.07 if i == 30 else 0.0)
     try:
-        got = [pts for pts, _ in await collect(rx.receiver.track, 60)]
+        await until_handled(tap, 61)
+        await asyncio.sleep(0.1)
+        got = sink.frames()[:60]
         assert tap.delayed == [30]
-        assert sorted(got) == [tap.pts_of(i) for i in range(60)]    # nothing lost, nothing mapped 2**32 away
-        late = got.index(tap.pts_of(30))
-        assert late > got.index(tap.pts_of(31))                      # it did come after newer ones
+        assert sorted(got) == [frame_of(tap, i) for i in range(60)]  # nothing lost, nothing mapped 2**32 away
+        assert got.index(frame_of(tap, 30)) > got.index(frame_of(tap, 31))
+        assert inbound.stats.late_frames == 1
     finally:
         await close(a, b)
 
 
-async def test_install_refuses_a_receiver_it_has_already_changed():
+async def test_the_receiver_can_be_taken_over_only_once():
     track = OutboundAudioTrack(ArraySource(tone(1.0)))
-    a, b, rx, _, _ = await connect_pair(track, bypass=True)
+    a, b, rx, _, _, _, _ = await pair(track)
     try:
         with pytest.raises(AiortcMismatch):
-            install_receive_bypass(rx.receiver)
+            InboundAudio(rx.receiver, Arrivals())
     finally:
         await close(a, b)
+
+
+async def test_ended_returns_when_the_peer_goes_away():
+    track = OutboundAudioTrack(ArraySource(tone(1.0)))
+    a, b, _, _, tap, inbound, _ = await pair(track)
+    await until_handled(tap, 5)
+    ended = asyncio.ensure_future(inbound.ended())
+    await asyncio.sleep(0.05)
+    assert not ended.done()
+    await a.close()
+    await asyncio.wait_for(ended, 10)
+    await b.close()
 
 
 async def test_outbound_track_returns_20ms_frames_on_a_contiguous_clock_and_silence_when_empty():
@@ -164,19 +186,20 @@ async def test_after_a_stall_the_clock_jumps_forward_instead_of_bursting():
 
 async def test_a_blocked_loop_gives_a_timestamp_jump_on_the_wire_not_a_burst():
     track = OutboundAudioTrack(ArraySource(tone(3.0)))
-    a, b, rx, _, _ = await connect_pair(track, bypass=True)
+    a, b, _, _, tap, _, sink = await pair(track)
     try:
-        frames = await collect(rx.receiver.track, 10)
+        await until_handled(tap, 10)
         time.sleep(0.25)                               # block the event loop: the sender can't run
-        frames += await collect(rx.receiver.track, 15)
+        await until_handled(tap, 25)
         assert track.stats.stalls == 1
-        steps = np.diff([p for p, _ in frames])
+        frames = sink.got[:25]
+        steps = np.diff([n for n, _, _ in frames])
         jump = int(np.argmax(steps))
-        assert 200 <= steps[jump] / 48 <= 320          # RTP time jumped with the wall clock
-        assert np.all(np.delete(steps, jump) == 960)
+        assert 10 <= steps[jump] <= 16                 # RTP time jumped with the wall clock (~250 ms)
+        assert np.all(np.delete(steps, jump) == 1)
         # no burst: the frames after the stall arrive about 20 ms apart, not together
-        t0 = frames[jump + 1][1]
-        assert sum(1 for _, t in frames[jump + 2:] if t - t0 < 0.010) <= 1
+        t0 = frames[jump + 1][2]
+        assert sum(1 for _, _, t in frames[jump + 2:] if t - t0 < 0.010) <= 1
     finally:
         await close(a, b)
 
@@ -201,14 +224,15 @@ class FlakySource(ArraySource):
 async def test_encoder_and_source_failures_cost_one_frame_and_sending_goes_on():
     source = FlakySource(tone(3.0), {20: "long", 30: "raise"})
     track = OutboundAudioTrack(source)
-    a, b, rx, encoder, _ = await connect_pair(track, bypass=True)
+    a, b, _, encoder, tap, _, sink = await pair(track)
     try:
-        got = [pts // 960 for pts, _ in await collect(rx.receiver.track, 60)]
+        await until_handled(tap, 60)
+        got = sink.frames()
         assert encoder.failures == 1                   # the 40 ms frame was refused and skipped
         assert track.stats.failures == 1               # the raising read became silence
         missing = set(range(max(got) + 1)) - set(got)
-        skipped = round(track.stats.skipped_ms / 20)               # clock jumps while the call was set up
-        assert len(missing) == skipped + 1                         # one frame missing on the wire, the rest flowed
+        skipped = round(track.stats.skipped_ms / 20)   # clock jumps while the call was set up
+        assert len(missing) == skipped + 1             # one frame missing on the wire, the rest flowed
     finally:
         await close(a, b)
 
@@ -223,14 +247,12 @@ def test_contained_encoder_recovers_after_a_codec_failure():
     assert enc.failures == 1
 
 
-async def test_inbound_audio_lands_each_packet_at_its_pts_in_the_jitter_buffer():
+async def test_loss_is_concealed_and_a_late_packet_fills_its_gap_in_the_jitter_buffer():
     """Loss leaves a gap that is read out as silence (concealed = lost), a reordered packet fills its own gap."""
     track = OutboundAudioTrack(ArraySource(tone(3.0)))
-    a, b, rx, _, tap = await connect_pair(track, bypass=True, drop=lambda i: i in (20, 21, 50),
-                                          delay_s=lambda i: 0.05 if i == 70 else 0.0)
     buffer = JitterBuffer()
-    inbound = InboundAudio(rx.receiver.track, buffer)
-    reader = asyncio.ensure_future(inbound.run())
+    a, b, _, _, tap, inbound = await connect_pair(track, sink=buffer, drop=lambda i: i in (20, 21, 50),
+                                                  delay_s=lambda i: 0.05 if i == 70 else 0.0)
     frames = []
     try:
         async with asyncio.timeout(10):
@@ -250,7 +272,6 @@ async def test_inbound_audio_lands_each_packet_at_its_pts_in_the_jitter_buffer()
         audio = np.concatenate(frames)
         assert np.sqrt(np.mean(audio[4800:] ** 2)) > 0.1   # the tone came through
     finally:
-        reader.cancel()
         await close(a, b)
 
 

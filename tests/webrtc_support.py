@@ -109,17 +109,18 @@ class PacketTap:
         return (self.timestamps[index] - self.timestamps[0]) % (1 << 32)
 
 
-async def connect_pair(sender_track, *, bypass: bool, drop=None, delay_s=None, timeout_s: float = 15.0):
+async def connect_pair(sender_track, *, sink=None, drop=None, delay_s=None, timeout_s: float = 15.0):
     """Two in-process aiortc peers on loopback: `sender_track` (with our contained encoder) -> a receiver whose
-    RTP entry is tapped from the first packet on.
+    RTP entry is tapped from the first packet on. With a `sink`, the receiver's audio goes through `InboundAudio`
+    into it; without, through aiortc's own jitter buffer and decoder to the remote track.
 
-    Returns (sender_pc, receiver_pc, receiver_transceiver, encoder, tap)."""
+    Returns (sender_pc, receiver_pc, receiver_transceiver, encoder, tap, inbound or None)."""
     import asyncio
 
     from aiortc import RTCConfiguration, RTCPeerConnection
     from aiortc.rtcrtpsender import RTCRtpSender
 
-    from media.tracks import ContainedOpusEncoder, install_contained_encoder, install_receive_bypass
+    from media.tracks import ContainedOpusEncoder, InboundAudio, install_contained_encoder
 
     ensure_ice_host_address()
     a = RTCPeerConnection(RTCConfiguration(iceServers=[]))
@@ -132,8 +133,7 @@ async def connect_pair(sender_track, *, bypass: bool, drop=None, delay_s=None, t
     await a.setLocalDescription(await a.createOffer())
     await b.setRemoteDescription(a.localDescription)
     receiving = b.getTransceivers()[0]
-    if bypass:
-        install_receive_bypass(receiving.receiver)
+    inbound = InboundAudio(receiving.receiver, sink) if sink is not None else None
     tap = PacketTap(receiving.receiver, drop=drop, delay_s=delay_s)
     await b.setLocalDescription(await b.createAnswer())
     await a.setRemoteDescription(b.localDescription)
@@ -145,4 +145,4 @@ async def connect_pair(sender_track, *, bypass: bool, drop=None, delay_s=None, t
             connected.set()
 
     await asyncio.wait_for(connected.wait(), timeout_s)
-    return a, b, receiving, encoder, tap
+    return a, b, receiving, encoder, tap, inbound
