@@ -7,6 +7,7 @@ One layer of the 7B shape (32 heads x 128) over a 3000-slot ring; prints one JSO
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from functools import partial
@@ -33,10 +34,14 @@ def timed(fn, iterations: int = 50) -> float:
 
 def main() -> None:
     H, C, D = 32, 3000, 128
-    for B, fill in ((64, 3000), (64, 500), (1, 3000)):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 1])
+    args = parser.parse_args()
+    for B, fill in [(b, f) for b in args.batches for f in (3000, 500)]:
         n_valid = torch.full((B,), fill, device="cuda")
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-        for fp8 in (False, True):
+        for fp8 in [kind == "fp8" for kind in args.kv]:
             store = KVStore.empty((1, B, H, C, D), torch.bfloat16, "cuda", fp8)
             for t in store.tensors():
                 t.copy_(torch.randn(t.shape, device="cuda", dtype=torch.bfloat16).abs() * 0.05 if t.dim() == 4

@@ -204,15 +204,17 @@ if triton is not None:
                 valid = offs < end
                 k = tl.load(K + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
                 v = tl.load(V + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
-                if HAS_SCALE:
-                    k = k.to(tl.float32) * tl.load(KS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[:, None]
-                    v = v.to(tl.float32) * tl.load(VS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[:, None]
                 s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
+                if HAS_SCALE:  # per-slot scales commute with the dots: apply them to scores and probabilities
+                    s = s * tl.load(KS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[None, :]
                 s = tl.where(valid[None, :], s, -float("inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+                pv = p
+                if HAS_SCALE:
+                    pv = p * tl.load(VS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[None, :]
+                acc = acc * alpha[:, None] + tl.dot(pv.to(tl.bfloat16), v.to(tl.bfloat16))
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
             first = rows == 0
