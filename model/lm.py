@@ -9,7 +9,6 @@ so it may be built with fewer weight sets than the checkpoint holds.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.attention import KVStore, decode_attention
 from model.config import LMConfig
+from model.rope import apply_rope, rope_rotation
 
 # Prefill lengths vary with every persona; cuDNN would build a new plan for each (hundreds of ms), so it is left out.
 PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -47,22 +47,6 @@ class GatedFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.linear_in(x).chunk(2, dim=-1)
         return self.linear_out(F.silu(gate) * up)
-
-
-def rope_tables(positions: Tensor, head_dim: int, max_period: float) -> Tensor:
-    """Unit rotations for interleaved RoPE at integer `positions` (any shape) -> complex64 [..., head_dim // 2]."""
-    half = head_dim // 2
-    freqs = torch.exp(
-        torch.arange(half, device=positions.device, dtype=torch.float32) * (-math.log(max_period) * 2 / head_dim)
-    )
-    angles = positions.float().unsqueeze(-1) * freqs
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
-    """Rotate pairs (2i, 2i+1) of x [..., T, head_dim] as complex numbers; rotation broadcasts to [..., T, half]."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
 class TemporalAttention(nn.Module):
@@ -265,7 +249,7 @@ class LM(nn.Module):
         state.kpos.scatter_(1, slot, new_kpos)
         # Valid keys fill slots [0, n_valid): rows fill the ring in order from a reset, and a wrapped ring is full.
         n_valid = (state.pos + 1).clamp(max=cfg.context)
-        rotation = rope_tables(state.pos.view(B, 1, 1), cfg.head_dim, cfg.max_period)  # [B, 1, 1, half]
+        rotation = rope_rotation(state.pos.view(B, 1, 1), cfg.head_dim, cfg.max_period)  # [B, 1, 1, half]
         rows = torch.arange(B, device=x.device)
         h = x.unsqueeze(1)
         for i, layer in enumerate(self.transformer.layers):
@@ -293,7 +277,7 @@ class LM(nn.Module):
         rel = torch.arange(T, device=x.device)
         new_ok = (rel.unsqueeze(0) <= rel.unsqueeze(1)) & (rel.unsqueeze(0) > rel.unsqueeze(1) - C)
         mask = torch.cat((old_ok, new_ok), dim=1).view(1, 1, T, C + T)
-        rotation = rope_tables(qpos.view(1, 1, T), cfg.head_dim, cfg.max_period)
+        rotation = rope_rotation(qpos.view(1, 1, T), cfg.head_dim, cfg.max_period)
         keep = min(T, C)
         slots = (qpos[T - keep :] % C).long()
         h = x.unsqueeze(0)

@@ -7,7 +7,6 @@ their state buffers from an iterator, in the order `buffer_shapes()` lists them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
+from model.rope import apply_rope, rope_rotation
 
 NORM_EPS = 1e-5
 CODEBOOK_EPS = 1e-5
@@ -204,22 +204,6 @@ class KVCache:
         self.pos.masked_fill_(rows, 0)
 
 
-def rope_tables(positions: Tensor, head_dim: int, max_period: float) -> tuple[Tensor, Tensor]:
-    """cos/sin [B, 1, T, head_dim/2] in fp32 for positions [B, T]; frequency i is max_period^(-2i/head_dim)."""
-    idx = torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32)
-    freqs = torch.exp(idx * (-math.log(max_period) * 2 / head_dim))
-    angles = positions.float()[:, None, :, None] * freqs
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved pairs (2i, 2i+1) of x [B, H, T, D], computed in fp32."""
-    pairs = x.unflatten(-1, (-1, 2)).float()
-    re, im = pairs[..., 0], pairs[..., 1]
-    out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
 class Attention(nn.Module):
     """Multi-head self-attention with a fused q/k/v projection (rows q, k, v; each split head-major), no biases."""
 
@@ -232,7 +216,7 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, cache: tuple[Tensor, Tensor, Tensor] | None
+        self, x: Tensor, rope: Tensor, mask: Tensor, cache: tuple[Tensor, Tensor, Tensor] | None
     ) -> Tensor:
         """x [B, T, C]; mask (bool, True = attend) broadcasts to [B, 1, T, keys].
 
@@ -241,7 +225,7 @@ class Attention(nn.Module):
         """
         b, t, c = x.shape
         q, k, v = F.linear(x, self.in_proj_weight).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:
             keys, values, slots = cache
             index = slots[:, None, :, None].expand(b, self.num_heads, t, self.head_dim)
@@ -275,7 +259,7 @@ class TransformerLayer(nn.Module):
         self.layer_scale_2 = LayerScale(cfg.d_model)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, cache: tuple[Tensor, Tensor, Tensor] | None
+        self, x: Tensor, rope: Tensor, mask: Tensor, cache: tuple[Tensor, Tensor, Tensor] | None
     ) -> Tensor:
         x = x + self.layer_scale_1(self.self_attn(self.norm1(x), rope, mask, cache))
         return x + self.layer_scale_2(self.linear2(F.gelu(self.linear1(self.norm2(x)))))
@@ -297,7 +281,7 @@ class MimiTransformer(nn.Module):
         positions = torch.arange(t, device=x.device)
         delta = positions[:, None] - positions[None, :]
         mask = (delta >= 0) & (delta < self.cfg.context)
-        rope = rope_tables(positions[None], self.head_dim, self.cfg.max_period)
+        rope = rope_rotation(positions[None, None], self.head_dim, self.cfg.max_period)
         for layer in self.layers:
             x = layer(x, rope, mask, None)
         return x
@@ -325,7 +309,7 @@ class MimiTransformer(nn.Module):
         cache.key_pos.scatter_(1, slots, positions)
         delta = positions[:, :, None] - cache.key_pos[:, None, :]  # [B, T, slots]
         mask = ((cache.key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < self.cfg.context))[:, None]
-        rope = rope_tables(positions, self.head_dim, self.cfg.max_period)
+        rope = rope_rotation(positions[:, None], self.head_dim, self.cfg.max_period)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, mask, (cache.keys[i], cache.values[i], slots))
         cache.pos.add_(t)
