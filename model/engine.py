@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -360,6 +360,9 @@ class Engine:
         self._cache_hits = self._cache_misses = 0
         self._batch = 0
         self._offline_rr = 0
+        self._jobs: deque[tuple[Iterator[None], Callable[[BaseException | None], None]]] = deque()
+        self._job_step_s = 0.01
+        self._pending: set[Callable[[BaseException | None], None]] = set()
 
     # ----- public, any thread ------------------------------------------------------------------------------
 
@@ -387,6 +390,11 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        # Work queued for the thread will never run: answer everyone who waits on it.
+        stopped = EngineError("the engine stopped", "engine_stopped")
+        for done in list(self._pending):
+            done(stopped)
+        self._jobs.clear()
         with self._lock:
             for rt in self._slots:
                 if rt is not None and rt.live:
@@ -425,8 +433,12 @@ class Engine:
             except ValueError as exc:
                 raise InvalidSessionParams(str(exc), "invalid_voice") from exc
 
-    async def submit(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the engine thread between ticks; its exception is raised here."""
+    async def submit(self, fn: Callable[[], Iterator[None] | None]) -> None:
+        """Run `fn` on the engine thread between ticks; its exception is raised here.
+
+        A generator function runs one step per gap between ticks, and only when the step fits before the next
+        tick (prompt prefill in chunks), so long work never makes a tick late.
+        """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
@@ -438,19 +450,29 @@ class Engine:
             else:
                 future.set_exception(exc)
 
+        def done(exc: BaseException | None) -> None:
+            loop.call_soon_threadsafe(settle, exc)
+
         def run() -> None:
             try:
-                fn()
+                steps = fn()
             except BaseException as exc:  # handed to the awaiting coroutine
-                loop.call_soon_threadsafe(settle, exc)
+                done(exc)
+                return
+            if steps is None:
+                done(None)
             else:
-                loop.call_soon_threadsafe(settle, None)
+                self._jobs.append((steps, done))
 
         if self._thread is None:
             raise EngineError("the engine is not running", "engine_stopped")
+        self._pending.add(done)
         self._commands.put(run)
         self._wake.set()
-        await future
+        try:
+            await future
+        finally:
+            self._pending.discard(done)
 
     def release(self, rt: _Runtime) -> None:
         with self._lock:
@@ -510,49 +532,61 @@ class Engine:
 
     # ----- engine thread -----------------------------------------------------------------------------------
 
-    def begin(self, rt: _Runtime) -> None:
-        """Reset the slot's row and run its prompt (from the prompt cache when it can). Engine thread only."""
+    def begin(self, rt: _Runtime) -> Iterator[None]:
+        """Reset the slot's row and run its prompt (from the prompt cache when it can), one chunk per step.
+
+        Engine thread only; `_open_ms` gets the time spent working, not the ticks in between.
+        """
         with self._lock:
             if self._slots[rt.index] is not rt or rt.stats.state in ("closed", "failed"):
                 raise EngineError("the session was closed", "session_closed")
             rt.stats.state = "prefill"
-        started = time.perf_counter()
-        params = rt.params
-        row = rt.index
-        self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
-                                   torch.ones(1, dtype=torch.bool, device=self.device))
+        work = 0.0
+        segment = time.perf_counter()
+        params, row = rt.params, rt.index
+        key = (params.voice, params.persona.strip())
+        lm, state = self.model.lm, self.lm_state
         with torch.no_grad():
-            self._apply_prompt(row, params)
+            self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
+                                       torch.ones(1, dtype=torch.bool, device=self.device))
+            lm.reset_row(state, row)
+            cached = self._prompt_cache.get(key)
+            if cached is None:
+                self._cache_misses += 1
+                plan = self._plan(params)
+                chunk = self.config.prefill_chunk
+                for start in range(0, plan.embeddings.shape[0], chunk):
+                    lm.prefill(plan.embeddings[start : start + chunk], state, row)
+                    work += self._sync_elapsed(segment)
+                    yield
+                    segment = time.perf_counter()
+                    if rt.stats.state != "prefill":
+                        raise EngineError("the session was closed", "session_closed")
+                state.ring[row] = plan.ring.to(self.device)
+                state.offset[row] = plan.offset
+                if plan.embeddings.shape[0]:
+                    state.forced[row] = lm.delays(self.device) > 0
+                cached = self._store_prompt(key, row)
+            else:
+                self._cache_hits += 1
+                self._prompt_cache.move_to_end(key)
+            self._copy_prompt(cached, row)
         text, audio = row_sampling([params.sampling], [rt.seed], self.device)
         self.text_sampling.copy_(text, row)
         self.audio_sampling.copy_(audio, row)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._open_ms = (time.perf_counter() - started) * 1000.0
+        self._open_ms = (work + self._sync_elapsed(segment)) * 1000.0
         with self._lock:
             if rt.stats.state == "prefill":
                 rt.out_index = 0
                 rt.stats.state = "live"
 
-    def _apply_prompt(self, row: int, params: SessionParams) -> None:
-        key = (params.voice, params.persona.strip())
-        cached = self._prompt_cache.get(key)
-        lm, state = self.model.lm, self.lm_state
-        lm.reset_row(state, row)
-        if cached is None:
-            self._cache_misses += 1
-            plan = self._plan(params)
-            chunk = self.config.prefill_chunk
-            for start in range(0, plan.embeddings.shape[0], chunk):
-                lm.prefill(plan.embeddings[start : start + chunk], state, row)
-            state.ring[row] = plan.ring.to(self.device)
-            state.offset[row] = plan.offset
-            if plan.embeddings.shape[0]:
-                state.forced[row] = lm.delays(self.device) > 0
-            cached = self._store_prompt(key, row)
-        else:
-            self._cache_hits += 1
-            self._prompt_cache.move_to_end(key)
+    def _sync_elapsed(self, since: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - since
+
+    def _copy_prompt(self, cached: _CachedPrompt, row: int) -> None:
+        state = self.lm_state
         filled = cached.kpos.shape[0]
         for tensor, saved in zip(state.kv.tensors(), cached.kv):
             tensor[:, row, :, :filled] = saved
@@ -604,10 +638,29 @@ class Engine:
                 if time.monotonic() > deadline:  # never burst to catch up: re-anchor on the clock
                     deadline = time.monotonic() + tick_s
                 continue
+            if self._jobs and self._job_step(deadline - now):
+                continue
             if self._offline_step():
                 continue
             self._wake.wait(timeout=min(deadline - now, 0.002 if self._has_offline() else 1.0))
             self._wake.clear()
+
+    def _job_step(self, time_left: float) -> bool:
+        """One step of the oldest job if it fits in `time_left` (or no realtime session is waiting). True if run."""
+        if time_left < 1.5 * self._job_step_s + 0.002 and self._live(offline=False):
+            return False
+        steps, done = self._jobs[0]
+        started = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration:
+            self._jobs.popleft()
+            done(None)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            self._jobs.popleft()
+            done(exc)
+        self._job_step_s = 0.8 * self._job_step_s + 0.2 * (time.perf_counter() - started)
+        return True
 
     def _drain_commands(self) -> None:
         while True:

@@ -281,3 +281,18 @@ async def test_restart_gives_a_fresh_context(make_engine):
     stats = engine.stats()
     assert stats.prompt_cache_hits >= 1
     assert set(stats.parts_ms) >= {"encode", "temporal", "depformer", "decode"} or stats.ticks == 0
+
+
+async def test_stop_answers_pending_opens(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(max_sessions=2))
+    engine.start()
+    slot = engine.reserve()
+    sink = Collector()
+    opening = asyncio.ensure_future(slot.start(PARAMS, QueueSource(), sink.on_output, sink.on_error))
+    engine.stop()
+    try:
+        await asyncio.wait_for(opening, 5)
+    except EngineError as exc:
+        assert exc.code in ("engine_stopped", "session_closed")
+    with pytest.raises(EngineError, match="not running"):
+        await engine.reserve().start(PARAMS, QueueSource(), sink.on_output, sink.on_error)
