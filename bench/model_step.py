@@ -40,10 +40,11 @@ def main() -> None:
     parser.add_argument("--context-fill", type=int, nargs="+", default=[0, 3000])
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
+    parser.add_argument("--no-fuse", action="store_true", help="no torch.compile of elementwise helpers")
     args = parser.parse_args()
     model = random_personaplex()
     engine = Engine(model, EngineConfig(max_sessions=max(args.batches), cuda_graphs=not args.no_graphs,
-                                        fp8_kv=args.fp8_kv))
+                                        fp8_kv=args.fp8_kv, fuse_kernels=not args.no_fuse))
     kv = "fp8" if args.fp8_kv else "bf16"
     for fill in args.context_fill:
         for batch in args.batches:
@@ -52,7 +53,7 @@ def main() -> None:
             runs = engine.step_timings(batch, args.iterations)
             torch.cuda.synchronize()
             line = {"bench": "model_step", "batch": batch, "context_frames": fill, "cuda_graphs": not args.no_graphs,
-                    "kv": kv, **summarize(runs), **gpu_memory_gb()}
+                    "fused": not args.no_fuse, "kv": kv, **summarize(runs), **gpu_memory_gb()}
             print(json.dumps(line), flush=True)
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model.fused import fusable
+
 try:
     import triton
     import triton.language as tl
@@ -95,6 +97,7 @@ class KVStore:
             raw.masked_fill_(rows.view(1, -1, *([1] * (t.dim() - 2))), 0)
 
 
+@fusable
 def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., head_dim] -> (fp8 values, fp32 scale [...]) with the vector's max at the format's max."""
     amax = x.float().abs().amax(dim=-1).clamp(min=1e-12)
@@ -166,10 +169,15 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
         H, span, 1.0 / math.sqrt(D),
         HAS_SCALE=store.fp8, BLOCK_N=block, D=D, STAGES=cfg.stages, USE_DOT=cfg.use_dot, num_warps=cfg.warps,
     )
+    return merge_partials(acc, m, denom).to(q.dtype)
+
+
+@fusable
+def merge_partials(acc: Tensor, m: Tensor, denom: Tensor) -> Tensor:
+    """Combine split-K partial softmaxes: acc [B, H, S, D], running max m and denominator [B, H, S]."""
     top = m.amax(dim=2, keepdim=True)
     weight = torch.where(denom > 0, torch.exp(m - top), torch.zeros_like(m))
-    out = (acc * weight.unsqueeze(-1)).sum(2) / (denom * weight).sum(2, keepdim=True)
-    return out.to(q.dtype)
+    return (acc * weight.unsqueeze(-1)).sum(2) / (denom * weight).sum(2, keepdim=True)
 
 
 if triton is not None:

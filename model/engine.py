@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from model import fused
 from model.config import FRAME_SAMPLES
 from model.lm import LMState
 from model.loading import PersonaPlex
@@ -105,6 +106,7 @@ class EngineConfig:
     prefill_chunk: int = 128
     prompt_cache_entries: int = 32
     fp8_kv: bool = False  # e4m3 KV cache: half the memory and bytes read per tick, not bit-exact with bf16
+    fuse_kernels: bool = True  # on CUDA: torch.compile the elementwise helpers (model/fused.py)
 
 
 @dataclass
@@ -330,6 +332,8 @@ class Engine:
             raise ValueError("max_sessions must be >= 1")
         B = self.config.max_sessions
         self.device = model.device
+        if self.config.fuse_kernels and self.device.type == "cuda":
+            fused.enable()
         lm = model.lm
         self.lm_state = lm.init_state(B, self.device, fp8_kv=self.config.fp8_kv)
         self.mimi_state = model.mimi.init_state(B, self.device)

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.attention import KVStore, decode_attention
 from model.config import LMConfig
+from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
 
 # Prefill lengths vary with every persona; cuDNN would build a new plan for each (hundreds of ms), so it is left out.
@@ -33,7 +34,18 @@ class RMSNorm(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, 1, dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.alpha.view(-1).float(), self.eps).to(x.dtype)
+        return rms_norm(x, self.alpha, self.eps)
+
+
+@fusable
+def rms_norm(x: Tensor, alpha: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), alpha.view(-1).float(), eps).to(x.dtype)
+
+
+@fusable
+def silu_gate(projected: Tensor) -> Tensor:
+    gate, up = projected.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class GatedFFN(nn.Module):
@@ -45,8 +57,7 @@ class GatedFFN(nn.Module):
         self.linear_out = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.linear_in(x).chunk(2, dim=-1)
-        return self.linear_out(F.silu(gate) * up)
+        return self.linear_out(silu_gate(self.linear_in(x)))
 
 
 class TemporalAttention(nn.Module):

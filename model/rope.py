@@ -1,7 +1,7 @@
 """Interleaved rotary position embeddings, shared by the LM and Mimi's transformers.
 
-Pairs (2i, 2i+1) of each head's vector rotate by position * max_period^(-2i/head_dim), computed in fp32 as a
-complex multiply (the reference's layout; HF's rotate-half form needs permuted weights instead).
+Pairs (2i, 2i+1) of each head's vector rotate by position * max_period^(-2i/head_dim), computed in fp32 (the
+reference's layout; HF's rotate-half form needs permuted weights instead). Real arithmetic, so it fuses.
 """
 
 from __future__ import annotations
@@ -11,18 +11,23 @@ import math
 import torch
 from torch import Tensor
 
+from model.fused import fusable
+
 
 def rope_rotation(positions: Tensor, head_dim: int, max_period: float) -> Tensor:
-    """Unit rotations at integer `positions` (any shape) -> complex64 [..., head_dim // 2]."""
+    """Rotations at integer `positions` (any shape) -> (cos, sin) as fp32 [..., head_dim // 2, 2]."""
     half = head_dim // 2
     freqs = torch.exp(
         torch.arange(half, device=positions.device, dtype=torch.float32) * (-math.log(max_period) * 2 / head_dim)
     )
     angles = positions.float().unsqueeze(-1) * freqs
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
+@fusable
 def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
-    """Rotate x [..., T, head_dim]; `rotation` broadcasts to [..., T, head_dim // 2]."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+    """Rotate x [..., T, head_dim]; `rotation` broadcasts to [..., T, head_dim // 2, 2]."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    cos, sin = rotation[..., 0], rotation[..., 1]
+    return torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2).to(x.dtype)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.fused import fusable
+
 _M32 = 0xFFFFFFFF
 
 
@@ -25,9 +27,9 @@ def hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seed: Tensor, counter: Tensor, stream: int, ids: Tensor) -> Tensor:
-    """Uniform (0, 1) floats for each row and id: seed, counter [B]; ids [B, K] -> [B, K] fp32."""
-    base = hash32(hash32(seed) ^ hash32(counter * 64 + stream))
+def uniform_noise(seed: Tensor, salt: Tensor, ids: Tensor) -> Tensor:
+    """Uniform (0, 1) floats for each row and id: seed, salt [B] (counter and stream); ids [B, K] -> [B, K] fp32."""
+    base = hash32(hash32(seed) ^ hash32(salt))
     h = hash32(base.unsqueeze(1) + ids * 0x9E3779B1)
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
@@ -63,15 +65,19 @@ def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, ma
     """
     k = min(max_top_k, logits.shape[-1])
     values, ids = logits.topk(k, dim=-1)
-    greedy_token = ids[:, 0]
-    temp = params.temperature.clamp(min=1e-5).unsqueeze(1)
-    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, counter, stream, ids)))
-    scores = values / temp + gumbel
-    ranks = torch.arange(k, device=logits.device).unsqueeze(0)
-    scores = scores.masked_fill(ranks >= params.top_k.unsqueeze(1), float("-inf"))
+    return _choose(values, ids, params.greedy, params.temperature, params.top_k, params.seed, counter * 64 + stream)
+
+
+@fusable
+def _choose(values: Tensor, ids: Tensor, greedy: Tensor, temperature: Tensor, top_k: Tensor, seed: Tensor,
+            salt: Tensor) -> Tensor:
+    """The draw among each row's sorted top candidates (values, ids [B, K])."""
+    gumbel = -torch.log(-torch.log(uniform_noise(seed, salt, ids)))
+    scores = values / temperature.clamp(min=1e-5).unsqueeze(1) + gumbel
+    ranks = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+    scores = scores.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     sampled = ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
-    use_greedy = params.greedy | (params.temperature <= 0)
-    return torch.where(use_greedy, greedy_token, sampled)
+    return torch.where(greedy | (temperature <= 0), ids[:, 0], sampled)
 
 
 @dataclass(frozen=True)
