@@ -79,6 +79,8 @@ PLAYOUT = PlayoutConfig(start_prebuffer_ms=20.0)
 # that much standing latency for the rest of the call (the playout buffer sheds only beyond prebuffer + 160 ms).
 # It is the model's answer to the first 80 ms of the call, i.e. to nothing yet: its transcript is still sent.
 FIRST_PLAYED_FRAME = 1
+READ_AFTER_WRITE_MS = 2.0   # where a read lands after the write it should find
+REPACE_FRAMES = 25          # 2 s of frames between read-grid corrections
 _RTP_ONLY = ("input_audio_buffer.append", "input_audio_buffer.commit", "input.commit")
 
 
@@ -235,6 +237,7 @@ class CallSession(RealtimeSession):
         self._origin: int | None = None      # input timeline position the engine's read count starts from
         self._tick_s = 0.0                   # the engine's recent tick duration (its read came that much earlier)
         self._underruns_seen = 0
+        self._paced_at = 0                   # frame index of the last read-grid correction
         self.opened_at = time.monotonic()
         self.connected_at: float | None = None
         self.end_reason: str | None = None
@@ -408,14 +411,29 @@ class CallSession(RealtimeSession):
                 self._tick_s = self.ctx.engine.stats().tick_ms_p50 / 1000.0
             self._time_input_wait(conv.input.stats(), time.monotonic())
         if frame.index >= FIRST_PLAYED_FRAME:
-            underruns = self.playout.playout.stats().underruns
-            if frame.index == FIRST_PLAYED_FRAME or underruns != self._underruns_seen:
-                # Reads right after the engine's writes from here on; again after the buffer ran dry (a late
-                # tick, another session's prefill), since this write restarts playback.
-                self.track.align(time.monotonic())
-                self._underruns_seen = underruns
+            self._pace_reads(frame.index)
             self.playout.write(frame.audio)
         super()._on_frame(frame)
+
+    def _pace_reads(self, index: int) -> None:
+        """Keep the track's 20 ms reads just after the engine's 80 ms writes.
+
+        At the first played frame, and after the playout buffer ran dry (a late tick, another session's prefill),
+        this write restarts playback: the next read is put right after it. Ticks then come at a phase that moves
+        with the engine's load; when every frame of the last two seconds waited longer than the prebuffer for its
+        first read, the reads are brought forward by the smallest excess (a write later than the reads only eats
+        into the prebuffer, and past it is an underrun, which re-aligns)."""
+        playout = self.playout.playout.stats()
+        if index == FIRST_PLAYED_FRAME or playout.underruns != self._underruns_seen:
+            self.track.align(time.monotonic(), READ_AFTER_WRITE_MS / 1000.0)
+            self._underruns_seen = playout.underruns
+            self._paced_at = index
+        elif index - self._paced_at >= REPACE_FRAMES and len(self.playout.waits_ms) >= REPACE_FRAMES:
+            recent = list(self.playout.waits_ms)[-REPACE_FRAMES:]
+            excess_ms = min(recent) - playout.prebuffer_ms - READ_AFTER_WRITE_MS
+            if excess_ms > 3.0:
+                self.track.advance(excess_ms / 1000.0)
+            self._paced_at = index
 
     # ---- counters --------------------------------------------------------------------------------------------
 

@@ -86,14 +86,15 @@ async def health(url: str) -> dict[str, Any]:
         return await res.json()
 
 
-def spawn_server(sessions: int) -> tuple[subprocess.Popen[bytes], str]:
+def spawn_server(sessions: int, torch_threads: int) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "app", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port),
            "--max-sessions", str(sessions), "--log-level", "WARNING"]
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch_threads)}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -206,12 +207,15 @@ async def main() -> None:
     p.add_argument("--wav", help="speech to send (default: espeak-ng, else synthetic)")
     p.add_argument("--api-key")
     p.add_argument("--baseline-ws", action="store_true", help="also measure N WebSocket sessions for the CPU delta")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of a spawned server: on a small machine the CPU engine otherwise takes every "
+                        "core in each tick, and the event loop and the client peers queue behind it")
     args = p.parse_args()
 
     proc = None
     url, pid = args.url, args.pid
     if url is None:
-        proc, url = spawn_server(args.peers)
+        proc, url = spawn_server(args.peers, args.torch_threads)
         pid = proc.pid
     try:
         await wait_ready(url.rstrip("/"))

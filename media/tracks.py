@@ -93,7 +93,7 @@ class InboundStats:
     frames: int = 0               # packets decoded
     lost_frames: int = 0          # gaps in pts, in packets, when seen (a late packet may fill one afterwards)
     late_frames: int = 0          # arrived behind a newer packet (reordered)
-    bad_frames: int = 0           # undecodable: dropped and counted
+    bad_frames: int = 0           # undecodable, or refused by the sink: dropped and counted
     first_arrival: float | None = None
     last_arrival: float | None = None
 
@@ -158,7 +158,11 @@ class InboundAudio:
         else:
             at = t // 2 - self._delay
         if audio.size and at + audio.size > 0:
-            self._sink.push(at, audio, now)
+            try:
+                self._sink.push(at, audio, now)
+            except Exception:           # aiortc's receive loop must not see it: it would end the transport
+                logger.exception("audio sink failed; packet dropped")
+                st.bad_frames += 1
         return False, None
 
     async def ended(self) -> None:
@@ -182,7 +186,7 @@ class OutboundStats:
     stalls: int = 0               # times recv() came STALL_S late and the clock jumped
     skipped_ms: float = 0.0       # clock time jumped over (no burst was sent for it)
     failures: int = 0             # recv() bodies that failed and sent silence instead
-    aligned: int = 0              # align() calls
+    aligned: int = 0              # align() and advance() calls
     started_at: float | None = None
 
 
@@ -217,6 +221,16 @@ class OutboundAudioTrack(MediaStreamTrack):
             return
         pts = self._pts if self._sleeping is not None else self._pts + OUT_SAMPLES
         self._start = written_at + after_s - pts / RATE
+        self.stats.aligned += 1
+        if self._sleeping is not None and not self._sleeping.done():
+            self._sleeping.set_result(None)
+
+    def advance(self, seconds: float) -> None:
+        """Bring the read grid `seconds` (< 20 ms) earlier: frames have been waiting that much longer than needed
+        for their first read. RTP timestamps stay continuous; the packets leave that much earlier, once."""
+        if self._start is None or not 0.0 < seconds < OUT_SAMPLES / RATE:
+            return
+        self._start -= seconds
         self.stats.aligned += 1
         if self._sleeping is not None and not self._sleeping.done():
             self._sleeping.set_result(None)
@@ -322,9 +336,29 @@ class ContainedOpusEncoder(Encoder):
         raise NotImplementedError("ContainedOpusEncoder encodes frames; it does not pack pre-encoded packets")
 
 
+class _EncodeInPlace:
+    """Stands in for the event loop inside one RTCRtpSender, whose only use of it is `run_in_executor(None,
+    encoder.encode, …)`: a 20 ms mono frame encodes in ~0.1 ms, less than the hop to a pool thread and back
+    (a future, a queue, and a self-pipe wake-up of the loop per packet) costs, so it runs in place."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def run_in_executor(self, executor: object, fn: Callable[..., object], *args: object) -> asyncio.Future[object]:
+        future = self._loop.create_future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
 def install_contained_encoder(sender: RTCRtpSender, encoder: ContainedOpusEncoder) -> None:
-    """Give an Opus sender our encoder before it starts (aiortc creates its own only when none is set)."""
+    """Give an Opus sender our encoder before it starts (aiortc creates its own only when none is set), encoding in
+    place on the loop."""
     _check_aiortc()
     if getattr(sender, "_RTCRtpSender__encoder", "missing") is not None:
         raise AiortcMismatch("RTCRtpSender already has an encoder (or its internals changed)")
+    loop = getattr(sender, "_RTCRtpSender__loop", None)
+    _swap(sender, "_RTCRtpSender__loop", asyncio.AbstractEventLoop, _EncodeInPlace(loop))  # type: ignore[arg-type]
     sender._RTCRtpSender__encoder = encoder  # type: ignore[attr-defined]

@@ -75,7 +75,6 @@ class Arrivals:
 async def pair(track, **impair):
     sink = Arrivals()
     a, b, rx, encoder, tap, inbound = await connect_pair(track, sink=sink, **impair)
-    sink.tap = tap
     return a, b, rx, encoder, tap, inbound, sink
 
 

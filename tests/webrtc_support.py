@@ -133,8 +133,10 @@ async def connect_pair(sender_track, *, sink=None, drop=None, delay_s=None, time
     await a.setLocalDescription(await a.createOffer())
     await b.setRemoteDescription(a.localDescription)
     receiving = b.getTransceivers()[0]
-    inbound = InboundAudio(receiving.receiver, sink) if sink is not None else None
     tap = PacketTap(receiving.receiver, drop=drop, delay_s=delay_s)
+    if hasattr(sink, "tap"):
+        sink.tap = tap
+    inbound = InboundAudio(receiving.receiver, sink) if sink is not None else None
     await b.setLocalDescription(await b.createAnswer())
     await a.setRemoteDescription(b.localDescription)
     connected = asyncio.Event()
