@@ -220,6 +220,16 @@ def decode_agent(mimi: Mimi, frame: Tensor, emitted: Tensor, state: MimiState, b
     return audio
 
 
+def prefill_chunks(frames: Tensor, size: int) -> list[Tensor]:
+    """Split a prompt into chunks of about `size` frames, none of a single frame (a shape compiled code would
+    specialise on)."""
+    total = frames.shape[0]
+    bounds = list(range(0, total, size)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        bounds[-2] -= 1
+    return [frames[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+
 def _bucket(n: int, limit: int) -> int:
     i = bisect.bisect_left(BATCH_BUCKETS, n)
     return min(BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else n, limit)
@@ -384,6 +394,8 @@ class Engine:
         if self.device.type == "cuda" and self.config.cuda_graphs:
             for n in sorted({_bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
                 self._device_step(n)
+        if fused.enabled():
+            self._warm_prefill()
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="engine-tick", daemon=True)
         self._thread.start()
@@ -558,9 +570,8 @@ class Engine:
             if cached is None:
                 self._cache_misses += 1
                 plan = self._plan(params)
-                chunk = self.config.prefill_chunk
-                for start in range(0, plan.embeddings.shape[0], chunk):
-                    lm.prefill(plan.embeddings[start : start + chunk], state, row)
+                for chunk in prefill_chunks(plan.embeddings, self.config.prefill_chunk):
+                    lm.prefill(chunk, state, row)
                     work += self._sync_elapsed(segment)
                     yield
                     segment = time.perf_counter()
@@ -583,6 +594,15 @@ class Engine:
             if rt.stats.state == "prefill":
                 rt.out_index = 0
                 rt.stats.state = "live"
+
+    def _warm_prefill(self) -> None:
+        """Compile the fused helpers for prefill shapes now, not in the first session's open (seconds)."""
+        lm = self.model.lm
+        with torch.no_grad():
+            for frames in (self.config.prefill_chunk, 2):
+                x = torch.zeros(frames, lm.cfg.dim, device=self.device, dtype=lm.text_linear.weight.dtype)
+                lm.prefill(x, self.lm_state, 0)
+            lm.reset_row(self.lm_state, 0)
 
     def _sync_elapsed(self, since: float) -> float:
         if self.device.type == "cuda":
