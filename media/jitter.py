@@ -10,12 +10,13 @@ the ring, and the splicing work of a read happens outside it.
 Realtime sessions (the default) are read every 80 ms whatever arrived. Why these numbers (spec/webrtc.md s.5):
 - The engine takes 80 ms at once while the network delivers ~20 ms at a time, so the level is a sawtooth. The
   buffer waits for `target = 1 frame + margin` before reading (primed), starting with a 40 ms margin (~120 ms).
-- The margin is the 95th percentile of the measured arrival delay: for each packet, how long its first sample
-  has waited beyond the fastest packet seen (NetEq's relative arrival delay, which includes the packet length),
-  from a histogram in 2 ms bins that forgets with a ~5 s memory. Many late packets raise it within a few
-  hundred ms (fast rise); it takes ~10 s of calm to fall (slow decay); one isolated stall lifts it for well
-  under a second, since its ten late packets are a small share of the memory. The delay base may creep up
-  15 ms per second, so a sender clock up to 1.5 % slow reads as drift, not jitter. Clamped to 20..160 ms.
+- The margin is the 95th percentile of the measured arrival delay: for each packet, how much later its last
+  sample arrived than the fastest packet's did (transit-time variation; the packet length is not counted, since
+  a frame is complete once its last packet is in), from a histogram in 2 ms bins that forgets with a ~5 s
+  memory. Many late packets raise it within a few hundred ms (fast rise); it takes ~10 s of calm to fall (slow
+  decay); one isolated stall lifts it for well under a second, since its ten late packets are a small share of
+  the memory. The delay base may creep up 15 ms per second, so a sender clock up to 1.5 % slow reads as drift,
+  not jitter. Clamped to 5..160 ms: on a clean link a frame is read within a few ms of its last sample's arrival.
 - Underrun (a primed read finds less than a frame): `read_frame` returns None (the engine feeds silence and
   counts it), the read position stays, so nothing the client sent is lost; the buffer re-primes and its margin
   rises by 20 ms, falling back by 20 ms per 5 s without an underrun.
@@ -54,7 +55,7 @@ class JitterConfig:
     sample_rate: int = SAMPLE_RATE
     frame: int = FRAME
     prime_margin_ms: float = 40.0
-    min_margin_ms: float = 20.0
+    min_margin_ms: float = 5.0
     max_margin_ms: float = 160.0
     underrun_step_ms: float = 20.0
     quiet_period_s: float = 5.0
@@ -257,7 +258,7 @@ class JitterBuffer:
             creep = self.config.drift_tolerance * max(0.0, now - self._last_arrival)
             self._base = min(transit_end, self._base + creep)
         self._last_arrival = now
-        delay = now - start / rate - self._base
+        delay = transit_end - self._base
         if delay * 1000.0 >= self.config.hard_cap_ms:
             # A pause in an append stream or a pts jump, not network jitter: re-anchor the timing.
             self._base = transit_end
