@@ -32,6 +32,12 @@ class Settings:
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "personaplex-server")
     strict_model: bool = False            # True: a model that fails to load is fatal instead of falling back to tiny
     kv_cache: str = "bf16"                # "fp8": e4m3 KV cache, half the memory per session (about 2x sessions)
+    stun_url: str = ""                    # WebRTC ICE: none by default (host candidates: localhost and LAN)
+    turn_url: str = ""
+    turn_username: str = ""
+    turn_credential: str = ""
+    ice_relay_only: bool = False          # force TURN relay (needs turn_url)
+    ice_connect_timeout_s: float = 20.0   # a call whose ICE + DTLS is not up this long after the answer ends
     max_message_bytes: int = 4 << 20      # one WebSocket message; larger closes with 1009
     first_message_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0         # read-idle period that ends a session
@@ -73,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict-model", action="store_true", default=None, help="fail instead of falling back to tiny")
     p.add_argument("--kv-cache", choices=["bf16", "fp8"],
                    help="KV cache storage; fp8 holds about twice the sessions, close to but not bit-exact with bf16")
+    p.add_argument("--stun-url", help="STUN server for WebRTC, e.g. stun:stun.example.org:3478 (default: none)")
+    p.add_argument("--turn-url", help="TURN server for WebRTC, e.g. turn:turn.example.org:3478?transport=udp")
+    p.add_argument("--turn-username")
+    p.add_argument("--turn-credential")
+    p.add_argument("--ice-relay-only", action="store_true", default=None, help="relay all WebRTC media via TURN")
+    p.add_argument("--ice-connect-timeout-s", type=float)
     p.add_argument("--max-message-bytes", type=int, help=f"largest WebSocket message (default {d.max_message_bytes})")
     p.add_argument("--first-message-timeout-s", type=float)
     p.add_argument("--idle-timeout-s", type=float)

@@ -20,11 +20,10 @@ aligned to the engine's writes. The call ends, and its slot is freed at once, on
 connect within `connect_timeout_s`, when the peer closes (DTLS close or RTCP BYE), or at server shutdown
 (`session.closed` first, reason `server_shutdown`).
 
-ICE servers: none by default (host candidates only: localhost and LAN). `PERSONAPLEX_STUN_URL`,
-`PERSONAPLEX_TURN_URL` (+ `PERSONAPLEX_TURN_USERNAME`, `PERSONAPLEX_TURN_CREDENTIAL`) and
-`PERSONAPLEX_ICE_RELAY_ONLY=1` set them, `PERSONAPLEX_ICE_CONNECT_TIMEOUT_S` the connect deadline (or Settings
-fields of the same names, when present); browsers get the
-same list from `GET /v1/realtime/webrtc-config`. aiortc uses one STUN and one TURN URL.
+ICE servers: none by default (host candidates only: localhost and LAN). `--stun-url`, `--turn-url` (with
+`--turn-username`, `--turn-credential`) and `--ice-relay-only` set them (or their `PERSONAPLEX_*` environment twins),
+`--ice-connect-timeout-s` the connect deadline; browsers get the same list from `GET /v1/realtime/webrtc-config`.
+aiortc uses one STUN and one TURN URL.
 """
 
 from __future__ import annotations
@@ -33,11 +32,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +52,7 @@ from app.conversation import Conversation, State
 from app.errors import ProtocolError, http_error_body
 from app.realtime import RealtimeSession
 from app.session_config import default_config
+from app.settings import Settings
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
 from media.jitter import FRAME, JitterStats
 from media.playout import PlayoutBuffer, PlayoutConfig
@@ -92,27 +90,18 @@ class WebRTCConfig:
     stats_interval_s: float = 1.0          # `session.stats` on the data channel
 
     @classmethod
-    def from_settings(cls, settings: object, env: Mapping[str, str] | None = None) -> WebRTCConfig:
-        """Settings attributes `stun_url`, `turn_url`, `turn_username`, `turn_credential`, `ice_relay_only`,
-        `ice_connect_timeout_s` when the server has them, else the `PERSONAPLEX_*` environment variables of the
-        same names."""
-        env = os.environ if env is None else env
-
-        def get(name: str) -> str:
-            value = getattr(settings, name, None)
-            return str(value) if value not in (None, "") else env.get(f"PERSONAPLEX_{name.upper()}", "")
-
+    def from_settings(cls, settings: Settings) -> WebRTCConfig:
+        """ICE servers and timeouts from the server settings (`--stun-url`, `--turn-url`, …, or their env twins)."""
         servers = []
-        if get("stun_url"):
-            servers.append(RTCIceServer(urls=get("stun_url")))
-        if get("turn_url"):
-            servers.append(RTCIceServer(urls=get("turn_url"), username=get("turn_username") or None,
-                                        credential=get("turn_credential") or None))
-        relay = get("ice_relay_only").lower() in ("1", "true", "yes", "on")
-        if relay and not get("turn_url"):
+        if settings.stun_url:
+            servers.append(RTCIceServer(urls=settings.stun_url))
+        if settings.turn_url:
+            servers.append(RTCIceServer(urls=settings.turn_url, username=settings.turn_username or None,
+                                        credential=settings.turn_credential or None))
+        if settings.ice_relay_only and not settings.turn_url:
             raise ValueError("ice_relay_only needs a TURN server (turn_url)")
-        timeout = float(get("ice_connect_timeout_s") or cls.connect_timeout_s)
-        return cls(ice_servers=tuple(servers), relay_only=relay, connect_timeout_s=timeout)
+        return cls(ice_servers=tuple(servers), relay_only=settings.ice_relay_only,
+                   connect_timeout_s=settings.ice_connect_timeout_s)
 
     def browser_ice_servers(self) -> list[dict[str, Any]]:
         out = []

@@ -11,6 +11,7 @@ import pytest
 from server_support import wait_in_use
 from webrtc_support import ensure_ice_host_address
 
+from app.settings import parse_settings
 from app.webrtc import CALLS, WebRTCConfig
 from app.webrtc_client import CallRefused, RealtimeCall
 
@@ -99,9 +100,8 @@ async def test_a_client_that_leaves_without_hanging_up_frees_its_slot(server, sp
     assert ended.end_reason == "peer_closed" and not server.app[CALLS]
 
 
-async def test_a_call_whose_ice_never_connects_is_dropped(start_server, speech_24k, monkeypatch):
-    monkeypatch.setenv("PERSONAPLEX_ICE_CONNECT_TIMEOUT_S", "1")
-    srv = await start_server()
+async def test_a_call_whose_ice_never_connects_is_dropped(start_server, speech_24k):
+    srv = await start_server(ice_connect_timeout_s=1.0)
     call = RealtimeCall(srv.url, speech_24k)
     call.pc.setRemoteDescription = _never                   # the client never applies the answer: no ICE
     connecting = asyncio.ensure_future(call.connect())
@@ -209,18 +209,17 @@ async def test_api_keys_guard_calls(start_server, speech_24k):
         assert await call.hang_up() == 204
 
 
-def test_ice_servers_come_from_settings_or_environment():
-    class S:
-        stun_url = None
-
-    cfg = WebRTCConfig.from_settings(S(), env={"PERSONAPLEX_STUN_URL": "stun:stun.example.org:3478",
-                                               "PERSONAPLEX_TURN_URL": "turn:turn.example.org:3478",
-                                               "PERSONAPLEX_TURN_USERNAME": "u", "PERSONAPLEX_TURN_CREDENTIAL": "p"})
+def test_ice_servers_come_from_flags_or_environment():
+    settings = parse_settings(["--stun-url", "stun:stun.example.org:3478", "--ice-connect-timeout-s", "7"],
+                              env={"PERSONAPLEX_TURN_URL": "turn:turn.example.org:3478",
+                                   "PERSONAPLEX_TURN_USERNAME": "u", "PERSONAPLEX_TURN_CREDENTIAL": "p"})
+    cfg = WebRTCConfig.from_settings(settings)
     assert [s.urls for s in cfg.ice_servers] == ["stun:stun.example.org:3478", "turn:turn.example.org:3478"]
     assert cfg.browser_ice_servers()[1] == {"urls": "turn:turn.example.org:3478", "username": "u", "credential": "p"}
-    assert WebRTCConfig.from_settings(S(), env={}).ice_servers == ()
-    with pytest.raises(ValueError):
-        WebRTCConfig.from_settings(S(), env={"PERSONAPLEX_ICE_RELAY_ONLY": "1"})
+    assert cfg.connect_timeout_s == 7.0
+    assert WebRTCConfig.from_settings(parse_settings([], env={})).ice_servers == ()
+    with pytest.raises(ValueError, match="TURN"):
+        WebRTCConfig.from_settings(parse_settings(["--ice-relay-only"], env={}))
 
 
 async def test_the_page_and_its_config_are_served(server):
