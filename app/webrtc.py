@@ -71,8 +71,8 @@ CALLS_ROUTE = "/v1/realtime/calls"
 CHANNEL_LABEL = "oai-events"
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 # The outbound track reads right after each engine frame lands (OutboundAudioTrack.align), so the prebuffer is all
-# the slack a late tick needs; start at 20 ms, not 40: an underrun adds 20 ms (media.playout).
-PLAYOUT = PlayoutConfig(start_prebuffer_ms=20.0)
+# the slack a late tick needs: 10 ms (a tick's duration varies by a few ms); an underrun adds 20 ms (media.playout).
+PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
 # A context's frame 0 comes straight after the prompt prefill, 0-80 ms behind the tick grid: playing it would leave
 # that much standing latency for the rest of the call (the playout buffer sheds only beyond prebuffer + 160 ms).
 # It is the model's answer to the first 80 ms of the call, i.e. to nothing yet: its transcript is still sent.

@@ -16,7 +16,7 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   memory. Many late packets raise it within a few hundred ms (fast rise); it takes ~10 s of calm to fall (slow
   decay); one isolated stall lifts it for well under a second, since its ten late packets are a small share of
   the memory. The delay base may creep up 15 ms per second, so a sender clock up to 1.5 % slow reads as drift,
-  not jitter. Clamped to 5..160 ms: on a clean link a frame is read within a few ms of its last sample's arrival.
+  not jitter. Clamped to 10..160 ms: on a clean link a frame is read within a few ms of its last sample's arrival.
 - Underrun (a primed read finds less than a frame): `read_frame` returns None (the engine feeds silence and
   counts it), the read position stays, so nothing the client sent is lost; the buffer re-primes and its margin
   rises by 20 ms, falling back by 20 ms per 5 s without an underrun.
@@ -55,7 +55,7 @@ class JitterConfig:
     sample_rate: int = SAMPLE_RATE
     frame: int = FRAME
     prime_margin_ms: float = 40.0
-    min_margin_ms: float = 5.0
+    min_margin_ms: float = 10.0
     max_margin_ms: float = 160.0
     underrun_step_ms: float = 20.0
     quiet_period_s: float = 5.0
