@@ -7,15 +7,14 @@ audio and text piece. Input-clocked slots (offline files) are stepped on their o
 is ready. Admission, prompt prefill, restarts and closes run on the same thread between ticks, so the step never
 races with bookkeeping; the asyncio side only enqueues work and receives callbacks.
 
-On CUDA the three parts of a tick are captured as CUDA graphs per padded batch size, with inputs and outputs in
-static buffers moved once per tick through pinned host memory.
+The step itself lives in `model/batch_step.py` (CUDA graphs per padded batch size); inputs and outputs move once
+per tick through pinned host memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import itertools
 import logging
 import queue
 import secrets
@@ -32,13 +31,12 @@ import torch
 from torch import Tensor
 
 from model import fused
+from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, decode_agent, prefill_chunks
 from model.config import FRAME_SAMPLES
-from model.lm import LMState
 from model.loading import PersonaPlex
-from model.mimi import Mimi, MimiState
 from model.prompts import PromptPlan, VoicePrompt, persona_tokens, plan_prompt
 from model.sampling import SamplingParams, row_sampling
-from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, StepConstants, TemporalResult, depformer_half, temporal_half
+from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, StepConstants, depformer_half, temporal_half
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,6 @@ __all__ = [
     "ResourceExhausted", "InvalidSessionParams", "SessionFailed", "EngineStats", "SlotStats",
 ]
 
-BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256)
 TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0, 160.0)
 
 
@@ -207,131 +204,6 @@ class Slot:
         return SlotStats(**vars(self._rt.stats))
 
 
-def decode_agent(mimi: Mimi, frame: Tensor, emitted: Tensor, state: MimiState, bins: int,
-                 active: Tensor | None = None) -> Tensor:
-    """Mimi-decode the agent codes of token frames [B, 17] -> [B, 1920].
-
-    Rows that emitted nothing (or idle rows, which may hold the 'initial' token = card, hence the clamp) keep a
-    fresh decoder, as if the decode never ran.
-    """
-    audio = mimi.decode_frame(frame[:, 1:9].clamp(0, bins - 1), state)
-    idle = ~emitted if active is None else active & ~emitted
-    state.decoder.reset_rows(idle)
-    return audio
-
-
-def prefill_chunks(frames: Tensor, size: int) -> list[Tensor]:
-    """Split a prompt into chunks of about `size` frames, none of a single frame (a shape compiled code would
-    specialise on)."""
-    total = frames.shape[0]
-    bounds = list(range(0, total, size)) + [total]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
-        bounds[-2] -= 1
-    return [frames[a:b] for a, b in itertools.pairwise(bounds) if b > a]
-
-
-def _bucket(n: int, limit: int) -> int:
-    i = bisect.bisect_left(BATCH_BUCKETS, n)
-    return min(BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else n, limit)
-
-
-class _DeviceStep:
-    """Static buffers and (on CUDA) graphs for one batched step over the first `n` rows."""
-
-    def __init__(self, engine: Engine, n: int):
-        model, device = engine.model, engine.device
-        self.n = n
-        self.lm, self.mimi = model.lm, model.mimi
-        self.lm_state: LMState = engine.lm_state.rows(slice(0, n))
-        self.mimi_state: MimiState = engine.mimi_state.rows(slice(0, n))
-        self.text_s = engine.text_sampling.rows(slice(0, n))
-        self.audio_s = engine.audio_sampling.rows(slice(0, n))
-        self.const = engine.const
-        self.pcm = engine.pcm_in[:n]
-        self.active = engine.active[:n]
-        self.dep_cache = self.lm.depformer_cache(n)
-        self.bins = model.mimi_config.quantizer.bins
-        self.codes: Tensor | None = None
-        self.temporal: TemporalResult | None = None
-        self.frame: Tensor | None = None
-        self.emitted: Tensor | None = None
-        self.audio: Tensor | None = None
-        self.graphs: list[torch.cuda.CUDAGraph] | None = None
-        if device.type == "cuda" and engine.config.cuda_graphs:
-            self._capture(engine.graph_pool)
-
-    def encode(self) -> None:
-        self.codes = self.mimi.encode_frame(self.pcm, self.mimi_state)
-
-    def temporal_part(self) -> None:
-        self.temporal = temporal_half(self.lm, self.lm_state, self.codes, self.text_s, self.const, self.active)
-
-    def depformer_part(self) -> None:
-        self.frame, self.emitted = depformer_half(self.lm, self.lm_state, self.temporal, self.audio_s,
-                                                  self.dep_cache, self.const, self.active)
-
-    def decode(self) -> None:
-        self.audio = decode_agent(self.mimi, self.frame, self.emitted, self.mimi_state, self.bins, self.active)
-
-    PARTS = ("encode", "temporal", "depformer", "decode")
-
-    def _capture(self, pool) -> None:
-        fns = [self.encode, self.temporal_part, self.depformer_part, self.decode]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):
-                for fn in fns:
-                    fn()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graphs = []
-        with torch.no_grad():
-            for fn in fns:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    fn()
-                self.graphs.append(graph)
-
-    @torch.no_grad()
-    def run(self, timer: _PartTimer) -> tuple[Tensor, Tensor, Tensor]:
-        if self.graphs is not None:
-            for name, graph in zip(self.PARTS, self.graphs):
-                graph.replay()
-                timer.mark(name)
-        else:
-            for name, fn in zip(self.PARTS, (self.encode, self.temporal_part, self.depformer_part, self.decode)):
-                fn()
-                timer.mark(name)
-        return self.frame, self.emitted, self.audio
-
-
-class _PartTimer:
-    """Per-part times: CUDA events on the GPU (read after the tick's one sync), wall clock on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple[str, object]] = []
-
-    def start(self) -> None:
-        self.marks = [("start", self._now())]
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        self.marks.append((name, self._now()))
-
-    def parts_ms(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for (_, a), (name, b) in itertools.pairwise(self.marks):
-            out[name] = a.elapsed_time(b) if self.cuda else (b - a) * 1000.0
-        return out
-
-
 class Engine:
     """Slots, the tick thread, prompt prefill and its cache. See the module docstring."""
 
@@ -355,7 +227,7 @@ class Engine:
         self._pcm_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
         self._active_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        self._steps: dict[int, _DeviceStep] = {}
+        self._steps: dict[int, BatchStep] = {}
         self._slots: list[_Runtime | None] = [None] * B
         self._lock = threading.RLock()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -364,7 +236,7 @@ class Engine:
         self._running = False
         self._prompt_cache: OrderedDict[tuple, _CachedPrompt] = OrderedDict()
         self._voice_cache: OrderedDict[str, VoicePrompt | Tensor] = OrderedDict()
-        self._timer = _PartTimer(self.device)
+        self._timer = PartTimer(self.device)
         self._tick_ms: deque[float] = deque(maxlen=2000)
         self._parts_ms: dict[str, float] = {}
         self._buckets = [0] * (len(TICK_MS_BUCKETS) + 1)
@@ -392,7 +264,7 @@ class Engine:
         if self._thread is not None:
             return
         if self.device.type == "cuda" and self.config.cuda_graphs:
-            for n in sorted({_bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
+            for n in sorted({bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
                 self._device_step(n)
         if fused.enabled():
             self._warm_prefill()
@@ -523,7 +395,7 @@ class Engine:
         """
         if self._thread is not None:
             raise EngineError("step_timings runs only while the engine is stopped", "invalid_state")
-        n = _bucket(n, self.max_sessions)
+        n = bucket(n, self.max_sessions)
         self._active_host[:n] = True
         runs = []
         for _ in range(iterations):
@@ -644,10 +516,13 @@ class Engine:
             self._prompt_cache.popitem(last=False)
         return entry
 
-    def _device_step(self, n: int) -> _DeviceStep:
+    def _device_step(self, n: int) -> BatchStep:
         step = self._steps.get(n)
         if step is None:
-            step = self._steps[n] = _DeviceStep(self, n)
+            buffers = BatchBuffers(self.lm_state, self.mimi_state, self.text_sampling, self.audio_sampling,
+                                   self.pcm_in, self.active)
+            pool = self.graph_pool if self.device.type == "cuda" and self.config.cuda_graphs else None
+            step = self._steps[n] = BatchStep(self.model, buffers, self.const, n, graph_pool=pool)
         return step
 
     def _loop(self) -> None:
@@ -726,7 +601,7 @@ class Engine:
             self._batch = 0
             return
         t0 = time.perf_counter()
-        n = _bucket(max(rt.index for rt in live) + 1, self.max_sessions)
+        n = bucket(max(rt.index for rt in live) + 1, self.max_sessions)
         self._active_host[:n] = False
         for rt in live:
             self._active_host[rt.index] = True

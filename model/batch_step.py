@@ -1,0 +1,163 @@
+"""One batched frame step over the engine's first `n` rows: Mimi encode, temporal, depformer, Mimi decode.
+
+The engine owns buffers of `max_sessions` rows; a step works on views of a padded prefix of them (`bucket`), and on
+CUDA each of its four parts is captured once as a CUDA graph and replayed every tick, so the tick costs a handful
+of launches and no Python per session.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from model.lm import LMState
+from model.loading import PersonaPlex
+from model.mimi import Mimi, MimiState
+from model.sampling import RowSampling
+from model.step import StepConstants, TemporalResult, depformer_half, temporal_half
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass
+class BatchBuffers:
+    """Device state of all rows, owned by the engine: model state, per-row sampling, this tick's input and mask."""
+
+    lm_state: LMState
+    mimi_state: MimiState
+    text_sampling: RowSampling
+    audio_sampling: RowSampling
+    pcm_in: Tensor  # [B, 1920]
+    active: Tensor  # [B] bool
+
+
+def decode_agent(mimi: Mimi, frame: Tensor, emitted: Tensor, state: MimiState, bins: int,
+                 active: Tensor | None = None) -> Tensor:
+    """Mimi-decode the agent codes of token frames [B, 17] -> [B, 1920].
+
+    Rows that emitted nothing (or idle rows, which may hold the 'initial' token = card, hence the clamp) keep a
+    fresh decoder, as if the decode never ran.
+    """
+    audio = mimi.decode_frame(frame[:, 1:9].clamp(0, bins - 1), state)
+    idle = ~emitted if active is None else active & ~emitted
+    state.decoder.reset_rows(idle)
+    return audio
+
+
+def prefill_chunks(frames: Tensor, size: int) -> list[Tensor]:
+    """Split a prompt into chunks of about `size` frames, none of a single frame (a shape compiled code would
+    specialise on)."""
+    total = frames.shape[0]
+    bounds = list(range(0, total, size)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        bounds[-2] -= 1
+    return [frames[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+
+def bucket(n: int, limit: int) -> int:
+    i = bisect.bisect_left(BATCH_BUCKETS, n)
+    return min(BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else n, limit)
+
+
+class BatchStep:
+    """Views of the first `n` rows of the engine's buffers, and (on CUDA) one graph per part of the step."""
+
+    def __init__(self, model: PersonaPlex, buffers: BatchBuffers, const: StepConstants, n: int, graph_pool=None):
+        self.n = n
+        self.lm, self.mimi = model.lm, model.mimi
+        rows = slice(0, n)
+        self.lm_state: LMState = buffers.lm_state.rows(rows)
+        self.mimi_state: MimiState = buffers.mimi_state.rows(rows)
+        self.text_s = buffers.text_sampling.rows(rows)
+        self.audio_s = buffers.audio_sampling.rows(rows)
+        self.const = const
+        self.pcm = buffers.pcm_in[rows]
+        self.active = buffers.active[rows]
+        self.dep_cache = self.lm.depformer_cache(n)
+        self.bins = model.mimi_config.quantizer.bins
+        self.codes: Tensor | None = None
+        self.temporal: TemporalResult | None = None
+        self.frame: Tensor | None = None
+        self.emitted: Tensor | None = None
+        self.audio: Tensor | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        if graph_pool is not None:
+            self._capture(graph_pool)
+
+    def encode(self) -> None:
+        self.codes = self.mimi.encode_frame(self.pcm, self.mimi_state)
+
+    def temporal_part(self) -> None:
+        self.temporal = temporal_half(self.lm, self.lm_state, self.codes, self.text_s, self.const, self.active)
+
+    def depformer_part(self) -> None:
+        self.frame, self.emitted = depformer_half(self.lm, self.lm_state, self.temporal, self.audio_s,
+                                                  self.dep_cache, self.const, self.active)
+
+    def decode(self) -> None:
+        self.audio = decode_agent(self.mimi, self.frame, self.emitted, self.mimi_state, self.bins, self.active)
+
+    PARTS = ("encode", "temporal", "depformer", "decode")
+
+    def _capture(self, pool) -> None:
+        fns = [self.encode, self.temporal_part, self.depformer_part, self.decode]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                for fn in fns:
+                    fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graphs = []
+        with torch.no_grad():
+            for fn in fns:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    fn()
+                self.graphs.append(graph)
+
+    @torch.no_grad()
+    def run(self, timer: PartTimer) -> tuple[Tensor, Tensor, Tensor]:
+        if self.graphs is not None:
+            for name, graph in zip(self.PARTS, self.graphs):
+                graph.replay()
+                timer.mark(name)
+        else:
+            for name, fn in zip(self.PARTS, (self.encode, self.temporal_part, self.depformer_part, self.decode)):
+                fn()
+                timer.mark(name)
+        return self.frame, self.emitted, self.audio
+
+
+class PartTimer:
+    """Per-part times: CUDA events on the GPU (read after the tick's one sync), wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def start(self) -> None:
+        self.marks = [("start", self._now())]
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, self._now()))
+
+    def parts_ms(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in itertools.pairwise(self.marks):
+            out[name] = a.elapsed_time(b) if self.cuda else (b - a) * 1000.0
+        return out
+
+
