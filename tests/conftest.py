@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -120,3 +120,12 @@ def speech_24k() -> np.ndarray:
     """About two seconds of speech at 24 kHz (espeak-ng when installed, else a synthetic voice)."""
     spoken = espeak("Hello, can you hear me? I would like to book a table for two.")
     return spoken if spoken is not None else speech_like(2.0)
+
+
+@pytest.fixture(scope="module")
+def voice_cache(tmp_path_factory) -> Iterator[Path]:
+    """Voices unpack into a private cache for the module that asks, never the user's."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PERSONAPLEX_CACHE", str(cache))
+        yield cache

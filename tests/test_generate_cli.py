@@ -22,14 +22,6 @@ INPUT_RATE = 16000
 PERSONA = "You are a helpful customer service agent for a bank."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def voice_cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PERSONAPLEX_CACHE", str(cache))
-        yield cache
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, voice_cache) -> Path:
     return make_tiny(tmp_path_factory, "cli", seed=2)

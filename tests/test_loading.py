@@ -37,15 +37,6 @@ GREEDY = SamplingParams(greedy=True)
 PERSONA = "You are a wise and friendly teacher."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def voice_cache(tmp_path_factory):
-    """Voices unpack into a private cache for this module, never the user's."""
-    cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PERSONAPLEX_CACHE", str(cache))
-        yield cache
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, voice_cache) -> Path:
     return make_tiny(tmp_path_factory, "loading", seed=1)
