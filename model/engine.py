@@ -226,6 +226,9 @@ class Engine:
         pin = self.device.type == "cuda"
         self._pcm_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
         self._active_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
+        self._frames_host = torch.zeros(B, lm.cfg.num_rows, dtype=torch.long, pin_memory=pin)
+        self._emitted_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
+        self._audio_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._steps: dict[int, BatchStep] = {}
         self._slots: list[_Runtime | None] = [None] * B
@@ -631,9 +634,14 @@ class Engine:
         for r, enc, dec in saved:
             self.mimi_state.encoder.rows(slice(r, r + 1)).copy_(enc)
             self.mimi_state.decoder.rows(slice(r, r + 1)).copy_(dec)
-        result = (frame.cpu().numpy(), emitted.cpu().numpy(), audio.float().cpu().numpy())
+        # Outputs come back in one transfer wait per tick, through pinned buffers.
+        self._frames_host[:n].copy_(frame, non_blocking=True)
+        self._emitted_host[:n].copy_(emitted, non_blocking=True)
+        self._audio_host[:n].copy_(audio, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         self._parts_ms = self._timer.parts_ms()
-        return result
+        return self._frames_host[:n].numpy(), self._emitted_host[:n].numpy(), self._audio_host[:n].numpy()
 
     def _deliver(self, rt: _Runtime, frame: np.ndarray, emitted: bool, audio: np.ndarray) -> None:
         """Hand one slot its frame. The lock makes close() wait for a callback in flight, so none follows it."""
