@@ -49,6 +49,7 @@ class Settings:
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
+KV_CACHE_CHOICES = ("bf16", "fp8")
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", help=f"DEBUG, INFO, WARNING… (default {d.log_level})")
     p.add_argument("--cache-dir", help="where the built-in tiny model is written")
     p.add_argument("--strict-model", action="store_true", default=None, help="fail instead of falling back to tiny")
-    p.add_argument("--kv-cache", choices=["bf16", "fp8"],
+    p.add_argument("--kv-cache", choices=KV_CACHE_CHOICES,
                    help="KV cache storage; fp8 holds about twice the sessions, close to but not bit-exact with bf16")
     p.add_argument("--stun-url", help="STUN server for WebRTC, e.g. stun:stun.example.org:3478 (default: none)")
     p.add_argument("--turn-url", help="TURN server for WebRTC, e.g. turn:turn.example.org:3478?transport=udp")
@@ -109,6 +110,9 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
                 continue
             value = raw
         setattr(s, name, _coerce(name, value, default))
+    if s.kv_cache not in KV_CACHE_CHOICES:
+        raise SystemExit(f"--kv-cache / PERSONAPLEX_KV_CACHE must be one of {', '.join(KV_CACHE_CHOICES)}, "
+                         f"got {s.kv_cache!r}")
     return s
 
 

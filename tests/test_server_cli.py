@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 import torch
 
 from app.settings import DEFAULT_MODEL, parse_settings
@@ -30,6 +31,13 @@ def test_flags_win_over_environment():
     assert s.allowed_origins == ("https://x.example",) and s.voices_dir == Path.home() / "voices"
     assert s.strict_model is True and s.log_level == "DEBUG" and s.model == DEFAULT_MODEL
     assert parse_settings([], {"PERSONAPLEX_API_KEYS": "a, b"}).api_keys == ("a", "b")
+
+
+def test_kv_cache_choice_is_checked_for_flags_and_environment():
+    assert parse_settings(["--kv-cache", "fp8"], {}).kv_cache == "fp8"
+    assert parse_settings([], {"PERSONAPLEX_KV_CACHE": "fp8"}).kv_cache == "fp8"
+    with pytest.raises(SystemExit, match="PERSONAPLEX_KV_CACHE must be one of bf16, fp8"):
+        parse_settings([], {"PERSONAPLEX_KV_CACHE": "fp9"})
 
 
 def _free_port() -> int:
