@@ -93,7 +93,6 @@ async def _startup(app: web.Application) -> None:
     if fp8 and ctx.model.device.type != "cuda":
         logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", ctx.model.dtype)
     engine = Engine(ctx.model, EngineConfig(max_sessions=ctx.settings.max_sessions,
-                                            queue_timeout_s=ctx.settings.queue_timeout_s,
                                             fp8_kv=fp8 and ctx.model.device.type == "cuda"))
     engine.start()
     ctx.engine = engine

@@ -98,7 +98,6 @@ class FrameSource(Protocol):
 class EngineConfig:
     max_sessions: int = 4
     tick_ms: float = 80.0
-    queue_timeout_s: float = 0.0
     cuda_graphs: bool = True
     prefill_chunk: int = 128
     prompt_cache_entries: int = 32
