@@ -20,7 +20,6 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from model.engine import Engine
-
     from model.loading import PersonaPlex
 
 VOICE_SUFFIXES = (".pt", ".wav")
@@ -43,7 +42,7 @@ class ServerContext:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.shutting_down
+        return self.engine is not None and self.engine.running and not self.shutting_down
 
     @property
     def model_id(self) -> str:

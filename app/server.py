@@ -131,8 +131,9 @@ async def health(request: web.Request) -> web.Response:
     if ctx.engine is None:
         return _json({"status": "shutting_down" if ctx.shutting_down else "starting", "ready": False}, status=503)
     s = ctx.engine.stats()
+    status = "shutting_down" if ctx.shutting_down else ("ok" if ctx.engine.running else "engine_down")
     return _json({
-        "status": "shutting_down" if ctx.shutting_down else "ok",
+        "status": status,
         "ready": ctx.ready,
         "model": ctx.model_id,
         "tiny": bool(ctx.model and ctx.model.is_tiny),

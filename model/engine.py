@@ -258,6 +258,11 @@ class Engine:
     def max_sessions(self) -> int:
         return self.config.max_sessions
 
+    @property
+    def running(self) -> bool:
+        """Whether the tick thread is up (for health checks)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def sessions_in_use(self) -> int:
         with self._lock:
             return sum(s is not None for s in self._slots)
@@ -531,20 +536,31 @@ class Engine:
         tick_s = self.config.tick_ms / 1000.0
         deadline = time.monotonic() + tick_s
         while self._running:
-            self._drain_commands()
-            now = time.monotonic()
-            if now >= deadline:
-                self._realtime_tick(started_late=now - deadline > tick_s / 2)
-                deadline += tick_s
-                if time.monotonic() > deadline:  # never burst to catch up: re-anchor on the clock
-                    deadline = time.monotonic() + tick_s
-                continue
-            if self._jobs and self._job_step(deadline - now):
-                continue
-            if self._offline_step():
-                continue
-            self._wake.wait(timeout=min(deadline - now, 0.002 if self._has_offline() else 1.0))
-            self._wake.clear()
+            try:
+                deadline = self._iterate(deadline, tick_s)
+            except Exception:  # a bug must not stop every conversation: log it, count it, keep ticking
+                log.exception("engine loop error")
+                with self._lock:
+                    self._errors += 1
+                time.sleep(0.001)
+
+    def _iterate(self, deadline: float, tick_s: float) -> float:
+        """One pass of the loop: commands, then the tick when due, else prefill work, offline frames or a wait."""
+        self._drain_commands()
+        now = time.monotonic()
+        if now >= deadline:
+            self._realtime_tick(started_late=now - deadline > tick_s / 2)
+            deadline += tick_s
+            if time.monotonic() > deadline:  # never burst to catch up: re-anchor on the clock
+                deadline = time.monotonic() + tick_s
+            return deadline
+        if self._jobs and self._job_step(deadline - now):
+            return deadline
+        if self._offline_step():
+            return deadline
+        self._wake.wait(timeout=min(deadline - now, 0.002 if self._has_offline() else 1.0))
+        self._wake.clear()
+        return deadline
 
     def _job_step(self, time_left: float) -> bool:
         """One step of the oldest job if it fits in `time_left` (or no realtime session is waiting). True if run."""
