@@ -214,7 +214,10 @@ class Engine:
         B = self.config.max_sessions
         self.device = model.device
         if self.config.fuse_kernels and self.device.type == "cuda":
-            fused.enable()
+            if fused.available():
+                fused.enable()
+            else:
+                log.warning("Triton is not installed: running without fused kernels (slower ticks)")
         lm = model.lm
         self.lm_state = lm.init_state(B, self.device, fp8_kv=self.config.fp8_kv)
         self.mimi_state = model.mimi.init_state(B, self.device)

@@ -30,6 +30,15 @@ def fusable(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
+def available() -> bool:
+    """Inductor's GPU code needs Triton."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def enable() -> None:
     """Compile every fusable helper (dynamic batch); compilation happens on first use, e.g. in graph warm-up."""
     for fn in _EAGER:
