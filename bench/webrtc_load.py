@@ -37,10 +37,10 @@ if __package__ in (None, ""):                      # run as a file: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp
-import av
 import numpy as np
 
 from app.webrtc_client import RealtimeCall
+from model.audio import read_wav, resample
 
 RATE = 24000
 FRAME = 1920
@@ -58,13 +58,8 @@ def speech(wav: str | None) -> np.ndarray:
         if path is None:
             from model.tiny import synthetic_voice
             return synthetic_voice(0, 8.0)
-        chunks = []
-        with av.open(str(path)) as container:
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
-            for frame in container.decode(audio=0):
-                chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
-            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
-    return np.concatenate(chunks).astype(np.float32)
+        samples, rate = read_wav(path)
+    return resample(samples, rate, RATE)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -11,10 +11,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 from aioice.ice import get_host_addresses
+
+from model.audio import read_wav, resample, write_wav
 
 LOOPBACK_EXTRA = "127.0.0.2"
 
@@ -33,39 +34,17 @@ def ensure_ice_host_address() -> list[str]:
     return addresses
 
 
-def read_wav(path: Path, rate: int = 24000) -> np.ndarray:
-    """Any wav -> float32 mono at `rate` (PyAV's swr, one stream)."""
-    out = []
-    with av.open(str(path)) as container:
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-        for frame in container.decode(audio=0):
-            out += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
-        out += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
-    return np.concatenate(out).astype(np.float32)
-
-
-def write_wav(path: Path, samples: np.ndarray, rate: int) -> Path:
-    """float32 mono -> s16 mono wav."""
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("pcm_s16le", rate=rate, layout="mono")
-        s16 = (np.clip(samples, -1, 1) * 32767).astype(np.int16).reshape(1, -1)
-        frame = av.AudioFrame.from_ndarray(s16, format="s16", layout="mono")
-        frame.sample_rate = rate
-        for packet in stream.encode(frame):
-            container.mux(packet)
-        for packet in stream.encode(None):
-            container.mux(packet)
-    return path
-
-
 def espeak_wav(folder: Path, text: str, rate: int = 24000, name: str = "speech") -> tuple[Path, np.ndarray]:
     """Speech from espeak-ng, resampled to `rate` mono s16: (wav path, float32 samples)."""
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)")
     raw = folder / f"{name}-espeak.wav"
     subprocess.run(["espeak-ng", "-w", str(raw), text], check=True, capture_output=True)
-    samples = read_wav(raw, rate)
-    return write_wav(folder / f"{name}-{rate}.wav", samples, rate), samples
+    samples, raw_rate = read_wav(raw)
+    samples = resample(samples, raw_rate, rate)
+    path = folder / f"{name}-{rate}.wav"
+    write_wav(path, samples, rate)
+    return path, samples
 
 
 class PacketTap:
