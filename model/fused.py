@@ -46,9 +46,5 @@ def enable() -> None:
             _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-def disable() -> None:
-    _COMPILED.clear()
-
-
 def enabled() -> bool:
     return bool(_COMPILED)
