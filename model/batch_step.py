@@ -65,12 +65,12 @@ def bucket(n: int, limit: int) -> int:
 
 
 class BatchStep:
-    """Views of the first `n` rows of the engine's buffers, and (on CUDA) one graph per part of the step."""
+    """Views of some rows of the engine's buffers (a padded prefix for ticks, one row for an input-clocked
+    session), and (on CUDA, given a pool) one graph per part of the step."""
 
-    def __init__(self, model: PersonaPlex, buffers: BatchBuffers, const: StepConstants, n: int, graph_pool=None):
-        self.n = n
+    def __init__(self, model: PersonaPlex, buffers: BatchBuffers, const: StepConstants, rows: slice,
+                 graph_pool=None):
         self.lm, self.mimi = model.lm, model.mimi
-        rows = slice(0, n)
         self.lm_state: LMState = buffers.lm_state.rows(rows)
         self.mimi_state: MimiState = buffers.mimi_state.rows(rows)
         self.text_s = buffers.text_sampling.rows(rows)
@@ -78,7 +78,7 @@ class BatchStep:
         self.const = const
         self.pcm = buffers.pcm_in[rows]
         self.active = buffers.active[rows]
-        self.dep_cache = self.lm.depformer_cache(n)
+        self.dep_cache = self.lm.depformer_cache(rows.stop - rows.start)
         self.bins = model.mimi_config.quantizer.bins
         self.codes: Tensor | None = None
         self.temporal: TemporalResult | None = None

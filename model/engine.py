@@ -31,12 +31,12 @@ import torch
 from torch import Tensor
 
 from model import fused
-from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, decode_agent, prefill_chunks
+from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, prefill_chunks
 from model.config import FRAME_SAMPLES
 from model.loading import PersonaPlex
 from model.prompts import PromptPlan, VoicePrompt, persona_tokens, plan_prompt
 from model.sampling import SamplingParams, row_sampling
-from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, StepConstants, depformer_half, temporal_half
+from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, StepConstants
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +233,7 @@ class Engine:
         self._audio_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._steps: dict[int, BatchStep] = {}
+        self._row_steps: dict[int, BatchStep] = {}
         self._slots: list[_Runtime | None] = [None] * B
         self._lock = threading.RLock()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -529,11 +530,20 @@ class Engine:
     def _device_step(self, n: int) -> BatchStep:
         step = self._steps.get(n)
         if step is None:
-            buffers = BatchBuffers(self.lm_state, self.mimi_state, self.text_sampling, self.audio_sampling,
-                                   self.pcm_in, self.active)
             pool = self.graph_pool if self.device.type == "cuda" and self.config.cuda_graphs else None
-            step = self._steps[n] = BatchStep(self.model, buffers, self.const, n, graph_pool=pool)
+            step = self._steps[n] = BatchStep(self.model, self._buffers(), self.const, slice(0, n), graph_pool=pool)
         return step
+
+    def _row_step(self, row: int) -> BatchStep:
+        """The eager step over one row, for input-clocked sessions stepped between ticks."""
+        step = self._row_steps.get(row)
+        if step is None:
+            step = self._row_steps[row] = BatchStep(self.model, self._buffers(), self.const, slice(row, row + 1))
+        return step
+
+    def _buffers(self) -> BatchBuffers:
+        return BatchBuffers(self.lm_state, self.mimi_state, self.text_sampling, self.audio_sampling, self.pcm_in,
+                            self.active)
 
     def _loop(self) -> None:
         tick_s = self.config.tick_ms / 1000.0
@@ -696,17 +706,12 @@ class Engine:
         if not self._read_input(rt):
             return True
         r = rt.index
-        rows = slice(r, r + 1)
-        lm, mimi = self.model.lm, self.model.mimi
         try:
-            with torch.no_grad():
-                mimi_rows = self.mimi_state.rows(rows)
-                codes = mimi.encode_frame(self._pcm_host[rows].to(self.device), mimi_rows)
-                lm_rows = self.lm_state.rows(rows)
-                temporal = temporal_half(lm, lm_rows, codes, self.text_sampling.rows(rows), self.const)
-                frame, emitted = depformer_half(lm, lm_rows, temporal, self.audio_sampling.rows(rows),
-                                                lm.depformer_cache(1), self.const)
-                audio = decode_agent(mimi, frame, emitted, mimi_rows, self.model.mimi_config.quantizer.bins)
+            # The row's active flag and input go straight into the device buffers; the next realtime tick
+            # rewrites both for its own rows.
+            self.pcm_in[r].copy_(self._pcm_host[r])
+            self.active[r] = True
+            frame, emitted, audio = self._row_step(r).run(PartTimer(self.device))
             frame_host, emitted_host, audio_host = frame[0].cpu().numpy(), bool(emitted[0]), audio[0].float().cpu()
         except Exception as exc:
             log.exception("offline step failed")
