@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.fused import fusable
+from model.rope import apply_rope
 
 try:
     import triton
@@ -136,9 +137,10 @@ class KernelConfig:
 
 
 # The fastest shapes on the H200 at 64 rows x 3000 slots (bench/attention_kernel.py): bf16 through tensor cores
-# matches cuDNN (4.3 TB/s); fp8 is bound by its dequantisation, best on CUDA cores with long blocks.
+# matches cuDNN (4.3 TB/s); fp8 runs on CUDA cores as independent softmax streams (3.7 TB/s), since converting
+# e4m3 for the tensor cores costs more than the dots.
 KERNEL_BF16 = KernelConfig()
-KERNEL_FP8 = KernelConfig(block=128, warps=4, stages=2, target_programs=4096, use_dot=False)
+KERNEL_FP8 = KernelConfig(block=32, warps=4, stages=4, target_programs=4096, use_dot=False)
 
 
 def split_length(batch: int, heads: int, slots: int, block: int = 64, target_programs: int = 1024) -> int:
@@ -170,6 +172,39 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
         HAS_SCALE=store.fp8, BLOCK_N=block, D=D, STAGES=cfg.stages, USE_DOT=cfg.use_dot, num_warps=cfg.warps,
     )
     return merge_partials(acc, m, denom).to(q.dtype)
+
+
+def rope_and_store_reference(store: KVStore, layer: int, projected: Tensor, rotation: Tensor, slot: Tensor,
+                             active: Tensor | None) -> Tensor:
+    """rope_and_store through separate torch ops (CPU, and the oracle for the kernel)."""
+    B, H, D = projected.shape[0], store.k.shape[2], store.k.shape[4]
+    q, k, v = projected.view(B, 3, H, D).unbind(1)
+    rotation = rotation.view(B, 1, D // 2, 2)
+    store.write(layer, torch.arange(B, device=slot.device), slot, apply_rope(k, rotation), v, active)
+    return apply_rope(q, rotation)
+
+
+def rope_and_store(store: KVStore, layer: int, projected: Tensor, rotation: Tensor, slot: Tensor,
+                   active: Tensor | None) -> Tensor:
+    """One step's in_proj output [B, 3 * dim] -> rotated queries [B, heads, head_dim].
+
+    The rotated keys and the values go into each row's ring `slot` [B]; where `active` [B] is False the old entry
+    stays. `rotation` is [B, head_dim // 2, 2] (cos, sin). On CUDA one kernel per layer does it all.
+    """
+    if not use_kernel(projected.device):
+        return rope_and_store_reference(store, layer, projected, rotation, slot, active)
+    B = projected.shape[0]
+    H, D = store.k.shape[2], store.k.shape[4]
+    q = torch.empty(B, H, D, device=projected.device, dtype=projected.dtype)
+    k, v = store.k[layer], store.v[layer]
+    ks = store.k_scale[layer] if store.fp8 else k
+    vs = store.v_scale[layer] if store.fp8 else v
+    _rope_store_kernel[(B, H)](
+        projected, rotation, slot, slot if active is None else active, q, k, v, ks, vs,
+        projected.stride(0), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), H * D,
+        HAS_ACTIVE=active is not None, HAS_SCALE=store.fp8, D=D, num_warps=1,
+    )
+    return q
 
 
 @fusable
@@ -230,28 +265,72 @@ if triton is not None:
             tl.store(M + out + rows * 0, m_i, mask=first)
             tl.store(L + out + rows * 0, l_i, mask=first)
         else:
+            # BLOCK_N independent online-softmax streams (key n0 + j feeds stream j): the loop has no reduction
+            # across keys, only each key's dot over head_dim; the streams merge once at the end.
             q = tl.load(Q + b * sqb + h * sqh + d).to(tl.float32) * scale
-            m_j = tl.full([], -float("inf"), tl.float32)
-            l_j = tl.full([], 0.0, tl.float32)
-            acc_j = tl.zeros([D], dtype=tl.float32)
+            m_j = tl.full([BLOCK_N], -float("inf"), tl.float32)
+            l_j = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_j = tl.zeros([BLOCK_N, D], dtype=tl.float32)
             for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
                 offs = n0 + tl.arange(0, BLOCK_N)
                 valid = offs < end
                 k = tl.load(K + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
                 v = tl.load(V + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+                s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+                pv = v.to(tl.float32)
                 if HAS_SCALE:
-                    k = k * tl.load(KS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[:, None]
-                    v = v * tl.load(VS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[:, None]
-                s = tl.sum(k * q[None, :], axis=1)
+                    s = s * tl.load(KS + b * ssb + h * ssh + offs, mask=valid, other=0.0)
                 s = tl.where(valid, s, -float("inf"))
-                m_new = tl.maximum(m_j, tl.max(s, axis=0))
-                alpha = tl.exp(m_j - m_new)
-                p = tl.exp(s - m_new)
-                acc_j = acc_j * alpha + tl.sum(p[:, None] * v, axis=0)
-                l_j = l_j * alpha + tl.sum(p, axis=0)
+                m_new = tl.maximum(m_j, s)
+                alpha = tl.where(m_new > -float("inf"), tl.exp(m_j - m_new), 1.0)
+                p = tl.where(valid, tl.exp(s - m_new), 0.0)
+                weight = p
+                if HAS_SCALE:
+                    weight = p * tl.load(VS + b * ssb + h * ssh + offs, mask=valid, other=0.0)
+                acc_j = acc_j * alpha[:, None] + weight[:, None] * pv
+                l_j = l_j * alpha + p
                 m_j = m_new
-            tl.store(ACC + out * D + d, acc_j)
-            tl.store(M + out, m_j)
-            tl.store(L + out, l_j)
+            top = tl.max(m_j, axis=0)
+            w = tl.where(l_j > 0, tl.exp(m_j - top), 0.0)
+            tl.store(ACC + out * D + d, tl.sum(acc_j * w[:, None], axis=0))
+            tl.store(M + out, top)
+            tl.store(L + out, tl.sum(l_j * w, axis=0))
+
+    @triton.jit
+    def _rotate(x, cos, sin, D: tl.constexpr):
+        real, imag = tl.split(tl.reshape(x.to(tl.float32), (D // 2, 2)))
+        return tl.reshape(tl.join(real * cos - imag * sin, real * sin + imag * cos), (D,))
+
+    @triton.jit
+    def _store_quantized(CACHE, SCALE, x, at, scale_at, keep, keep_row):
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+        tl.store(CACHE + at, (x / scale).to(CACHE.dtype.element_ty), mask=keep)
+        tl.store(SCALE + scale_at, scale, mask=keep_row)
+
+    @triton.jit
+    def _rope_store_kernel(P, ROT, SLOT, ACTIVE, QOUT, K, V, KS, VS,
+                           spb, skb, skh, sks, ssb, ssh, DIM,
+                           HAS_ACTIVE: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        heads = tl.num_programs(1)
+        d = tl.arange(0, D)
+        cos, sin = tl.split(tl.reshape(tl.load(ROT + b * D + d), (D // 2, 2)))
+        src = P + b * spb + h * D + d
+        q = _rotate(tl.load(src), cos, sin, D)
+        tl.store(QOUT + (b * heads + h) * D + d, q.to(QOUT.dtype.element_ty))
+        k = _rotate(tl.load(src + DIM), cos, sin, D).to(P.dtype.element_ty)  # rounded as the eager path rounds
+        v = tl.load(src + 2 * DIM)
+        keep_row = tl.full([], 1, tl.int1)
+        if HAS_ACTIVE:
+            keep_row = tl.load(ACTIVE + b) != 0
+        keep = tl.full([D], 1, tl.int1) & keep_row
+        slot = tl.load(SLOT + b)
+        at = b * skb + h * skh + slot * sks + d
+        if HAS_SCALE:
+            scale_at = b * ssb + h * ssh + slot
+            _store_quantized(K, KS, k.to(tl.float32), at, scale_at, keep, keep_row)
+            _store_quantized(V, VS, v.to(tl.float32), at, scale_at, keep, keep_row)
+        else:
+            tl.store(K + at, k, mask=keep)
+            tl.store(V + at, v, mask=keep)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model.attention import KVStore, decode_attention
+from model.attention import KVStore, decode_attention, rope_and_store
 from model.config import LMConfig
 from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
@@ -260,14 +260,12 @@ class LM(nn.Module):
         state.kpos.scatter_(1, slot, new_kpos)
         # Valid keys fill slots [0, n_valid): rows fill the ring in order from a reset, and a wrapped ring is full.
         n_valid = (state.pos + 1).clamp(max=cfg.context)
-        rotation = rope_rotation(state.pos.view(B, 1, 1), cfg.head_dim, cfg.max_period)  # [B, 1, 1, half]
-        rows = torch.arange(B, device=x.device)
+        rotation = rope_rotation(state.pos, cfg.head_dim, cfg.max_period)  # [B, half, 2]
         h = x.unsqueeze(1)
         for i, layer in enumerate(self.transformer.layers):
-            q, k, v = layer.self_attn.qkv(layer.norm1(h))
-            q, k = apply_rope(q, rotation), apply_rope(k, rotation)
-            state.kv.write(i, rows, slot.view(B), k.squeeze(2), v.squeeze(2), active)
-            o = decode_attention(q.squeeze(2), state.kv, i, n_valid)
+            projected = F.linear(layer.norm1(h), layer.self_attn.in_proj_weight).view(B, -1)
+            q = rope_and_store(state.kv, i, projected, rotation, slot.view(B), active)
+            o = decode_attention(q, state.kv, i, n_valid)
             h = h + layer.self_attn.out_proj(o.flatten(1)).unsqueeze(1)
             h = h + layer.gating(layer.norm2(h))
         return self.out_norm(h).squeeze(1)

@@ -6,7 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import KVStore, attention_reference, decode_attention, dequantize, quantize, split_length
+from model.attention import (
+    KVStore,
+    attention_reference,
+    decode_attention,
+    dequantize,
+    quantize,
+    rope_and_store,
+    rope_and_store_reference,
+    split_length,
+)
+from model.rope import rope_rotation
 
 
 def full_attention(q, k, v, n_valid):
@@ -59,3 +69,27 @@ def test_kernel_matches_reference_on_cuda(B, fp8):
     got = decode_attention(q, store, 0, n_valid).float()
     want = attention_reference(q, store, 0, n_valid).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only")
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_rope_and_store_kernel_matches_reference_on_cuda(fp8, masked):
+    B, H, C, D = 5, 32, 40, 128
+    pos = torch.tensor([0, 7, 39, 40, 100000], device="cuda")
+    rotation = rope_rotation(pos, D, 10000.0)
+    projected = torch.randn(B, 3 * H * D, device="cuda").to(torch.bfloat16) * 3
+    active = torch.tensor([True, False, True, True, False], device="cuda") if masked else None
+    results = []
+    for fn in (rope_and_store, rope_and_store_reference):
+        store, _, _ = make_store(B, H, C, D, torch.bfloat16, "cuda", fp8, seed=3)
+        q = fn(store, 0, projected, rotation, pos % C, active)
+        results.append((q.float(), [dequantize(t[0], s[0], torch.float32) if fp8 else t[0].float()
+                                    for t, s in ((store.k, store.k_scale), (store.v, store.v_scale))]))
+    (q, kv), (q_ref, kv_ref) = results
+    torch.testing.assert_close(q, q_ref, atol=0.07, rtol=1e-2)  # one bf16 ulp: fused multiply-adds round once
+    for got, want in zip(kv, kv_ref):
+        tolerance = 0.15 if fp8 else 0.07
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=0.07)
+        if masked:  # rows that were not active keep their old entries exactly
+            assert torch.equal(got[1], want[1]) and torch.equal(got[4], want[4])
