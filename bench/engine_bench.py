@@ -17,7 +17,6 @@ import json
 import time
 
 import numpy as np
-import torch
 
 from bench.fullsize import gpu_memory_gb, persona, random_personaplex, voice_wav
 from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
@@ -147,7 +146,6 @@ def main() -> None:
     parser.add_argument("--opens", type=int, default=5)
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
     args = parser.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
     asyncio.run(main_async(args))
 
 

@@ -213,6 +213,9 @@ class Engine:
             raise ValueError("max_sessions must be >= 1")
         B = self.config.max_sessions
         self.device = model.device
+        if self.device.type == "cuda":
+            # Mimi runs in fp32: TF32 puts its GEMMs on tensor cores, as cuDNN already does for its convolutions.
+            torch.backends.cuda.matmul.allow_tf32 = True
         if self.config.fuse_kernels and self.device.type == "cuda":
             if fused.available():
                 fused.enable()
@@ -275,8 +278,11 @@ class Engine:
         if self._thread is not None:
             return
         if self.device.type == "cuda" and self.config.cuda_graphs:
-            for n in sorted({bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
-                self._device_step(n)
+            # Each bucket's convolution shapes are fixed, so cuDNN may time its algorithms once, before capture.
+            # Only here: eager convolutions of arbitrary length (a .wav voice) would time every new length.
+            with torch.backends.cudnn.flags(enabled=True, benchmark=True):
+                for n in sorted({bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
+                    self._device_step(n)
         if fused.enabled():
             self._warm_prefill()
         self._running = True

@@ -57,10 +57,10 @@ class StreamState:
                                 (other.kv.keys, other.kv.values, other.kv.key_pos, other.kv.pos)):
             mine.copy_(theirs)
 
-    def reset_rows(self, rows: Tensor) -> None:
+    def reset_rows(self, rows: Tensor, zero_values: bool = True) -> None:
         for buf in self.convs:
             buf.masked_fill_(rows[:, None, None], 0.0)
-        self.kv.reset_rows(rows)
+        self.kv.reset_rows(rows, zero_values)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
+from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
 
 NORM_EPS = 1e-5
@@ -63,12 +64,21 @@ class CausalConv1d(nn.Module):
 
 
 class CausalConvTranspose1d(nn.Module):
-    """ConvTranspose1d trimmed on the right; streaming carries the `kernel - stride` overlap tail to the next call."""
+    """ConvTranspose1d trimmed on the right; streaming carries the `kernel - stride` overlap tail to the next call.
+
+    The streaming step computes the transposed convolution itself, as one GEMM (or, depthwise, one product) and an
+    overlap-add of `kernel / stride` shifted slices: on the GPU cuDNN's kernels for these few-frame shapes cost
+    up to a millisecond per call, the GEMM microseconds.
+    """
 
     def __init__(
         self, in_channels: int, out_channels: int, kernel_size: int, stride: int, groups: int = 1, bias: bool = True
     ) -> None:
         super().__init__()
+        if kernel_size % stride:
+            raise ValueError(f"kernel_size {kernel_size} must be a multiple of stride {stride}")
+        if groups not in (1, in_channels) or (groups > 1 and out_channels != in_channels):
+            raise ValueError("only dense or depthwise transposed convolutions are supported")
         self.convtr = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride, groups=groups, bias=bias)
         self.stride = stride
         self.overlap = kernel_size - stride
@@ -80,9 +90,28 @@ class CausalConvTranspose1d(nn.Module):
         y = self.convtr(x)
         return y[..., : y.shape[-1] - self.overlap]
 
+    def _transposed(self, x: Tensor) -> Tensor:
+        """convtr(x) for x [B, C_in, T] -> [B, C_out, (T + K/s - 1) * s]."""
+        w = self.convtr.weight  # [C_in, C_out / groups, K]
+        c_in, _, k = w.shape
+        b, _, t = x.shape
+        s = self.stride
+        if self.convtr.groups == 1:
+            taps = (x.transpose(1, 2).reshape(b * t, c_in) @ w.reshape(c_in, -1)).view(b, t, -1, k).transpose(1, 2)
+        else:
+            taps = x.unsqueeze(-1) * w.view(1, c_in, 1, k)
+        shifts = k // s
+        taps = taps.unflatten(-1, (shifts, s))
+        y = taps.new_zeros(b, taps.shape[1], (t + shifts - 1) * s)
+        for i in range(shifts):  # tap group i of input frame j lands on output frame j + i
+            y[..., i * s : (t + i) * s] += taps[:, :, :, i].flatten(-2)
+        if self.convtr.bias is not None:
+            y = y + self.convtr.bias[:, None]
+        return y
+
     def step(self, x: Tensor, buffers: Iterator[Tensor]) -> Tensor:
         tail = next(buffers)
-        y = self.convtr(x)
+        y = self._transposed(x)
         n = x.shape[-1] * self.stride
         out = torch.cat([y[..., : self.overlap] + tail, y[..., self.overlap : n]], dim=-1)
         rest = y[..., n:]
@@ -197,9 +226,13 @@ class KVCache:
         """A view of some rows: writes through it land in this cache."""
         return KVCache(self.keys[:, index], self.values[:, index], self.key_pos[index], self.pos[index])
 
-    def reset_rows(self, rows: Tensor) -> None:
-        self.keys.masked_fill_(rows[None, :, None, None, None], 0.0)
-        self.values.masked_fill_(rows[None, :, None, None, None], 0.0)
+    def reset_rows(self, rows: Tensor, zero_values: bool = True) -> None:
+        """Mark every slot of `rows` empty. Without `zero_values` the old keys and values stay in place: nothing
+        reads an empty slot (its attention weight is exactly 0, times a finite value), and the whole-cache
+        write is skipped, which matters for a reset that runs every tick."""
+        if zero_values:
+            self.keys.masked_fill_(rows[None, :, None, None, None], 0.0)
+            self.values.masked_fill_(rows[None, :, None, None, None], 0.0)
         self.key_pos.masked_fill_(rows[:, None], -1)
         self.pos.masked_fill_(rows, 0)
 
@@ -226,14 +259,26 @@ class Attention(nn.Module):
         b, t, c = x.shape
         q, k, v = F.linear(x, self.in_proj_weight).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if cache is not None:
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
             keys, values, slots = cache
             index = slots[:, None, :, None].expand(b, self.num_heads, t, self.head_dim)
             keys.scatter_(2, index, k)
             values.scatter_(2, index, v)
-            k, v = keys, values
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = ring_attention(q, keys, values, mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, c))
+
+
+@fusable
+def ring_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """Exact fp32 attention of a few queries q [B, H, T, D] over a short ring [B, H, S, D] (streaming steps).
+
+    Two batched GEMMs around one fused masked softmax; the generic fp32 SDPA kernel with a mask costs ~0.1 ms
+    per layer at 64 rows.
+    """
+    scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, T, S]
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values
 
 
 class LayerScale(nn.Module):

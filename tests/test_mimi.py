@@ -14,6 +14,7 @@ from torch import Tensor
 
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.mimi import Mimi, MimiState, checkpoint_key, load_mimi, random_mimi_state_dict
+from model.mimi_modules import CausalConvTranspose1d
 
 CFG = TINY_MIMI
 K = CFG.num_codebooks
@@ -363,3 +364,23 @@ def test_load_errors(tmp_path: Path, ckpt: tuple[Path, dict[str, Tensor]]) -> No
     garbage.write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="cannot read safetensors file"):
         load_mimi(garbage, CFG)
+
+
+@pytest.mark.parametrize("groups", [1, 6])
+def test_transposed_conv_step_equals_conv_transpose(groups: int) -> None:
+    """The streaming step's GEMM (dense) or product (depthwise) plus overlap-add is nn.ConvTranspose1d, chunk by
+    chunk, with the bias counted once."""
+    torch.manual_seed(0)
+    layer = CausalConvTranspose1d(6, 6 if groups > 1 else 4, kernel_size=8, stride=4, groups=groups)
+    x = torch.randn(3, 6, 7)
+    want = layer(x)
+    tail = torch.zeros(3, *layer.buffer_shapes()[0])
+    chunks = [layer.step(part, iter([tail])) for part in x.split([1, 2, 4], dim=-1)]
+    torch.testing.assert_close(torch.cat(chunks, dim=-1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_transposed_conv_rejects_shapes_it_cannot_stream() -> None:
+    with pytest.raises(ValueError, match="multiple of stride"):
+        CausalConvTranspose1d(4, 4, kernel_size=6, stride=4)
+    with pytest.raises(ValueError, match="dense or depthwise"):
+        CausalConvTranspose1d(4, 4, kernel_size=8, stride=4, groups=2)
