@@ -4,7 +4,7 @@
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. One JSON line per measurement:
-- "tick": sessions, context, tick p50/p99 ms total and per part, late ticks, GPU memory;
+- "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory;
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
 - "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick.
 """
@@ -70,6 +70,8 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int)
         totals.append(stats.tick_ms)
         for name, ms in stats.parts_ms.items():
             parts.setdefault(name, []).append(ms)
+        # What the tick spent outside the GPU step: reading inputs, launching, handing out 1920 samples per slot.
+        parts.setdefault("host", []).append(stats.tick_ms - sum(stats.parts_ms.values()))
     after = engine.stats()
     for slot in slots:
         slot.close()
