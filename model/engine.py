@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import gc
 import logging
 import queue
 import secrets
@@ -285,6 +286,12 @@ class Engine:
                     self._device_step(n)
         if fused.enabled():
             self._warm_prefill()
+        # A full garbage collection walks every live object with the GIL held: ~100 ms over a loaded model and
+        # server, which would stall a tick. What exists now lives while the engine runs, so take it out of the
+        # collector's view (after collecting what is already garbage); later collections walk only what sessions
+        # create. stop() hands it all back.
+        gc.collect()
+        gc.freeze()
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="engine-tick", daemon=True)
         self._thread.start()
@@ -295,6 +302,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+            gc.unfreeze()
         # Work queued for the thread will never run: answer everyone who waits on it.
         stopped = EngineError("the engine stopped", "engine_stopped")
         for done in list(self._pending):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import threading
 import time
 
@@ -296,3 +297,17 @@ async def test_stop_answers_pending_opens(tiny_model):
         assert exc.code in ("engine_stopped", "session_closed")
     with pytest.raises(EngineError, match="not running"):
         await engine.reserve().start(PARAMS, QueueSource(), sink.on_output, sink.on_error)
+
+
+def test_start_takes_the_loaded_model_out_of_the_collectors_view(tiny_model):
+    """A full collection would walk the model, graphs and imports with the GIL held, stalling ticks."""
+    gc.unfreeze()
+    engine = Engine(tiny_model, EngineConfig(max_sessions=1))
+    engine.start()
+    try:
+        collectable = gc.get_objects()
+        assert gc.get_freeze_count() > len(collectable)
+        assert not any(o is tiny_model or o is engine for o in collectable)
+    finally:
+        engine.stop()
+    assert gc.get_freeze_count() == 0  # a stopped engine's objects can be collected again
