@@ -36,6 +36,7 @@ CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL = 1011
 CLOSE_TRY_LATER = 1013
+CLOSE_WAIT_S = 5.0  # for the close handshake, after which the connection is dropped
 
 _AUDIO = object()   # marks queue items that count towards the output backlog
 
@@ -82,6 +83,7 @@ class WsSession:
         self._audio_queued = 0
         self._audio_bound = max(1, int(self.settings.max_output_backlog_s / 0.08))
         self._writer: asyncio.Task[None] | None = None
+        self._closing: tuple[int, str] | None = None  # (code, reason) once a close has begun
         self._bucket = TokenBucket(self.settings.max_events_per_s, 2 * self.settings.max_events_per_s)
         self._dropped = 0
         self._last_flood_error = 0.0
@@ -136,8 +138,8 @@ class WsSession:
             with contextlib.suppress(Exception):
                 await self.on_disconnect()
             await self._stop_writer()
-            if not self.ws.closed:
-                await self.ws.close()
+            # A close in progress (waiting for its flush) has chosen the code; the read loop may end first.
+            await self._close_socket(*(self._closing or (CLOSE_NORMAL, "")))
         return self.ws
 
     async def _read_loop(self) -> None:
@@ -330,11 +332,25 @@ class WsSession:
             if closed is not None:
                 self.send_nowait(closed)
         self.closed = True
+        self._closing = (code, reason)
         if self.conversation is not None:
             self.conversation.close()
         await self._stop_writer()
-        with contextlib.suppress(Exception):
-            await self.ws.close(code=code, message=reason.encode()[:120])
+        await self._close_socket(code, reason)
+
+    async def _close_socket(self, code: int, reason: str) -> None:
+        """Send the close frame and wait for the client's, within bounds: a client that never reads would hold
+        the handler forever, so past the bound the connection is dropped."""
+        if self.ws.closed or not self.ws.prepared:  # a WebRTC call has no socket of its own
+            return
+        try:
+            await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()[:120]), CLOSE_WAIT_S)
+        except asyncio.TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()
+        except Exception:  # the connection broke: nothing left to close
+            logger.debug("%s: close on a broken connection", self.route, exc_info=True)
 
     async def shutdown(self) -> None:
         await self.close(CLOSE_GOING_AWAY, "server_shutdown")

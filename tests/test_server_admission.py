@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import aiohttp
 import numpy as np
@@ -60,6 +62,45 @@ async def test_vanished_client_frees_its_slot_at_once(server, speech_24k):
         assert (await (await http.get(server.url + "/health")).json())["sessions"]["in_use"] == 1
         ws._response.connection.transport.abort()  # the TCP connection drops without a close frame
         await wait_in_use(http, server.url, 0, timeout=2.0)
+
+
+def _small_receive_buffer(addr_info) -> socket.socket:
+    """A client socket whose kernel receive buffer stays small, so a client that stops reading stalls soon."""
+    sock = socket.socket(addr_info[0], addr_info[1], addr_info[2])
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    return sock
+
+
+async def test_a_client_that_stops_reading_is_closed_and_the_others_go_on(start_server, speech_24k):
+    server = await start_server(max_output_backlog_s=0.8, max_input_backlog_s=120.0)
+    stalled_connector = aiohttp.TCPConnector(socket_factory=_small_receive_buffer)
+    async with aiohttp.ClientSession() as http, aiohttp.ClientSession(connector=stalled_connector) as stalled_http:
+        pcm = encode(np.tile(speech_24k, 20), "pcm16", 24000)
+        reader = await http.ws_connect(server.ws(REALTIME))
+        stalled = await stalled_http.ws_connect(server.ws(REALTIME))
+        for ws in (reader, stalled):  # input-paced, so the engine answers faster than real time
+            assert (await next_event(ws))["type"] == "session.created"
+            await ws.send_json({"type": "session.update", "session": {"pacing": "input"}})
+            await until(ws, "session.updated")
+        stalled_transport = stalled._conn.transport  # this client application stops reading its socket
+        stalled_transport.pause_reading()
+        for ws in (reader, stalled):
+            for second in range(min(100, len(pcm) // 48000)):
+                await ws.send_json({"type": "input_audio_buffer.append",
+                                    "audio": b64(pcm[second * 48000 : (second + 1) * 48000])})
+        deadline = time.monotonic() + 60
+        while server.ctx.metrics.errors["output_backpressure"] == 0:
+            assert time.monotonic() < deadline, "the stalled client was never closed"
+            await until(reader, "response.output_audio.delta")
+        # It still writes: its next message wakes the server's read loop while the close waits on the flush.
+        await stalled.send_json({"type": "input_audio_buffer.append", "audio": b64(pcm[:3840])})
+        await wait_in_use(http, server.url, 1)  # its slot is free at once
+        for _ in range(5):  # and the other conversation goes on
+            await until(reader, "response.output_audio.delta")
+        stalled_transport.resume_reading()
+        code, _ = await closed_with(stalled, timeout=15)  # what it reads now ends in the policy close
+        assert code == 1008
+
 
 
 @pytest.mark.parametrize("how", ["bearer", "query", "subprotocol"])
