@@ -115,5 +115,6 @@ class Metrics:
             rows.append(("_sum", {}, total))
         rows.append(("_count", {}, count))
         family("personaplex_engine_tick_ms", "histogram", "Engine tick duration in milliseconds.", rows)
-        family("personaplex_engine_errors_total", "counter", "Conversations the engine failed.",
-               [("", {}, s.errors)])
+        family("personaplex_engine_errors_total", "counter",
+               "Conversations the engine failed, and loop passes that raised, by cause.",
+               (("", {"cause": c}, n) for c, n in sorted(s.errors_by_cause.items())))

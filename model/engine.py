@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -70,7 +70,13 @@ class InvalidSessionParams(EngineError):
 
 
 class SessionFailed(EngineError):
+    """The engine failed one conversation; `cause` says where (input, step, non_finite_output, output_callback)."""
+
     code = "runtime_failed"
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,8 @@ class EngineStats:
     max_sessions: int
     tick_ms_buckets: list[tuple[float, int]]
     tick_ms_sum: float
-    errors: int
+    errors: int  # conversations failed and loop passes that raised
+    errors_by_cause: dict[str, int]  # input, step, non_finite_output, output_callback, engine_stopped, loop
     offline_frames: int
     prompt_cache_hits: int
     prompt_cache_misses: int
@@ -250,7 +257,8 @@ class Engine:
         self._tick_ms: deque[float] = deque(maxlen=2000)
         self._parts_ms: dict[str, float] = {}
         self._buckets = [0] * (len(TICK_MS_BUCKETS) + 1)
-        self._ticks = self._late = self._errors = self._offline_frames = 0
+        self._ticks = self._late = self._offline_frames = 0
+        self._errors: Counter[str] = Counter()  # by cause
         self._tick_ms_sum = 0.0
         self._open_ms = 0.0
         self._cache_hits = self._cache_misses = 0
@@ -408,7 +416,7 @@ class Engine:
                 tick_ms_p99=float(np.percentile(ticks, 99)) if ticks else 0.0,
                 parts_ms=dict(self._parts_ms), sessions_in_use=sum(s is not None for s in self._slots),
                 max_sessions=self.max_sessions, tick_ms_buckets=cumulative, tick_ms_sum=self._tick_ms_sum,
-                errors=self._errors,
+                errors=sum(self._errors.values()), errors_by_cause=dict(self._errors),
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
                 prompt_cache_misses=self._cache_misses, open_work_ms_last=self._open_ms,
             )
@@ -568,7 +576,7 @@ class Engine:
             except Exception:  # a bug must not stop every conversation: log it, count it, keep ticking
                 log.exception("engine loop error")
                 with self._lock:
-                    self._errors += 1
+                    self._errors["loop"] += 1
                 time.sleep(0.001)
 
     def _iterate(self, deadline: float, tick_s: float) -> float:
@@ -637,7 +645,7 @@ class Engine:
             rt.stats.frames_in += 1
             return True
         except Exception as exc:
-            self._fail(rt, SessionFailed(f"input failed: {exc}"))
+            self._fail(rt, SessionFailed(f"input failed: {exc}", "input"))
             return False
 
     def _realtime_tick(self, started_late: bool) -> None:
@@ -656,7 +664,7 @@ class Engine:
         except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
             log.exception("tick failed")
             for rt in live:
-                self._fail(rt, SessionFailed(f"step failed: {exc}"))
+                self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
             return
         frames, emitted, audio = outputs
         for rt in live:
@@ -688,7 +696,7 @@ class Engine:
     def _deliver(self, rt: _Runtime, frame: np.ndarray, emitted: bool, audio: np.ndarray) -> None:
         """Hand one slot its frame. The lock makes close() wait for a callback in flight, so none follows it."""
         if not np.isfinite(audio).all():
-            self._fail(rt, SessionFailed("the model produced non-finite audio"))
+            self._fail(rt, SessionFailed("the model produced non-finite audio", "non_finite_output"))
             return
         if not emitted:
             return
@@ -702,7 +710,7 @@ class Engine:
             try:
                 rt.on_output(out)
             except Exception as exc:
-                self._fail(rt, SessionFailed(f"output callback failed: {exc}"))
+                self._fail(rt, SessionFailed(f"output callback failed: {exc}", "output_callback"))
 
     def _offline_step(self) -> bool:
         """Step one input-clocked session that has a frame ready (round robin). True if one ran."""
@@ -712,7 +720,7 @@ class Engine:
                 if rt.source.frames_ready() > 0:
                     ready.append(rt)
             except Exception as exc:
-                self._fail(rt, SessionFailed(f"input failed: {exc}"))
+                self._fail(rt, SessionFailed(f"input failed: {exc}", "input"))
         if not ready:
             return False
         rt = ready[self._offline_rr % len(ready)]
@@ -729,7 +737,7 @@ class Engine:
             frame_host, emitted_host, audio_host = frame[0].cpu().numpy(), bool(emitted[0]), audio[0].float().cpu()
         except Exception as exc:
             log.exception("offline step failed")
-            self._fail(rt, SessionFailed(f"step failed: {exc}"))
+            self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
             return True
         self._offline_frames += 1
         self._deliver(rt, frame_host, emitted_host, audio_host.numpy())
@@ -749,7 +757,7 @@ class Engine:
             if rt.stats.state in ("closed", "failed"):
                 return
             rt.stats.state = "failed"
-            self._errors += 1
+            self._errors[getattr(error, "cause", error.code)] += 1
             if self._slots[rt.index] is rt:
                 self._slots[rt.index] = None
             callback = rt.on_error

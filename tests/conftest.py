@@ -69,12 +69,14 @@ def server_settings(checkpoint: Path, **overrides: Any) -> Settings:
 
 @pytest.fixture
 async def start_server(tiny_checkpoint: Path) -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
-    """`await start_server(**settings)`: a server on the tiny checkpoint at 127.0.0.1:<ephemeral>; stopped after."""
+    """`await start_server([checkpoint], **settings)`: a server (by default on the tiny checkpoint) at
+    127.0.0.1:<ephemeral>; stopped after."""
     started: list[RunningServer] = []
 
-    async def start(**overrides: Any) -> RunningServer:
-        settings = server_settings(tiny_checkpoint, **overrides)
-        app = create_app(settings, model=load_model(str(tiny_checkpoint)))
+    async def start(checkpoint: Path | None = None, **overrides: Any) -> RunningServer:
+        checkpoint = checkpoint or tiny_checkpoint
+        settings = server_settings(checkpoint, **overrides)
+        app = create_app(settings, model=load_model(str(checkpoint)))
         runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

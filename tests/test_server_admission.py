@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import shutil
 import socket
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from server_support import b64, closed_with, encode, expect_error, next_event, until, wait_in_use
+
+from model.config import MIMI_NAME
 
 REALTIME = "/v1/realtime?duplex=1"
 
@@ -298,3 +305,36 @@ async def test_voices_folder(start_server, tiny_checkpoint, tmp_path, speech_24k
             await ws.send_json({"type": "session.update", "session": {"voice": "Receptionist.pt"}})
             assert (await until(ws, "session.updated"))["session"]["voice"] == "Receptionist.pt"
             await _speak(ws, speech_24k)
+
+
+@pytest.fixture(scope="module")
+def overflowing_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with a finite Mimi decoder weight so large that the decoded audio overflows."""
+    folder = tmp_path_factory.mktemp("overflowing")
+    shutil.copytree(tiny_checkpoint, folder, dirs_exist_ok=True)
+    state = load_file(str(folder / MIMI_NAME))
+    convs = [k for k in state if re.fullmatch(r"decoder\.model\.\d+\.conv\.conv\.weight", k)]
+    last = max(convs, key=lambda k: int(k.split(".")[2]))
+    state[last] = torch.full_like(state[last], 1e38)
+    save_file(state, str(folder / MIMI_NAME))
+    return folder
+
+
+async def test_a_failing_step_reaches_the_client_and_the_server_stays_up(start_server, overflowing_checkpoint,
+                                                                        speech_24k):
+    server = await start_server(overflowing_checkpoint)
+    async with aiohttp.ClientSession() as http:
+        for _ in range(2):  # each conversation fails on its own; the server and its engine go on
+            async with http.ws_connect(server.ws(REALTIME)) as ws:
+                assert (await next_event(ws))["type"] == "session.created"
+                await ws.send_json({"type": "input_audio_buffer.append",
+                                    "audio": b64(encode(speech_24k[:4800], "pcm16", 24000))})
+                err = await expect_error(ws, "runtime_failed")
+                assert err["type"] == "server_error" and "non-finite" in err["message"]
+                code, _ = await closed_with(ws)
+                assert code == 1011
+        await wait_in_use(http, server.url, 0)
+        health = await (await http.get(f"{server.url}/health")).json()
+        assert server.ctx.engine.running and health["status"] == "ok", health
+        metrics = await (await http.get(f"{server.url}/metrics")).text()
+        assert 'personaplex_engine_errors_total{cause="non_finite_output"} 2' in metrics
