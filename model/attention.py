@@ -140,7 +140,7 @@ class KernelConfig:
 # matches cuDNN (4.3 TB/s); fp8 runs on CUDA cores as independent softmax streams (3.7 TB/s), since converting
 # e4m3 for the tensor cores costs more than the dots.
 KERNEL_BF16 = KernelConfig()
-KERNEL_FP8 = KernelConfig(block=32, warps=4, stages=4, target_programs=4096, use_dot=False)
+KERNEL_FP8 = KernelConfig(block=32, warps=1, stages=3, target_programs=2048, use_dot=False)
 
 
 def split_length(batch: int, heads: int, slots: int, block: int = 64, target_programs: int = 1024) -> int:
@@ -159,9 +159,13 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
     block = cfg.block
     span = split_length(B, H, slots, block, cfg.target_programs)
     splits = math.ceil(slots / span)
-    acc = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
-    m = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
-    denom = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+    direct = splits == 1  # one program per (row, head): it normalises and writes the result, no merge
+    if direct:
+        acc = m = denom = torch.empty_like(q)
+    else:
+        acc = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
+        m = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+        denom = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
     k, v = store.k[layer], store.v[layer]
     ks = store.k_scale[layer] if store.fp8 else k
     vs = store.v_scale[layer] if store.fp8 else v
@@ -169,9 +173,10 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
         q, k, v, ks, vs, n_valid, acc, m, denom,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1),
         H, span, 1.0 / math.sqrt(D),
-        HAS_SCALE=store.fp8, BLOCK_N=block, D=D, STAGES=cfg.stages, USE_DOT=cfg.use_dot, num_warps=cfg.warps,
+        HAS_SCALE=store.fp8, BLOCK_N=block, D=D, STAGES=cfg.stages, USE_DOT=cfg.use_dot, DIRECT=direct,
+        num_warps=cfg.warps,
     )
-    return merge_partials(acc, m, denom).to(q.dtype)
+    return acc if direct else merge_partials(acc, m, denom).to(q.dtype)
 
 
 def rope_and_store_reference(store: KVStore, layer: int, projected: Tensor, rotation: Tensor, slot: Tensor,
@@ -222,7 +227,9 @@ if triton is not None:
                         sqb, sqh, skb, skh, sks, ssb, ssh,
                         H, SPAN, scale,
                         HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr,
-                        USE_DOT: tl.constexpr):
+                        USE_DOT: tl.constexpr, DIRECT: tl.constexpr):
+        """Partial softmax of one (row, head) over one span of its keys into ACC/M/L [B, H, splits(, D)]; with
+        DIRECT (a single span) the normalised result goes straight into ACC [B, H, D] in its dtype."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -261,9 +268,13 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
             first = rows == 0
-            tl.store(ACC + out * D + rows[:, None] * 0 + d[None, :], acc, mask=first[:, None])
-            tl.store(M + out + rows * 0, m_i, mask=first)
-            tl.store(L + out + rows * 0, l_i, mask=first)
+            if DIRECT:
+                result = (acc / l_i[:, None]).to(ACC.dtype.element_ty)
+                tl.store(ACC + out * D + rows[:, None] * 0 + d[None, :], result, mask=first[:, None])
+            else:
+                tl.store(ACC + out * D + rows[:, None] * 0 + d[None, :], acc, mask=first[:, None])
+                tl.store(M + out + rows * 0, m_i, mask=first)
+                tl.store(L + out + rows * 0, l_i, mask=first)
         else:
             # BLOCK_N independent online-softmax streams (key n0 + j feeds stream j): the loop has no reduction
             # across keys, only each key's dot over head_dim; the streams merge once at the end.
@@ -292,9 +303,13 @@ if triton is not None:
                 m_j = m_new
             top = tl.max(m_j, axis=0)
             w = tl.where(l_j > 0, tl.exp(m_j - top), 0.0)
-            tl.store(ACC + out * D + d, tl.sum(acc_j * w[:, None], axis=0))
-            tl.store(M + out, top)
-            tl.store(L + out, tl.sum(l_j * w, axis=0))
+            total = tl.sum(acc_j * w[:, None], axis=0)
+            if DIRECT:
+                tl.store(ACC + out * D + d, (total / tl.sum(l_j * w, axis=0)).to(ACC.dtype.element_ty))
+            else:
+                tl.store(ACC + out * D + d, total)
+                tl.store(M + out, top)
+                tl.store(L + out, tl.sum(l_j * w, axis=0))
 
     @triton.jit
     def _rotate(x, cos, sin, D: tl.constexpr):
