@@ -8,6 +8,9 @@ after); elsewhere the same arithmetic runs through SDPA with a length mask.
 
 FP8 storage (e4m3 with one fp32 scale per row, head and slot) halves the bytes a tick reads and the memory a
 session holds; values are dequantised in the kernel.
+
+Writing a step's keys and values also lives here (`rope_and_store`): on CUDA one kernel per layer rotates q and
+k, quantises, and stores into each row's ring slot.
 """
 
 from __future__ import annotations
