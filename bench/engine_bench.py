@@ -71,9 +71,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int)
         for name, ms in stats.parts_ms.items():
             parts.setdefault(name, []).append(ms)
         # What the tick spent outside the GPU step: reading inputs, launching, handing out 1920 samples per slot.
-        # An overlapped encode runs inside the temporal part's time.
-        serial = [ms for name, ms in stats.parts_ms.items() if name != "encode" or not engine.config.overlap_encode]
-        parts.setdefault("host", []).append(stats.tick_ms - sum(serial))
+        parts.setdefault("host", []).append(stats.tick_ms - sum(stats.parts_ms.values()))
     after = engine.stats()
     for slot in slots:
         slot.close()
@@ -117,12 +115,10 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
 async def main_async(args: argparse.Namespace) -> None:
     model = random_personaplex()
     started = time.perf_counter()
-    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv,
-                                        overlap_encode=not args.no_overlap_encode))
+    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv))
     engine.start()
     kv = "fp8" if args.fp8_kv else "bf16"
     print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv,
-                      "overlap_encode": not args.no_overlap_encode,
                       "graph_capture_s": round(time.perf_counter() - started, 1), **gpu_memory_gb()}), flush=True)
     best: dict[int, int] = {}
     for context in args.contexts:
@@ -151,7 +147,6 @@ def main() -> None:
     parser.add_argument("--open-background", type=int, default=64)
     parser.add_argument("--opens", type=int, default=5)
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
-    parser.add_argument("--no-overlap-encode", action="store_true", help="Mimi encode before the temporal part")
     args = parser.parse_args()
     asyncio.run(main_async(args))
 

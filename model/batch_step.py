@@ -2,8 +2,7 @@
 
 The engine owns buffers of `max_sessions` rows; a step works on views of a padded prefix of them (`bucket`), and on
 CUDA each of its four parts is captured once as a CUDA graph and replayed every tick, so the tick costs a handful
-of launches and no Python per session. The Mimi encode runs on a second stream beside the temporal transformer:
-this frame's user codes are first read by the depformer half (model/step.py says why), so only it waits for them.
+of launches and no Python per session.
 """
 
 from __future__ import annotations
@@ -67,12 +66,10 @@ def bucket(n: int, limit: int) -> int:
 
 class BatchStep:
     """Views of some rows of the engine's buffers (a padded prefix for ticks, one row for an input-clocked
-    session), and (on CUDA, given memory pools) one graph per part of the step."""
+    session), and (on CUDA, given a pool) one graph per part of the step."""
 
     def __init__(self, model: PersonaPlex, buffers: BatchBuffers, const: StepConstants, rows: slice,
-                 graph_pools: tuple | None = None, overlap_encode: bool = True):
-        """`graph_pools` (CUDA): memory pools for the encode graph and for the other three. With `overlap_encode`
-        the encode graph replays concurrently with the temporal one, so the two must not share memory."""
+                 graph_pool=None):
         self.lm, self.mimi = model.lm, model.mimi
         self.lm_state: LMState = buffers.lm_state.rows(rows)
         self.mimi_state: MimiState = buffers.mimi_state.rows(rows)
@@ -89,19 +86,17 @@ class BatchStep:
         self.emitted: Tensor | None = None
         self.audio: Tensor | None = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
-        self.overlap_encode = overlap_encode
-        if graph_pools is not None:
-            self.side = torch.cuda.Stream()
-            self._capture(*graph_pools)
+        if graph_pool is not None:
+            self._capture(graph_pool)
 
     def encode(self) -> None:
         self.codes = self.mimi.encode_frame(self.pcm, self.mimi_state)
 
     def temporal_part(self) -> None:
-        self.temporal = temporal_half(self.lm, self.lm_state, self.text_s, self.const, self.active)
+        self.temporal = temporal_half(self.lm, self.lm_state, self.codes, self.text_s, self.const, self.active)
 
     def depformer_part(self) -> None:
-        self.frame, self.emitted = depformer_half(self.lm, self.lm_state, self.temporal, self.codes, self.audio_s,
+        self.frame, self.emitted = depformer_half(self.lm, self.lm_state, self.temporal, self.audio_s,
                                                   self.dep_cache, self.const, self.active)
 
     def decode(self) -> None:
@@ -109,48 +104,29 @@ class BatchStep:
 
     PARTS = ("encode", "temporal", "depformer", "decode")
 
-    def _capture(self, encode_pool, pool) -> None:
+    def _capture(self, pool) -> None:
         fns = [self.encode, self.temporal_part, self.depformer_part, self.decode]
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm), torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
             for _ in range(2):
                 for fn in fns:
                     fn()
-        torch.cuda.current_stream().wait_stream(warm)
+        torch.cuda.current_stream().wait_stream(side)
         self.graphs = []
-        # The encode graph is captured on its own stream too: cuBLAS keys its workspace by stream, and a graph
-        # keeps the workspace it was captured with, so this keeps the two concurrent graphs' workspaces apart.
-        capture = ((encode_pool, self.side), (pool, None), (pool, None), (pool, None))
         with torch.no_grad():
-            for fn, (fn_pool, stream) in zip(fns, capture):
+            for fn in fns:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=fn_pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool):
                     fn()
                 self.graphs.append(graph)
 
     @torch.no_grad()
     def run(self, timer: PartTimer) -> tuple[Tensor, Tensor, Tensor]:
         if self.graphs is not None:
-            encode, temporal, depformer, decode = self.graphs
-            main = torch.cuda.current_stream()
-            if self.overlap_encode:
-                self.side.wait_stream(main)  # this tick's input was copied on the main stream
-                with torch.cuda.stream(self.side):
-                    encode.replay()
-                    timer.mark("encode")
-                temporal.replay()
-                timer.mark("temporal", since="start")
-                main.wait_stream(self.side)
-            else:
-                encode.replay()
-                timer.mark("encode")
-                temporal.replay()
-                timer.mark("temporal")
-            depformer.replay()
-            timer.mark("depformer")
-            decode.replay()
-            timer.mark("decode")
+            for name, graph in zip(self.PARTS, self.graphs):
+                graph.replay()
+                timer.mark(name)
         else:
             for name, fn in zip(self.PARTS, (self.encode, self.temporal_part, self.depformer_part, self.decode)):
                 fn()
@@ -159,18 +135,14 @@ class BatchStep:
 
 
 class PartTimer:
-    """Per-part times: CUDA events on the GPU (read after the tick's one sync), wall clock on the CPU.
-
-    A part's time runs from the previous mark, or from the mark named `since` for a part that started
-    alongside another (the encode runs beside the temporal transformer).
-    """
+    """Per-part times: CUDA events on the GPU (read after the tick's one sync), wall clock on the CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.marks: list[tuple[str, object, str | None]] = []
+        self.marks: list[tuple[str, object]] = []
 
     def start(self) -> None:
-        self.marks = [("start", self._now(), None)]
+        self.marks = [("start", self._now())]
 
     def _now(self):
         if self.cuda:
@@ -179,14 +151,12 @@ class PartTimer:
             return event
         return time.perf_counter()
 
-    def mark(self, name: str, since: str | None = None) -> None:
-        self.marks.append((name, self._now(), since))
+    def mark(self, name: str) -> None:
+        self.marks.append((name, self._now()))
 
     def parts_ms(self) -> dict[str, float]:
-        at = {name: when for name, when, _ in self.marks}
         out: dict[str, float] = {}
-        for (previous, _, _), (name, b, since) in itertools.pairwise(self.marks):
-            a = at[since or previous]
+        for (_, a), (name, b) in itertools.pairwise(self.marks):
             out[name] = a.elapsed_time(b) if self.cuda else (b - a) * 1000.0
         return out
 

@@ -110,7 +110,6 @@ class EngineConfig:
     prompt_cache_entries: int = 32
     fp8_kv: bool = False  # e4m3 KV cache: half the memory and bytes read per tick, not bit-exact with bf16
     fuse_kernels: bool = True  # on CUDA: torch.compile the elementwise helpers (model/fused.py)
-    overlap_encode: bool = True  # on CUDA with graphs: Mimi-encode beside the temporal transformer (BatchStep)
 
 
 @dataclass
@@ -243,9 +242,7 @@ class Engine:
         self._frames_host = torch.zeros(B, lm.cfg.num_rows, dtype=torch.long, pin_memory=pin)
         self._emitted_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
         self._audio_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
-        # CUDA graph memory: one pool for every bucket's encode graph, one for the other parts (see BatchStep).
-        self.graph_pools = ((torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle())
-                            if self.device.type == "cuda" else None)
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._steps: dict[int, BatchStep] = {}
         self._row_steps: dict[int, BatchStep] = {}
         self._slots: list[_Runtime | None] = [None] * B
@@ -555,9 +552,8 @@ class Engine:
     def _device_step(self, n: int) -> BatchStep:
         step = self._steps.get(n)
         if step is None:
-            pools = self.graph_pools if self.config.cuda_graphs else None
-            step = self._steps[n] = BatchStep(self.model, self._buffers(), self.const, slice(0, n), pools,
-                                              overlap_encode=self.config.overlap_encode)
+            pool = self.graph_pool if self.device.type == "cuda" and self.config.cuda_graphs else None
+            step = self._steps[n] = BatchStep(self.model, self._buffers(), self.const, slice(0, n), graph_pool=pool)
         return step
 
     def _row_step(self, row: int) -> BatchStep:

@@ -1,14 +1,9 @@
 """One conversation frame for a batch of rows: user codes in, one complete token frame out.
 
 This is the reference's `LMGen.step` (spec/model.md §5.2) with a per-row call counter, written as fixed-shape
-tensor ops so the engine can capture it in a CUDA graph: apply the warm-up, run the temporal transformer on the
-previous column, sample text, write the user's codes into the token ring, run the agent's depformer steps, and
-gather the frame that became complete.
-
-The reference writes the user's codes first, but they land in columns o and o + 1 while the transformer reads
-column o - 1 and the call's outputs never read them (§5.3: a user frame first reaches the transformer on the next
-call). So the temporal half does not need this call's codes at all, and the engine can Mimi-encode the user's
-frame while the temporal transformer runs.
+tensor ops so the engine can capture it in a CUDA graph: write the user's codes into the token ring, apply the
+warm-up, run the temporal transformer on the previous column, sample text, run the agent's depformer steps,
+and gather the frame that became complete.
 """
 
 from __future__ import annotations
@@ -65,15 +60,21 @@ class TemporalResult:
 def temporal_half(
     lm: LM,
     state: LMState,
+    user_codes: Tensor,
     text_sampling: RowSampling,
     const: StepConstants,
     active: Tensor | None = None,
 ) -> TemporalResult:
-    """Warm-up, the temporal transformer on the previous column, the text token."""
+    """User codes into the ring, warm-up, the temporal transformer on the previous column, the text token."""
     ring, o = state.ring, state.offset
     B, R, _ = ring.shape
     ring_before = ring.clone() if active is not None else None
+    K = lm.cfg.num_audio_codebooks
     delays = const.delays
+
+    user_rows = slice(1 + K, R)
+    user_cols = (o.unsqueeze(1) + delays[user_rows]) % RING_SIZE
+    ring[:, user_rows].scatter_(2, user_cols.unsqueeze(2), user_codes.unsqueeze(2))
 
     warm = o.unsqueeze(1) <= delays.unsqueeze(0)  # [B, R]: rows still inside their delay get the initial token
     target = (o % RING_SIZE).view(B, 1, 1).expand(B, R, 1)
@@ -92,20 +93,15 @@ def depformer_half(
     lm: LM,
     state: LMState,
     temporal: TemporalResult,
-    user_codes: Tensor,
     audio_sampling: RowSampling,
     dep_cache: list[tuple[Tensor, Tensor]],
     const: StepConstants,
     active: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """User codes [B, 8] into the ring, the agent's depformer steps, the ring write, the completed frame, and
-    the counters."""
+    """The agent's depformer steps, the ring write, the completed frame, and the counters."""
     ring, o = state.ring, state.offset
     B, R, _ = ring.shape
     K = lm.cfg.num_audio_codebooks
-    user_rows = slice(1 + K, R)
-    user_cols = (o.unsqueeze(1) + const.delays[user_rows]) % RING_SIZE
-    ring[:, user_rows].scatter_(2, user_cols.unsqueeze(2), user_codes.unsqueeze(2))
     hidden, forced, given = temporal.hidden, temporal.forced, temporal.given
     tokens = [temporal.text]
     previous = lm.depformer_text_emb(temporal.text)
@@ -148,5 +144,5 @@ def frame_step(
     user_codes [B, 8] are the user's Mimi codes for this call's frame. Returns (frame [B, 17], emitted [B] bool):
     the complete token frame o - 1 (text, 8 agent, 8 user codes) and whether the row emitted one (o >= 2).
     """
-    temporal = temporal_half(lm, state, text_sampling, const, active)
-    return depformer_half(lm, state, temporal, user_codes, audio_sampling, dep_cache, const, active)
+    temporal = temporal_half(lm, state, user_codes, text_sampling, const, active)
+    return depformer_half(lm, state, temporal, audio_sampling, dep_cache, const, active)
