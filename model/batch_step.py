@@ -3,6 +3,10 @@
 The engine owns buffers of `max_sessions` rows; a step works on views of a padded prefix of them (`bucket`), and on
 CUDA each of its four parts is captured once as a CUDA graph and replayed every tick, so the tick costs a handful
 of launches and no Python per session.
+
+The model half runs one call ahead of the input (model/step.py says why that is exact): a tick encodes the user's
+frame o, writes its codes, and runs the model half of call o + 1, which completes and decodes frame o. A session's
+first model half has no frame to wait for, so `lead()` runs it when the session starts.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from model.lm import LMState
 from model.loading import PersonaPlex
 from model.mimi import Mimi, MimiState
 from model.sampling import RowSampling
-from model.step import StepConstants, TemporalResult, depformer_half, temporal_half
+from model.step import StepConstants, TemporalResult, depformer_half, temporal_half, write_user_codes
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -91,9 +95,10 @@ class BatchStep:
 
     def encode(self) -> None:
         self.codes = self.mimi.encode_frame(self.pcm, self.mimi_state)
+        write_user_codes(self.lm, self.lm_state, self.codes, self.const, self.active, ahead=1)
 
     def temporal_part(self) -> None:
-        self.temporal = temporal_half(self.lm, self.lm_state, self.codes, self.text_s, self.const, self.active)
+        self.temporal = temporal_half(self.lm, self.lm_state, self.text_s, self.const, self.active)
 
     def depformer_part(self) -> None:
         self.frame, self.emitted = depformer_half(self.lm, self.lm_state, self.temporal, self.audio_s,
@@ -103,6 +108,14 @@ class BatchStep:
         self.audio = decode_agent(self.mimi, self.frame, self.emitted, self.mimi_state, self.bins, self.active)
 
     PARTS = ("encode", "temporal", "depformer", "decode")
+
+    @torch.no_grad()
+    def lead(self) -> tuple[Tensor, Tensor, Tensor]:
+        """A session's first model half and decode (eager, no input): from then on it runs one call ahead."""
+        self.temporal_part()
+        self.depformer_part()
+        self.decode()
+        return self.frame, self.emitted, self.audio
 
     def _capture(self, pool) -> None:
         fns = [self.encode, self.temporal_part, self.depformer_part, self.decode]

@@ -4,6 +4,11 @@ This is the reference's `LMGen.step` (spec/model.md §5.2) with a per-row call c
 tensor ops so the engine can capture it in a CUDA graph: write the user's codes into the token ring, apply the
 warm-up, run the temporal transformer on the previous column, sample text, run the agent's depformer steps,
 and gather the frame that became complete.
+
+Call o writes user frame o into columns o and o + 1, but its transformer reads column o - 1 and its outputs never
+read those cells (§5.3: a user frame first reaches the transformer on the next call). So the model half of call
+o + 1 needs nothing beyond user frame o: the engine runs it as soon as frame o is encoded and emits frame o one
+call (80 ms) sooner than the reference, with the same tokens. `write_user_codes(ahead=1)` is that order's write.
 """
 
 from __future__ import annotations
@@ -57,24 +62,34 @@ class TemporalResult:
     ring_before: Tensor | None  # ring at the start of the call, when an exec mask is in use
 
 
+def write_user_codes(lm: LM, state: LMState, user_codes: Tensor, const: StepConstants, active: Tensor | None = None,
+                     ahead: int = 0) -> None:
+    """User codes [B, 8] of the frame owned by call `offset - ahead` into its ring columns (active rows only).
+
+    `ahead` is how many model halves the rows have already run past that call: 0 in the reference order, 1 when
+    the engine runs the model half one call ahead (module docstring).
+    """
+    ring = state.ring
+    user_rows = slice(1 + lm.cfg.num_audio_codebooks, ring.shape[1])
+    cols = ((state.offset - ahead).unsqueeze(1) + const.delays[user_rows]).remainder(RING_SIZE).unsqueeze(2)
+    codes = user_codes.unsqueeze(2)
+    if active is not None:
+        codes = torch.where(active.view(-1, 1, 1), codes, ring[:, user_rows].gather(2, cols))
+    ring[:, user_rows].scatter_(2, cols, codes)
+
+
 def temporal_half(
     lm: LM,
     state: LMState,
-    user_codes: Tensor,
     text_sampling: RowSampling,
     const: StepConstants,
     active: Tensor | None = None,
 ) -> TemporalResult:
-    """User codes into the ring, warm-up, the temporal transformer on the previous column, the text token."""
+    """Warm-up, the temporal transformer on the previous column, the text token."""
     ring, o = state.ring, state.offset
     B, R, _ = ring.shape
     ring_before = ring.clone() if active is not None else None
-    K = lm.cfg.num_audio_codebooks
     delays = const.delays
-
-    user_rows = slice(1 + K, R)
-    user_cols = (o.unsqueeze(1) + delays[user_rows]) % RING_SIZE
-    ring[:, user_rows].scatter_(2, user_cols.unsqueeze(2), user_codes.unsqueeze(2))
 
     warm = o.unsqueeze(1) <= delays.unsqueeze(0)  # [B, R]: rows still inside their delay get the initial token
     target = (o % RING_SIZE).view(B, 1, 1).expand(B, R, 1)
@@ -144,5 +159,6 @@ def frame_step(
     user_codes [B, 8] are the user's Mimi codes for this call's frame. Returns (frame [B, 17], emitted [B] bool):
     the complete token frame o - 1 (text, 8 agent, 8 user codes) and whether the row emitted one (o >= 2).
     """
-    temporal = temporal_half(lm, state, user_codes, text_sampling, const, active)
+    write_user_codes(lm, state, user_codes, const, active)
+    temporal = temporal_half(lm, state, text_sampling, const, active)
     return depformer_half(lm, state, temporal, audio_sampling, dep_cache, const, active)

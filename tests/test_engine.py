@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from model.engine import (
     Engine,
@@ -270,12 +271,12 @@ async def test_restart_gives_a_fresh_context(make_engine):
     source = QueueSource(frames[:10])
     slot, sink = engine.reserve(), Collector()
     await slot.start(PARAMS, source, sink.on_output, sink.on_error)
-    first = list(await sink.wait_for(10))
-    await slot.restart()
+    first = list(await sink.wait_for(11))  # the start's frame, then one per input frame
     sink.outputs.clear()
+    await slot.restart()
     for f in frames[:10]:
         source.push(f)
-    again = await sink.wait_for(10)
+    again = await sink.wait_for(11)
     assert again[0].index == 0
     assert same(first, again)
     slot.close()
@@ -311,3 +312,20 @@ def test_start_takes_the_loaded_model_out_of_the_collectors_view(tiny_model):
     finally:
         engine.stop()
     assert gc.get_freeze_count() == 0  # a stopped engine's objects can be collected again
+
+
+async def test_a_step_hands_out_the_frame_of_the_input_it_took(make_engine, tiny_model):
+    """The model runs one call ahead of the reference's order: a session has a frame as soon as it starts, and
+    the frame handed out after input frame i is frame i itself, carrying that input's own user codes (the
+    reference would hand out frame i - 1 at that point)."""
+    engine = make_engine()
+    source, sink = QueueSource(), Collector()
+    await engine.reserve().start(PARAMS, source, sink.on_output, sink.on_error)
+    assert len(sink.outputs) == 1 and sink.outputs[0].index == 0
+    mimi = tiny_model.mimi
+    fresh = mimi.init_state(1, "cpu")
+    for i, frame in enumerate(speechlike(6, 4)):
+        own_codes = mimi.encode_frame(torch.from_numpy(frame)[None], fresh)[0].numpy()
+        source.push(frame)
+        outputs = await sink.wait_for(i + 2)
+        assert np.array_equal(outputs[i + 1].tokens[9:], own_codes)
