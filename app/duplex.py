@@ -84,9 +84,15 @@ class DuplexSession(WsSession):
             self.decoder.reset()
             await self.send({"type": "input_audio_buffer.cleared"})
         elif kind == "conversation.restart":
-            await self.conversation.restart()
+            self._early = []  # the new context's first frame comes with the restart: hold it until we say so
+            try:
+                await self.conversation.restart()
+            finally:
+                early, self._early = self._early, None
             self.encoder = OutputEncoder(self.config.output_format)
             await self.send({"type": "conversation.restarted", "epoch": self.conversation.epoch})
+            for frame in early:
+                self._on_frame(frame)
 
     async def on_binary(self, data: bytes) -> None:
         if self.conversation is None or self.config is None:
@@ -122,7 +128,7 @@ class DuplexSession(WsSession):
         self.transport = transport
         conv.add_listener(self._on_frame, self._on_engine_error)
         self.conversation = conv   # a disconnect during the prefill frees the slot
-        self._early = []           # frames the engine made before session.created went out
+        self._early = []           # frames the engine made before session.created went out (the first)
         try:
             await conv.start(config.params())
         except InvalidSessionParams as e:

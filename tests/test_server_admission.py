@@ -254,7 +254,8 @@ async def test_http_routes(server):
             await ws.send_str("nope")
             await expect_error(ws, "invalid_json")
             await ws.send_json({"type": "input_audio_buffer.append", "audio": b64(b"\0" * 7680)})
-            await until(ws, "response.output_audio.delta")
+            for _ in range(2):  # the start's frame, then one from a tick
+                await until(ws, "response.output_audio.delta")
             async with http.get(server.url + "/metrics") as r:
                 assert r.headers["Content-Type"].startswith("text/plain")
                 text = await r.text()
