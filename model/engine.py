@@ -144,6 +144,15 @@ class EngineStats:
 
 
 @dataclass
+class _Job:
+    """Work run on the engine thread between ticks, one step at a time (a session's start)."""
+
+    steps: Iterator[str | None]  # each step yields the kind of the next one ("lead", or None for a chunk)
+    done: Callable[[BaseException | None], None]
+    next_kind: str = "chunk"
+
+
+@dataclass
 class _Runtime:
     """Engine-side record of one slot's session."""
 
@@ -266,8 +275,9 @@ class Engine:
         self._cache_hits = self._cache_misses = 0
         self._batch = 0
         self._offline_rr = 0
-        self._jobs: deque[tuple[Iterator[None], Callable[[BaseException | None], None]]] = deque()
-        self._job_step_s = 0.01
+        self._jobs: deque[_Job] = deque()
+        # Recent seconds per kind of job step, to run one only where it fits before the next tick.
+        self._job_step_s = {"chunk": 0.01, "lead": 0.03}
         self._pending: set[Callable[[BaseException | None], None]] = set()
 
     # ----- public, any thread ------------------------------------------------------------------------------
@@ -356,7 +366,7 @@ class Engine:
             except ValueError as exc:
                 raise InvalidSessionParams(str(exc), "invalid_voice") from exc
 
-    async def submit(self, fn: Callable[[], Iterator[None] | None]) -> None:
+    async def submit(self, fn: Callable[[], Iterator[str | None] | None]) -> None:
         """Run `fn` on the engine thread between ticks; its exception is raised here.
 
         A generator function runs one step per gap between ticks, and only when the step fits before the next
@@ -385,7 +395,7 @@ class Engine:
             if steps is None:
                 done(None)
             else:
-                self._jobs.append((steps, done))
+                self._jobs.append(_Job(steps, done))
 
         if self._thread is None:
             raise EngineError("the engine is not running", "engine_stopped")
@@ -455,8 +465,9 @@ class Engine:
 
     # ----- engine thread -----------------------------------------------------------------------------------
 
-    def begin(self, rt: _Runtime) -> Iterator[None]:
-        """Reset the slot's row and run its prompt (from the prompt cache when it can), one chunk per step.
+    def begin(self, rt: _Runtime) -> Iterator[str | None]:
+        """Reset the slot's row, run its prompt (from the prompt cache when it can) one chunk per step, then the
+        session's first model half as a step of its own.
 
         Engine thread only; `_open_ms` gets the time spent working, not the ticks in between.
         """
@@ -496,6 +507,11 @@ class Engine:
         text, audio = row_sampling([params.sampling], [rt.seed], self.device)
         self.text_sampling.copy_(text, row)
         self.audio_sampling.copy_(audio, row)
+        work += self._sync_elapsed(segment)
+        yield "lead"  # a step of its own: one eager model half, longer than a prefill chunk
+        segment = time.perf_counter()
+        if rt.stats.state != "prefill":
+            raise EngineError("the session was closed", "session_closed")
         # The first model half needs no input (model/step.py): run it now, and every tick then completes the
         # frame whose input it just received instead of the one before.
         self.active[row] = True
@@ -607,19 +623,20 @@ class Engine:
 
     def _job_step(self, time_left: float) -> bool:
         """One step of the oldest job if it fits in `time_left` (or no realtime session is waiting). True if run."""
-        if time_left < 1.5 * self._job_step_s + 0.002 and self._live(offline=False):
+        job = self._jobs[0]
+        kind = job.next_kind
+        if time_left < 1.5 * self._job_step_s[kind] + 0.002 and self._live(offline=False):
             return False
-        steps, done = self._jobs[0]
         started = time.perf_counter()
         try:
-            next(steps)
+            job.next_kind = next(job.steps) or "chunk"
         except StopIteration:
             self._jobs.popleft()
-            done(None)
+            job.done(None)
         except BaseException as exc:  # handed to the awaiting coroutine
             self._jobs.popleft()
-            done(exc)
-        self._job_step_s = 0.8 * self._job_step_s + 0.2 * (time.perf_counter() - started)
+            job.done(exc)
+        self._job_step_s[kind] = 0.8 * self._job_step_s[kind] + 0.2 * (time.perf_counter() - started)
         return True
 
     def _drain_commands(self) -> None:
