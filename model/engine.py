@@ -481,8 +481,6 @@ class Engine:
         key = (params.voice, params.persona.strip())
         lm, state = self.model.lm, self.lm_state
         with torch.no_grad():
-            self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
-                                       torch.ones(1, dtype=torch.bool, device=self.device))
             lm.reset_row(state, row)
             cached = self._prompt_cache.get(key)
             if cached is None:
@@ -512,6 +510,9 @@ class Engine:
         segment = time.perf_counter()
         if rt.stats.state != "prefill":
             raise EngineError("the session was closed", "session_closed")
+        # Ticks between the prompt's chunks ran Mimi over this (inactive) row: it starts fresh only now.
+        self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
+                                   torch.ones(1, dtype=torch.bool, device=self.device))
         # The first model half needs no input (model/step.py): run it now, and every tick then completes the
         # frame whose input it just received instead of the one before.
         self.active[row] = True
