@@ -78,7 +78,6 @@ class WsSession:
         )
         self.conversation: Conversation | None = None
         self.idle_timeout_s = self.settings.idle_timeout_s
-        self.closed = False
         self._out: asyncio.Queue[tuple[object, str | bytes] | None] = asyncio.Queue()
         self._audio_queued = 0
         self._audio_bound = max(1, int(self.settings.max_output_backlog_s / 0.08))
@@ -87,6 +86,11 @@ class WsSession:
         self._bucket = TokenBucket(self.settings.max_events_per_s, 2 * self.settings.max_events_per_s)
         self._dropped = 0
         self._last_flood_error = 0.0
+
+    @property
+    def closed(self) -> bool:
+        """A close has begun: nothing more is sent or read."""
+        return self._closing is not None
 
     # ---- hooks -----------------------------------------------------------------------------------------------
 
@@ -331,7 +335,6 @@ class WsSession:
             closed = self.closed_event(reason)
             if closed is not None:
                 self.send_nowait(closed)
-        self.closed = True
         self._closing = (code, reason)
         if self.conversation is not None:
             self.conversation.close()

@@ -56,11 +56,12 @@ class EngineError(Exception):
 
     code = "engine_error"
 
-    def __init__(self, message: str, code: str | None = None):
+    def __init__(self, message: str, code: str | None = None, cause: str | None = None):
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        self.cause = cause or self.code  # where it came from, for the error counts
 
 
 class ResourceExhausted(EngineError):
@@ -77,8 +78,7 @@ class SessionFailed(EngineError):
     code = "runtime_failed"
 
     def __init__(self, message: str, cause: str):
-        super().__init__(message)
-        self.cause = cause
+        super().__init__(message, cause=cause)
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,11 @@ class EngineStats:
     prompt_cache_hits: int
     prompt_cache_misses: int
     open_work_ms_last: float  # engine-thread time of the last session start (prompt prefill or cache copy)
+
+
+def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> tuple[np.ndarray, bool, np.ndarray]:
+    """A one-row step's outputs on the host, as `_deliver` takes them."""
+    return frame[0].cpu().numpy(), bool(emitted[0]), audio[0].float().cpu().numpy()
 
 
 @dataclass
@@ -516,14 +521,13 @@ class Engine:
         # The first model half needs no input (model/step.py): run it now, and every tick then completes the
         # frame whose input it just received instead of the one before.
         self.active[row] = True
-        frame, emitted, audio_out = self._row_step(row).lead()
-        frame_host, emitted_host, audio_host = frame[0].cpu().numpy(), bool(emitted[0]), audio_out[0].cpu().numpy()
+        first = _row_to_host(*self._row_step(row).lead())
         self._open_ms = (work + self._sync_elapsed(segment)) * 1000.0
         with self._lock:
             if rt.stats.state == "prefill":
                 rt.out_index = 0
                 rt.stats.state = "live"
-        self._deliver(rt, frame_host, emitted_host, audio_host)
+        self._deliver(rt, *first)
 
     def _warm_prefill(self) -> None:
         """Compile the fused helpers for prefill shapes now, not in the first session's open (seconds)."""
@@ -759,14 +763,13 @@ class Engine:
             # rewrites both for its own rows.
             self.pcm_in[r].copy_(self._pcm_host[r])
             self.active[r] = True
-            frame, emitted, audio = self._row_step(r).run(PartTimer(self.device))
-            frame_host, emitted_host, audio_host = frame[0].cpu().numpy(), bool(emitted[0]), audio[0].float().cpu()
+            outputs = _row_to_host(*self._row_step(r).run(PartTimer(self.device)))
         except Exception as exc:
             log.exception("offline step failed")
             self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
             return True
         self._offline_frames += 1
-        self._deliver(rt, frame_host, emitted_host, audio_host.numpy())
+        self._deliver(rt, *outputs)
         return True
 
     def _record_tick(self, ms: float, n: int, late: bool) -> None:
@@ -783,7 +786,7 @@ class Engine:
             if rt.stats.state in ("closed", "failed"):
                 return
             rt.stats.state = "failed"
-            self._errors[getattr(error, "cause", error.code)] += 1
+            self._errors[error.cause] += 1
             if self._slots[rt.index] is rt:
                 self._slots[rt.index] = None
             callback = rt.on_error
