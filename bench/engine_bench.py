@@ -106,6 +106,7 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
                       "voice_seconds": 4.0, "persona_words": 40, "open_ms_p50": p50,
                       "open_ms_max": round(max(times), 3), "open_ms_p99": p99,
                       "engine_work_ms_p50": percentiles(work)[0], "engine_work_ms_max": round(max(work), 3),
+                      "open_step_ms": {k: round(v, 2) for k, v in engine.stats().open_step_ms.items()},
                       "late_ticks_total": engine.stats().late_ticks})
     for slot in slots:
         slot.close()

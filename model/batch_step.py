@@ -73,7 +73,7 @@ class BatchStep:
     session), and (on CUDA, given a pool) one graph per part of the step."""
 
     def __init__(self, model: PersonaPlex, buffers: BatchBuffers, const: StepConstants, rows: slice,
-                 graph_pool=None):
+                 graph_pool=None, warmups: int = 2):
         self.lm, self.mimi = model.lm, model.mimi
         self.lm_state: LMState = buffers.lm_state.rows(rows)
         self.mimi_state: MimiState = buffers.mimi_state.rows(rows)
@@ -91,7 +91,7 @@ class BatchStep:
         self.audio: Tensor | None = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if graph_pool is not None:
-            self._capture(graph_pool)
+            self._capture(graph_pool, warmups)
 
     def encode(self) -> None:
         self.codes = self.mimi.encode_frame(self.pcm, self.mimi_state)
@@ -111,18 +111,22 @@ class BatchStep:
 
     @torch.no_grad()
     def lead(self) -> tuple[Tensor, Tensor, Tensor]:
-        """A session's first model half and decode (eager, no input): from then on it runs one call ahead."""
-        self.temporal_part()
-        self.depformer_part()
-        self.decode()
+        """A session's first model half and decode (no input): from then on it runs one call ahead."""
+        if self.graphs is not None:
+            for graph in self.graphs[1:]:
+                graph.replay()
+        else:
+            self.temporal_part()
+            self.depformer_part()
+            self.decode()
         return self.frame, self.emitted, self.audio
 
-    def _capture(self, pool) -> None:
+    def _capture(self, pool, warmups: int) -> None:
         fns = [self.encode, self.temporal_part, self.depformer_part, self.decode]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):
+            for _ in range(warmups):
                 for fn in fns:
                     fn()
         torch.cuda.current_stream().wait_stream(side)

@@ -49,6 +49,12 @@ __all__ = [
 ]
 
 TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0, 160.0)
+# A session start's step that never fits between ticks (ticks longer than planned, a slow first run) runs anyway
+# once it has waited this long: at worst one late tick, never an open that waits forever.
+JOB_MAX_WAIT_S = 0.5
+# A session start's steps, and a first guess at each one's seconds until it has run: "plan" (voice and text to
+# prompt embeddings), "chunk" (prompt prefill), "copy" (a cached prompt into the slot), "lead" (the first model half).
+JOB_STEP_KINDS = {"plan": 0.05, "chunk": 0.03, "copy": 0.005, "lead": 0.03}
 
 
 class EngineError(Exception):
@@ -141,6 +147,7 @@ class EngineStats:
     prompt_cache_hits: int
     prompt_cache_misses: int
     open_work_ms_last: float  # engine-thread time of the last session start (prompt prefill or cache copy)
+    open_step_ms: dict[str, float]  # recent ms of one session-start step, by kind ("chunk" of prompt, "lead")
 
 
 def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> tuple[np.ndarray, bool, np.ndarray]:
@@ -152,9 +159,10 @@ def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> tuple[np.ndar
 class _Job:
     """Work run on the engine thread between ticks, one step at a time (a session's start)."""
 
-    steps: Iterator[str | None]  # each step yields the kind of the next one ("lead", or None for a chunk)
+    steps: Iterator[str]  # each step yields the kind of the next one
     done: Callable[[BaseException | None], None]
-    next_kind: str = "chunk"
+    next_kind: str
+    waiting_since: float = field(default_factory=time.monotonic)  # since its last step ran, or it was queued
 
 
 @dataclass
@@ -281,8 +289,9 @@ class Engine:
         self._batch = 0
         self._offline_rr = 0
         self._jobs: deque[_Job] = deque()
-        # Recent seconds per kind of job step, to run one only where it fits before the next tick.
-        self._job_step_s = {"chunk": 0.01, "lead": 0.03}
+        # Recent seconds per kind of job step, to run one only where it fits before the next tick. The median of
+        # the last few: one slow run (a first use, a busy host) must not keep every later step waiting.
+        self._job_step_s = {kind: deque([seed], maxlen=5) for kind, seed in JOB_STEP_KINDS.items()}
         self._pending: set[Callable[[BaseException | None], None]] = set()
 
     # ----- public, any thread ------------------------------------------------------------------------------
@@ -303,14 +312,19 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             return
-        if self.device.type == "cuda" and self.config.cuda_graphs:
+        if self._graphs():
             # Each bucket's convolution shapes are fixed, so cuDNN may time its algorithms once, before capture.
             # Only here: eager convolutions of arbitrary length (a .wav voice) would time every new length.
-            with torch.backends.cudnn.flags(enabled=True, benchmark=True):
+            with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=True):
                 for n in sorted({bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
                     self._device_step(n)
+                # One row's step, graphed per row: a session's first model half and input-clocked frames.
+                # Eager, one row of the full model is ~80-100 ms of launches, more than a gap between ticks.
+                for row in range(self.max_sessions):
+                    self._row_step(row)
         if fused.enabled():
             self._warm_prefill()
+        self._warm_lead()
         # A full garbage collection walks every live object with the GIL held: ~100 ms over a loaded model and
         # server, which would stall a tick. What exists now lives while the engine runs, so take it out of the
         # collector's view (after collecting what is already garbage); later collections walk only what sessions
@@ -371,11 +385,13 @@ class Engine:
             except ValueError as exc:
                 raise InvalidSessionParams(str(exc), "invalid_voice") from exc
 
-    async def submit(self, fn: Callable[[], Iterator[str | None] | None]) -> None:
+    async def submit(self, fn: Callable[[], Iterator[str] | None]) -> None:
         """Run `fn` on the engine thread between ticks; its exception is raised here.
 
-        A generator function runs one step per gap between ticks, and only when the step fits before the next
-        tick (prompt prefill in chunks), so long work never makes a tick late.
+        A generator function runs one step per gap between ticks, where the step fits before the next tick
+        (prompt prefill in chunks), so long work does not make ticks late. It yields the kind of its next step
+        (JOB_STEP_KINDS) before each one, the first time before doing any work: steps are scheduled by the
+        recent duration of their kind.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
@@ -394,13 +410,14 @@ class Engine:
         def run() -> None:
             try:
                 steps = fn()
+                kind = None if steps is None else next(steps)
             except BaseException as exc:  # handed to the awaiting coroutine
                 done(exc)
                 return
             if steps is None:
                 done(None)
             else:
-                self._jobs.append(_Job(steps, done))
+                self._jobs.append(_Job(steps, done, kind))
 
         if self._thread is None:
             raise EngineError("the engine is not running", "engine_stopped")
@@ -436,6 +453,7 @@ class Engine:
                 errors=sum(self._errors.values()), errors_by_cause=dict(self._errors),
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
                 prompt_cache_misses=self._cache_misses, open_work_ms_last=self._open_ms,
+                open_step_ms={kind: 1000.0 * self._job_step_estimate(kind) for kind in self._job_step_s},
             )
 
     def step_timings(self, n: int, iterations: int) -> list[dict[str, float]]:
@@ -470,9 +488,9 @@ class Engine:
 
     # ----- engine thread -----------------------------------------------------------------------------------
 
-    def begin(self, rt: _Runtime) -> Iterator[str | None]:
-        """Reset the slot's row, run its prompt (from the prompt cache when it can) one chunk per step, then the
-        session's first model half as a step of its own.
+    def begin(self, rt: _Runtime) -> Iterator[str]:
+        """A session's start, one step per gap between ticks: its prompt from the prompt cache ("copy"), or
+        planned ("plan") and prefilled one chunk per step ("chunk"); then its first model half ("lead").
 
         Engine thread only; `_open_ms` gets the time spent working, not the ticks in between.
         """
@@ -480,10 +498,20 @@ class Engine:
             if self._slots[rt.index] is not rt or rt.stats.state in ("closed", "failed"):
                 raise EngineError("the session was closed", "session_closed")
             rt.stats.state = "prefill"
-        work = 0.0
-        segment = time.perf_counter()
         params, row = rt.params, rt.index
         key = (params.voice, params.persona.strip())
+        yield "copy" if key in self._prompt_cache else "plan"
+        work = 0.0
+        segment = time.perf_counter()
+
+        def next_step(kind: str) -> Iterator[str]:
+            nonlocal work, segment
+            work += self._sync_elapsed(segment)
+            yield kind
+            segment = time.perf_counter()
+            if rt.stats.state != "prefill":
+                raise EngineError("the session was closed", "session_closed")
+
         lm, state = self.model.lm, self.lm_state
         with torch.no_grad():
             lm.reset_row(state, row)
@@ -492,32 +520,24 @@ class Engine:
                 self._cache_misses += 1
                 plan = self._plan(params)
                 for chunk in prefill_chunks(plan.embeddings, self.config.prefill_chunk):
+                    yield from next_step("chunk")
                     lm.prefill(chunk, state, row)
-                    work += self._sync_elapsed(segment)
-                    yield
-                    segment = time.perf_counter()
-                    if rt.stats.state != "prefill":
-                        raise EngineError("the session was closed", "session_closed")
+                yield from next_step("copy")
                 state.ring[row] = plan.ring.to(self.device)
                 state.offset[row] = plan.offset
                 if plan.embeddings.shape[0]:
                     state.forced[row] = lm.delays(self.device) > 0
-                cached = self._store_prompt(key, row)
+                self._store_prompt(key, row)
             else:
                 self._cache_hits += 1
                 self._prompt_cache.move_to_end(key)
-            self._copy_prompt(cached, row)
+                self._copy_prompt(cached, row)
         text, audio = row_sampling([params.sampling], [rt.seed], self.device)
         self.text_sampling.copy_(text, row)
         self.audio_sampling.copy_(audio, row)
-        work += self._sync_elapsed(segment)
-        yield "lead"  # a step of its own: one eager model half, longer than a prefill chunk
-        segment = time.perf_counter()
-        if rt.stats.state != "prefill":
-            raise EngineError("the session was closed", "session_closed")
+        yield from next_step("lead")
         # Ticks between the prompt's chunks ran Mimi over this (inactive) row: it starts fresh only now.
-        self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
-                                   torch.ones(1, dtype=torch.bool, device=self.device))
+        self._reset_mimi_row(row)
         # The first model half needs no input (model/step.py): run it now, and every tick then completes the
         # frame whose input it just received instead of the one before.
         self.active[row] = True
@@ -537,6 +557,22 @@ class Engine:
                 x = torch.zeros(frames, lm.cfg.dim, device=self.device, dtype=lm.text_linear.weight.dtype)
                 lm.prefill(x, self.lm_state, 0)
             lm.reset_row(self.lm_state, 0)
+
+    def _warm_lead(self) -> None:
+        """Pay a first model half's first-use costs now, not in the first open, and time one for the schedule."""
+        for _ in range(2):
+            self.active[0] = True
+            started = time.perf_counter()
+            self._row_step(0).lead()
+            elapsed = self._sync_elapsed(started)  # the second run's is kept: the first pays first-use costs
+            self.active[0] = False
+            self.model.lm.reset_row(self.lm_state, 0)
+            self._reset_mimi_row(0)
+        self._job_step_s["lead"].append(elapsed)
+
+    def _reset_mimi_row(self, row: int) -> None:
+        self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
+                                   torch.ones(1, dtype=torch.bool, device=self.device))
 
     def _sync_elapsed(self, since: float) -> float:
         if self.device.type == "cuda":
@@ -565,7 +601,7 @@ class Engine:
                     self._voice_cache.popitem(last=False)
         return plan_prompt(self.model.lm, voice, persona_tokens(self.model.tokenizer, params.persona))
 
-    def _store_prompt(self, key: tuple, row: int) -> _CachedPrompt:
+    def _store_prompt(self, key: tuple, row: int) -> None:
         state = self.lm_state
         filled = int(min(int(state.pos[row]), self.model.config.context))
         entry = _CachedPrompt(
@@ -576,20 +612,25 @@ class Engine:
         self._prompt_cache[key] = entry
         while len(self._prompt_cache) > self.config.prompt_cache_entries:
             self._prompt_cache.popitem(last=False)
-        return entry
 
     def _device_step(self, n: int) -> BatchStep:
         step = self._steps.get(n)
         if step is None:
-            pool = self.graph_pool if self.device.type == "cuda" and self.config.cuda_graphs else None
+            pool = self.graph_pool if self._graphs() else None
             step = self._steps[n] = BatchStep(self.model, self._buffers(), self.const, slice(0, n), graph_pool=pool)
         return step
 
+    def _graphs(self) -> bool:
+        return self.device.type == "cuda" and self.config.cuda_graphs
+
     def _row_step(self, row: int) -> BatchStep:
-        """The eager step over one row, for input-clocked sessions stepped between ticks."""
+        """The step over one row: a session's first model half, and input-clocked sessions between ticks."""
         step = self._row_steps.get(row)
         if step is None:
-            step = self._row_steps[row] = BatchStep(self.model, self._buffers(), self.const, slice(row, row + 1))
+            pool = self.graph_pool if self._graphs() else None
+            # Every row's step has the shapes of the first's: one warm-up run is enough after it.
+            step = self._row_steps[row] = BatchStep(self.model, self._buffers(), self.const, slice(row, row + 1),
+                                                    graph_pool=pool, warmups=1 if self._row_steps else 2)
         return step
 
     def _buffers(self) -> BatchBuffers:
@@ -627,22 +668,36 @@ class Engine:
         return deadline
 
     def _job_step(self, time_left: float) -> bool:
-        """One step of the oldest job if it fits in `time_left` (or no realtime session is waiting). True if run."""
+        """One step of the oldest job, if it fits in `time_left` or may not wait longer. True if run.
+
+        A step longer than any gap between ticks (a prompt chunk of the full model, beside many sessions) runs at
+        the start of a gap, where it makes the next tick the least late; one that waited JOB_MAX_WAIT_S runs
+        anyway. With no realtime session live, every step runs at once.
+        """
         job = self._jobs[0]
         kind = job.next_kind
-        if time_left < 1.5 * self._job_step_s[kind] + 0.002 and self._live(offline=False):
+        needed = 1.5 * self._job_step_estimate(kind) + 0.002
+        gap = self.config.tick_ms / 1000.0 - (self._tick_ms[-1] / 1000.0 if self._tick_ms else 0.0)
+        run = (time_left >= needed or (needed > gap and time_left >= gap - 0.005)
+               or time.monotonic() - job.waiting_since >= JOB_MAX_WAIT_S or not self._live(offline=False))
+        if not run:
             return False
         started = time.perf_counter()
         try:
-            job.next_kind = next(job.steps) or "chunk"
+            job.next_kind = next(job.steps)
         except StopIteration:
             self._jobs.popleft()
             job.done(None)
         except BaseException as exc:  # handed to the awaiting coroutine
             self._jobs.popleft()
             job.done(exc)
-        self._job_step_s[kind] = 0.8 * self._job_step_s[kind] + 0.2 * (time.perf_counter() - started)
+        with self._lock:  # stats() reads these from other threads
+            self._job_step_s[kind].append(time.perf_counter() - started)
+        job.waiting_since = time.monotonic()
         return True
+
+    def _job_step_estimate(self, kind: str) -> float:
+        return float(np.median(self._job_step_s[kind]))
 
     def _drain_commands(self) -> None:
         while True:

@@ -352,3 +352,20 @@ async def test_a_session_opened_while_others_tick_starts_fresh(make_engine):
     for a, b in zip(alone, together, strict=True):  # audio to float rounding: a batch of 2 sums in another order
         assert np.array_equal(a.tokens, b.tokens) and np.allclose(a.audio, b.audio, atol=1e-5)
     busy.close()
+
+
+async def test_a_session_opens_even_when_no_gap_between_ticks_fits_its_steps(make_engine):
+    """Ticks longer than planned (here a 1 ms budget that every tick overruns) leave no gap that fits a prompt
+    chunk: the start's steps run anyway once they have waited, so the open completes and the live session goes on."""
+    engine = make_engine(tick_ms=1.0, prefill_chunk=4)
+    live_sink = Collector()
+    await engine.reserve().start(SessionParams(voice="NATF2", sampling=GREEDY), QueueSource(speechlike(400, 8)),
+                                 live_sink.on_output, live_sink.on_error)
+    await live_sink.wait_for(5)
+    before = len(live_sink.outputs)
+    slot = engine.reserve()
+    sink = Collector()
+    await asyncio.wait_for(slot.start(PARAMS, QueueSource(speechlike(2, 9)), sink.on_output, sink.on_error), 30)
+    assert [out.index for out in await sink.wait_for(1)] == [0]
+    assert len(live_sink.outputs) > before and not live_sink.errors
+    assert engine.stats().late_ticks > 0
