@@ -88,12 +88,13 @@ class KVStore:
                 cache[layer, row, :, slots] = q
                 scale[layer, row, :, slots] = s
 
-    def read_row(self, layer: int, row: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """One row's whole ring [heads, slots, head_dim] in `dtype` (dequantised)."""
+    def read_row(self, layer: int, row: int, dtype: torch.dtype, slots: int) -> tuple[Tensor, Tensor]:
+        """One row's first `slots` ring slots [heads, slots, head_dim] in `dtype` (dequantised)."""
+        k, v = self.k[layer, row, :, :slots], self.v[layer, row, :, :slots]
         if not self.fp8:
-            return self.k[layer, row], self.v[layer, row]
-        return (dequantize(self.k[layer, row], self.k_scale[layer, row], dtype),
-                dequantize(self.v[layer, row], self.v_scale[layer, row], dtype))
+            return k, v
+        return (dequantize(k, self.k_scale[layer, row, :, :slots], dtype),
+                dequantize(v, self.v_scale[layer, row, :, :slots], dtype))
 
     def zero_rows(self, rows: Tensor) -> None:
         for t in self.tensors():

@@ -281,11 +281,14 @@ class LM(nn.Module):
         C = cfg.context
         p0 = state.pos[row]
         qpos = p0 + torch.arange(T, device=x.device)
-        old = state.kpos[row]
+        # Position p sits in slot p % C, so before the ring wraps only the slots below the row's position can hold
+        # keys: read and attend to those, not the whole ring (a prompt is a few hundred frames of a 3000-slot ring).
+        span = min(int(p0), C)
+        old = state.kpos[row, :span]
         old_ok = (old >= 0).unsqueeze(0) & (old.unsqueeze(0) > qpos.unsqueeze(1) - C)
         rel = torch.arange(T, device=x.device)
         new_ok = (rel.unsqueeze(0) <= rel.unsqueeze(1)) & (rel.unsqueeze(0) > rel.unsqueeze(1) - C)
-        mask = torch.cat((old_ok, new_ok), dim=1).view(1, 1, T, C + T)
+        mask = torch.cat((old_ok, new_ok), dim=1).view(1, 1, T, span + T)
         rotation = rope_rotation(qpos.view(1, 1, T), cfg.head_dim, cfg.max_period)
         keep = min(T, C)
         slots = (qpos[T - keep :] % C).long()
@@ -293,7 +296,7 @@ class LM(nn.Module):
         for i, layer in enumerate(self.transformer.layers):
             q, k, v = layer.self_attn.qkv(layer.norm1(h))
             q, k = apply_rope(q, rotation), apply_rope(k, rotation)
-            old_k, old_v = state.kv.read_row(i, row, k.dtype)
+            old_k, old_v = state.kv.read_row(i, row, k.dtype, span)
             keys = torch.cat((old_k.unsqueeze(0), k), dim=2)
             values = torch.cat((old_v.unsqueeze(0), v), dim=2)
             with sdpa_kernel(PREFILL_BACKENDS):

@@ -1,0 +1,96 @@
+"""Prompt prefill (full 7B shape, random bf16 weights): ms per chunk by chunk length, on the host and in all.
+
+    python -m bench.prefill_bench [--chunks 16 32 64 128 256] [--starts 0 256] [--fp8-kv] [--profile]
+
+A session's start prefills its voice + persona prompt eagerly, one chunk per gap between ticks. Each JSON line
+("prefill") gives, for one chunk length and the prompt frames already in the row, the p50 ms until the call returned
+(host: launches) and until the GPU finished (wall). Host close to wall means the chunk is launch-bound. `--profile`
+adds the top operators of one 128-frame chunk by host time ("prefill_op"). `--tiny` runs the tiny checkpoint on
+the CPU, to try the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from model import fused
+from model.lm import LMState
+from model.loading import PersonaPlex, load_model
+from model.tiny import write_tiny_checkpoint
+
+
+def build(tiny: bool) -> PersonaPlex:
+    if tiny:
+        return load_model(str(write_tiny_checkpoint(tempfile.mkdtemp(), seed=0)))
+    from bench.fullsize import random_personaplex
+
+    model = random_personaplex()
+    if fused.available():
+        fused.enable()  # as the engine does on CUDA
+    return model
+
+
+def sync(model: PersonaPlex) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def prefill_from(model: PersonaPlex, state: LMState, start: int, frames: int) -> tuple[float, float]:
+    """Reset row 0, prefill `start` frames untimed, then one chunk of `frames`: (host ms, wall ms) of the chunk."""
+    lm = model.lm
+    dim, dtype = lm.cfg.dim, lm.text_linear.weight.dtype
+    lm.reset_row(state, 0)
+    for done in range(0, start, 128):
+        lm.prefill(torch.randn(min(128, start - done), dim, device=model.device, dtype=dtype), state, 0)
+    x = torch.randn(frames, dim, device=model.device, dtype=dtype)
+    sync(model)
+    started = time.perf_counter()
+    lm.prefill(x, state, 0)
+    host = time.perf_counter() - started
+    sync(model)
+    return host * 1000.0, (time.perf_counter() - started) * 1000.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--starts", type=int, nargs="+", default=[0, 256])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fp8-kv", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    model = build(args.tiny)
+    state = model.lm.init_state(1, fp8_kv=args.fp8_kv)
+    kv = "fp8" if args.fp8_kv else "bf16"
+    with torch.no_grad():
+        for start in args.starts:
+            for frames in args.chunks:
+                for _ in range(2):  # compile and first-use costs
+                    prefill_from(model, state, start, frames)
+                runs = [prefill_from(model, state, start, frames) for _ in range(args.repeats)]
+                host, wall = (round(float(np.percentile([r[i] for r in runs], 50)), 2) for i in (0, 1))
+                print(json.dumps({"bench": "prefill", "kv": kv, "chunk_frames": frames, "start_frames": start,
+                                  "host_ms_p50": host, "wall_ms_p50": wall,
+                                  "wall_us_per_frame": round(1000.0 * wall / frames, 1)}), flush=True)
+        if args.profile:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+            prefill_from(model, state, 0, 128)
+            with profile(activities=activities) as prof:
+                prefill_from(model, state, 0, 128)
+            events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+            for event in events[:25]:
+                print(json.dumps({"bench": "prefill_op", "op": event.key, "calls": event.count,
+                                  "self_host_ms": round(event.self_cpu_time_total / 1000.0, 3),
+                                  "device_ms": round(event.device_time_total / 1000.0, 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
