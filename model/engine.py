@@ -668,28 +668,40 @@ class Engine:
         return deadline
 
     def _job_step(self, time_left: float) -> bool:
-        """One step of the oldest job, if it fits in `time_left` or may not wait longer. True if run.
+        """One step of a session start, if one fits in `time_left` or may not wait longer. True if one ran.
 
-        A step longer than any gap between ticks (a prompt chunk of the full model, beside many sessions) runs at
-        the start of a gap, where it makes the next tick the least late; one that waited JOB_MAX_WAIT_S runs
-        anyway. With no realtime session live, every step runs at once.
+        A step that waited JOB_MAX_WAIT_S runs anyway. Otherwise the oldest job whose next step fits runs, so a
+        short step (a cached prompt's copy) does not queue behind a long one; a step longer than any gap between
+        ticks (a prompt chunk of the full model, beside many sessions) runs at the start of a gap, where it makes
+        the next tick the least late. With no realtime session live, every step runs at once.
         """
-        job = self._jobs[0]
-        kind = job.next_kind
-        needed = 1.5 * self._job_step_estimate(kind) + 0.002
+        if not self._live(offline=False):
+            return self._run_job_step(self._jobs[0])
+        now = time.monotonic()
+        overdue = [job for job in self._jobs if now - job.waiting_since >= JOB_MAX_WAIT_S]
+        if overdue:
+            return self._run_job_step(overdue[0])
         gap = self.config.tick_ms / 1000.0 - (self._tick_ms[-1] / 1000.0 if self._tick_ms else 0.0)
-        run = (time_left >= needed or (needed > gap and time_left >= gap - 0.005)
-               or time.monotonic() - job.waiting_since >= JOB_MAX_WAIT_S or not self._live(offline=False))
-        if not run:
-            return False
+        needed = [1.5 * self._job_step_estimate(job.next_kind) + 0.002 for job in self._jobs]
+        for job, seconds in zip(self._jobs, needed):
+            if time_left >= seconds:
+                return self._run_job_step(job)
+        if time_left >= gap - 0.005:  # the start of a gap: the oldest step that no gap would fit
+            for job, seconds in zip(self._jobs, needed):
+                if seconds > gap:
+                    return self._run_job_step(job)
+        return False
+
+    def _run_job_step(self, job: _Job) -> bool:
+        kind = job.next_kind
         started = time.perf_counter()
         try:
             job.next_kind = next(job.steps)
         except StopIteration:
-            self._jobs.popleft()
+            self._jobs.remove(job)
             job.done(None)
         except BaseException as exc:  # handed to the awaiting coroutine
-            self._jobs.popleft()
+            self._jobs.remove(job)
             job.done(exc)
         with self._lock:  # stats() reads these from other threads
             self._job_step_s[kind].append(time.perf_counter() - started)
