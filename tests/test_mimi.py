@@ -14,7 +14,7 @@ from torch import Tensor
 
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.mimi import Mimi, MimiState, checkpoint_key, load_mimi, random_mimi_state_dict
-from model.mimi_modules import CausalConvTranspose1d
+from model.mimi_modules import CausalConv1d, CausalConvTranspose1d
 
 CFG = TINY_MIMI
 K = CFG.num_codebooks
@@ -377,6 +377,26 @@ def test_transposed_conv_step_equals_conv_transpose(groups: int) -> None:
     tail = torch.zeros(3, *layer.buffer_shapes()[0])
     chunks = [layer.step(part, iter([tail])) for part in x.split([1, 2, 4], dim=-1)]
     torch.testing.assert_close(torch.cat(chunks, dim=-1), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pad_mode", ["constant", "replicate"])
+def test_strided_conv_gemm_equals_conv1d(pad_mode: str) -> None:
+    """A strided convolution's GEMM over input windows is nn.Conv1d on the left-padded input, in one shot and
+    streamed chunk by chunk (replicate padding repeats each row's first sample)."""
+    torch.manual_seed(1)
+    layer = CausalConv1d(6, 5, kernel_size=8, stride=4, pad_mode=pad_mode)
+    x = torch.randn(3, 6, 40)
+    want = layer.conv(torch.nn.functional.pad(x, (layer.context, 0), mode=pad_mode))
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    buf = torch.zeros(3, *layer.buffer_shapes()[0])
+    first = torch.ones(3, dtype=torch.bool)
+    chunks = []
+    for part in x.split([4, 12, 24], dim=-1):
+        chunks.append(layer.step(part, iter([buf]), first))
+        first = torch.zeros(3, dtype=torch.bool)
+    torch.testing.assert_close(torch.cat(chunks, dim=-1), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="dilated"):
+        CausalConv1d(6, 5, kernel_size=3, stride=2, dilation=2)
 
 
 def test_transposed_conv_rejects_shapes_it_cannot_stream() -> None:
