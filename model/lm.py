@@ -37,9 +37,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.alpha, self.eps)
 
 
-@fusable
-def rms_norm(x: Tensor, alpha: Tensor, eps: float) -> Tensor:
+def _rms_norm(x: Tensor, alpha: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), alpha.view(-1).float(), eps).to(x.dtype)
+
+
+rms_norm = fusable(_rms_norm)
+
+
+@fusable
+def add_rms_norm(x: Tensor, delta: Tensor, alpha: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + delta, its RMS norm): a residual add and the next norm, one kernel on the GPU instead of two."""
+    total = x + delta
+    return total, _rms_norm(total, alpha, eps)
 
 
 @fusable
@@ -261,14 +270,18 @@ class LM(nn.Module):
         # Valid keys fill slots [0, n_valid): rows fill the ring in order from a reset, and a wrapped ring is full.
         n_valid = (state.pos + 1).clamp(max=cfg.context)
         rotation = rope_rotation(state.pos, cfg.head_dim, cfg.max_period)  # [B, half, 2]
+        layers = self.transformer.layers
         h = x.unsqueeze(1)
-        for i, layer in enumerate(self.transformer.layers):
-            projected = F.linear(layer.norm1(h), layer.self_attn.in_proj_weight).view(B, -1)
+        normed = layers[0].norm1(h)
+        for i, layer in enumerate(layers):
+            projected = F.linear(normed, layer.self_attn.in_proj_weight).view(B, -1)
             q = rope_and_store(state.kv, i, projected, rotation, slot.view(B), active)
             o = decode_attention(q, state.kv, i, n_valid)
-            h = h + layer.self_attn.out_proj(o.flatten(1)).unsqueeze(1)
-            h = h + layer.gating(layer.norm2(h))
-        return self.out_norm(h).squeeze(1)
+            h, normed = add_rms_norm(h, layer.self_attn.out_proj(o.flatten(1)).unsqueeze(1), layer.norm2.alpha,
+                                     layer.norm2.eps)
+            following = layers[i + 1].norm1 if i + 1 < len(layers) else self.out_norm
+            h, normed = add_rms_norm(h, layer.gating(normed), following.alpha, following.eps)
+        return normed.squeeze(1)
 
     def prefill(self, x: Tensor, state: LMState, row: int) -> Tensor:
         """Run T known frames x [T, dim] for one row in one forward -> post-out_norm hidden [T, dim].
@@ -292,9 +305,11 @@ class LM(nn.Module):
         rotation = rope_rotation(qpos.view(1, 1, T), cfg.head_dim, cfg.max_period)
         keep = min(T, C)
         slots = (qpos[T - keep :] % C).long()
+        layers = self.transformer.layers
         h = x.unsqueeze(0)
-        for i, layer in enumerate(self.transformer.layers):
-            q, k, v = layer.self_attn.qkv(layer.norm1(h))
+        normed = layers[0].norm1(h)
+        for i, layer in enumerate(layers):
+            q, k, v = layer.self_attn.qkv(normed)
             q, k = apply_rope(q, rotation), apply_rope(k, rotation)
             old_k, old_v = state.kv.read_row(i, row, k.dtype, span)
             keys = torch.cat((old_k.unsqueeze(0), k), dim=2)
@@ -302,11 +317,13 @@ class LM(nn.Module):
             with sdpa_kernel(PREFILL_BACKENDS):
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             state.kv.write_span(i, row, slots, k[0, :, T - keep :], v[0, :, T - keep :])
-            h = h + layer.self_attn.out_proj(o.transpose(1, 2).flatten(2))
-            h = h + layer.gating(layer.norm2(h))
+            h, normed = add_rms_norm(h, layer.self_attn.out_proj(o.transpose(1, 2).flatten(2)), layer.norm2.alpha,
+                                     layer.norm2.eps)
+            following = layers[i + 1].norm1 if i + 1 < len(layers) else self.out_norm
+            h, normed = add_rms_norm(h, layer.gating(normed), following.alpha, following.eps)
         state.kpos[row, slots] = qpos[T - keep :]
         state.pos[row] += T
-        return self.out_norm(h).squeeze(0)
+        return normed.squeeze(0)
 
     def text_logits(self, hidden: Tensor) -> Tensor:
         return self.text_linear(hidden).float()
@@ -319,16 +336,22 @@ class LM(nn.Module):
         `cache[layer]` holds (k, v) [B, heads, steps, head_dim] of the earlier steps of this frame; causal over
         steps, no positional encoding.
         """
+        layers = self.depformer.layers
         h = x
-        for layer, (ck, cv) in zip(self.depformer.layers, cache, strict=False):
+        normed = layers[0].norm1(h)
+        for i, (layer, (ck, cv)) in enumerate(zip(layers, cache, strict=False)):
             attn = layer.self_attn
             w_in, w_out = attn.step_weights(step)
-            q, k, v = F.linear(layer.norm1(h), w_in).unflatten(-1, (3, attn.num_heads, -1)).unbind(1)
+            q, k, v = F.linear(normed, w_in).unflatten(-1, (3, attn.num_heads, -1)).unbind(1)
             ck[:, :, step] = k
             cv[:, :, step] = v
             o = F.scaled_dot_product_attention(q.unsqueeze(2), ck[:, :, : step + 1], cv[:, :, : step + 1])
-            h = h + F.linear(o.flatten(1), w_out)
-            h = h + layer.gating[step](layer.norm2(h))
+            h, normed = add_rms_norm(h, F.linear(o.flatten(1), w_out), layer.norm2.alpha, layer.norm2.eps)
+            delta = layer.gating[step](normed)
+            if i + 1 < len(layers):
+                h, normed = add_rms_norm(h, delta, layers[i + 1].norm1.alpha, layers[i + 1].norm1.eps)
+            else:
+                h = h + delta
         return self.linears[step](h).float()
 
     def depformer_cache(self, batch_size: int) -> list[tuple[Tensor, Tensor]]:

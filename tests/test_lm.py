@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.config import SILENCE_TOKENS, TEXT_PAD, TINY_LM, LMConfig
-from model.lm import LM, RING_SIZE, count_parameters
+from model.lm import LM, RING_SIZE, add_rms_norm, count_parameters, rms_norm
 from model.prompts import apply_prompt, plan_prompt, plan_voice
 from model.sampling import RowSampling
 from model.step import StepConstants, frame_step
@@ -258,3 +258,15 @@ def test_fp8_kv_cache_tracks_the_exact_cache():
             torch.testing.assert_close(b, a, atol=0.15, rtol=0.05)
     lm.reset_rows(fp8, torch.tensor([True, False]))
     assert int(fp8.kv.k[:, 0].view(torch.uint8).count_nonzero()) == 0
+
+
+def test_fused_residual_norm_compiles_to_what_eager_computes():
+    """The GPU compiles `add_rms_norm` with Inductor (model/fused.py): it must trace whole, for any batch, and equal
+    the residual add followed by the norm."""
+    compiled = torch.compile(add_rms_norm.__wrapped__, fullgraph=True, dynamic=True)
+    alpha = torch.rand(1, 1, 16) + 0.5
+    for batch in (3, 5):
+        x, delta = torch.randn(batch, 1, 16), torch.randn(batch, 1, 16)
+        total, normed = compiled(x, delta, alpha, 1e-8)
+        assert torch.equal(total, x + delta)
+        torch.testing.assert_close(normed, rms_norm(x + delta, alpha, 1e-8), rtol=1e-5, atol=1e-5)
