@@ -98,8 +98,17 @@ class KVStore:
 
     def zero_rows(self, rows: Tensor) -> None:
         for t in self.tensors():
-            raw = t.view(torch.uint8) if t.dtype == FP8 else t
-            raw.masked_fill_(rows.view(1, -1, *([1] * (t.dim() - 2))), 0)
+            _raw(t).masked_fill_(rows.view(1, -1, *([1] * (t.dim() - 2))), 0)
+
+    def zero_slots(self, row: int, slots: int) -> None:
+        """Zero one row's first `slots` ring slots, in every layer."""
+        for t in self.tensors():
+            _raw(t)[:, row, :, :slots].zero_()
+
+
+def _raw(t: Tensor) -> Tensor:
+    """`t` itself, or its bytes for fp8 (fills are not implemented for fp8)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
 @fusable

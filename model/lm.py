@@ -216,8 +216,8 @@ class LM(nn.Module):
         col[0] = cfg.initial_text_token
         return col
 
-    def reset_rows(self, state: LMState, rows: Tensor) -> None:
-        """Make `rows` (bool [B]) exactly fresh, as after the reference's dummy first call (o = 1)."""
+    def _reset_all_but_kv(self, state: LMState, rows: Tensor) -> None:
+        """Positions, call counters, forced tokens and the token ring of `rows` (bool [B]) as fresh."""
         keep = ~rows
         state.kpos.masked_fill_(rows.unsqueeze(1), -1)
         state.pos.masked_fill_(rows, 0)
@@ -227,13 +227,20 @@ class LM(nn.Module):
         fresh = torch.zeros_like(state.ring[:1])
         fresh[0, :, 0] = initial
         state.ring.copy_(torch.where(keep.view(-1, 1, 1), state.ring, fresh))
+
+    def reset_rows(self, state: LMState, rows: Tensor) -> None:
+        """Make `rows` (bool [B]) exactly fresh, as after the reference's dummy first call (o = 1)."""
+        self._reset_all_but_kv(state, rows)
         # Zero the KV of reset rows so a recycled slot's memory never leaks into masked arithmetic (0 * nan).
         state.kv.zero_rows(rows)
 
     def reset_row(self, state: LMState, row: int) -> None:
-        """reset_rows for one row, touching only that row's memory (a KV row, not the whole cache)."""
+        """reset_rows for one row, zeroing only the KV slots its last occupant wrote: slots fill in order from a
+        reset, so those are the first min(pos, context), a few hundred for a short call instead of all 3000."""
+        used = min(int(state.pos[row]), self.cfg.context)
         one = state.rows(slice(row, row + 1))
-        self.reset_rows(one, torch.ones(1, dtype=torch.bool, device=one.pos.device))
+        self._reset_all_but_kv(one, torch.ones(1, dtype=torch.bool, device=one.pos.device))
+        state.kv.zero_slots(row, used)
 
     # ----- embeddings --------------------------------------------------------------------------------------
 

@@ -270,3 +270,29 @@ def test_fused_residual_norm_compiles_to_what_eager_computes():
         total, normed = compiled(x, delta, alpha, 1e-8)
         assert torch.equal(total, x + delta)
         torch.testing.assert_close(normed, rms_norm(x + delta, alpha, 1e-8), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp8_kv", [False, True])
+@pytest.mark.parametrize("T", [5, 40])
+def test_reset_row_leaves_the_row_as_fresh_and_the_others_alone(T: int, fp8_kv: bool):
+    """reset_row zeroes only the KV slots the row wrote (all of them once the ring wrapped, T > 16): the row is
+    then bit for bit a fresh one, every other row untouched."""
+    lm = make_lm(7)
+    state = lm.init_state(2, fp8_kv=fp8_kv)
+    with torch.no_grad():
+        run_steps(lm, state, random_user(T, 2, 5))
+    before = [t.clone() for t in (*state.kv.tensors(), state.kpos, state.pos, state.ring, state.offset, state.forced)]
+    lm.reset_row(state, 1)
+    fresh = lm.init_state(1, fp8_kv=fp8_kv)
+    after = (*state.kv.tensors(), state.kpos, state.pos, state.ring, state.offset, state.forced)
+    new = (*fresh.kv.tensors(), fresh.kpos, fresh.pos, fresh.ring, fresh.offset, fresh.forced)
+    kv_count = len(state.kv.tensors())
+    for i, (was, now, want) in enumerate(zip(before, after, new, strict=True)):
+        row, other = ((slice(None), 1), (slice(None), 0)) if i < kv_count else ((1,), (0,))
+        assert torch.equal(bits(now[row]), bits(want[other]))
+        assert torch.equal(bits(now[other]), bits(was[other]))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor comparable with torch.equal (fp8 compares by its bytes)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
