@@ -9,8 +9,12 @@ Input-clocked slots (offline files) are stepped on their own between ticks whene
 prompt prefill, restarts and closes run on the same thread between ticks, so the step never races with
 bookkeeping; the asyncio side only enqueues work and receives callbacks.
 
-The step itself lives in `model/batch_step.py` (CUDA graphs per padded batch size); inputs and outputs move once
-per tick through pinned host memory.
+A session's start is a job of steps (its prompt planned, prefilled in chunks or copied from the prompt cache,
+then its first model half), one per gap between ticks where the step's recent duration fits; one that fits no gap
+runs at a gap's start, and none waits longer than JOB_MAX_WAIT_S.
+
+The step itself lives in `model/batch_step.py` (CUDA graphs per padded batch size, and per row for one-row steps);
+inputs and outputs move once per tick through pinned host memory.
 """
 
 from __future__ import annotations
