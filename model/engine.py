@@ -154,9 +154,10 @@ class EngineStats:
     open_step_ms: dict[str, float]  # recent ms of one session-start step, by kind ("chunk" of prompt, "lead")
 
 
-def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> tuple[np.ndarray, bool, np.ndarray]:
-    """A one-row step's outputs on the host, as `_deliver` takes them."""
-    return frame[0].cpu().numpy(), bool(emitted[0]), audio[0].float().cpu().numpy()
+def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> tuple[np.ndarray, bool, np.ndarray, bool]:
+    """A one-row step's outputs on the host, copies of the step's buffers, as `_deliver` takes them."""
+    samples = audio[0].float().cpu().numpy().copy()
+    return frame[0].cpu().numpy().copy(), bool(emitted[0]), samples, bool(np.isfinite(samples).all())
 
 
 @dataclass
@@ -270,6 +271,8 @@ class Engine:
         self._frames_host = torch.zeros(B, lm.cfg.num_rows, dtype=torch.long, pin_memory=pin)
         self._emitted_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
         self._audio_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
+        # numpy views of the pinned inputs: per-slot writes from numpy cost a fraction of torch's per-op overhead.
+        self._pcm_np, self._active_np = self._pcm_host.numpy(), self._active_host.numpy()
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._steps: dict[int, BatchStep] = {}
         self._row_steps: dict[int, BatchStep] = {}
@@ -732,17 +735,17 @@ class Engine:
 
     def _read_input(self, rt: _Runtime) -> bool:
         """Put the slot's next frame (or silence) into the host input row; False if the slot failed."""
-        row = self._pcm_host[rt.index]
+        row = self._pcm_np[rt.index]
         try:
             frame = rt.source.read_frame()
             if frame is None:
-                row.zero_()
+                row[:] = 0.0
                 rt.stats.underruns += 1
                 return True
             data = np.asarray(frame, dtype=np.float32)
             if data.shape != (FRAME_SAMPLES,) or not np.isfinite(data).all():
                 raise ValueError(f"the input frame must be {FRAME_SAMPLES} finite samples")
-            row.copy_(torch.from_numpy(data))
+            row[:] = data
             rt.stats.frames_in += 1
             return True
         except Exception as exc:
@@ -756,9 +759,8 @@ class Engine:
             return
         t0 = time.perf_counter()
         n = bucket(max(rt.index for rt in live) + 1, self.max_sessions)
-        self._active_host[:n] = False
-        for rt in live:
-            self._active_host[rt.index] = True
+        self._active_np[:n] = False
+        self._active_np[[rt.index for rt in live]] = True
         offline_rows = [rt.index for rt in self._live(offline=True) if rt.index < n]
         try:
             outputs = self._run_batch(n, offline_rows)
@@ -768,8 +770,12 @@ class Engine:
                 self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
             return
         frames, emitted, audio = outputs
+        # One copy of the tick's outputs (the pinned buffers are the next tick's), handed out as row views.
+        frames, audio = frames.copy(), audio.copy()
+        finite = np.isfinite(audio).all(axis=1)
         for rt in live:
-            self._deliver(rt, frames[rt.index], bool(emitted[rt.index]), audio[rt.index])
+            i = rt.index
+            self._deliver(rt, frames[i], bool(emitted[i]), audio[i], bool(finite[i]))
         elapsed = (time.perf_counter() - t0) * 1000.0
         self._record_tick(elapsed, n, late=started_late or elapsed > self.config.tick_ms)
 
@@ -794,9 +800,10 @@ class Engine:
         self._parts_ms = self._timer.parts_ms()
         return self._frames_host[:n].numpy(), self._emitted_host[:n].numpy(), self._audio_host[:n].numpy()
 
-    def _deliver(self, rt: _Runtime, frame: np.ndarray, emitted: bool, audio: np.ndarray) -> None:
-        """Hand one slot its frame. The lock makes close() wait for a callback in flight, so none follows it."""
-        if not np.isfinite(audio).all():
+    def _deliver(self, rt: _Runtime, frame: np.ndarray, emitted: bool, audio: np.ndarray, finite: bool) -> None:
+        """Hand one slot its frame (arrays it may keep). The lock makes close() wait for a callback in flight, so
+        none follows it."""
+        if not finite:
             self._fail(rt, SessionFailed("the model produced non-finite audio", "non_finite_output"))
             return
         if not emitted:
@@ -804,8 +811,8 @@ class Engine:
         with self._lock:
             if self._slots[rt.index] is not rt or not rt.live:
                 return
-            out = FrameOutput(index=rt.out_index, audio=audio.copy(), text=self.model.text_piece(int(frame[0])),
-                              tokens=frame.copy())
+            out = FrameOutput(index=rt.out_index, audio=audio, text=self.model.text_piece(int(frame[0])),
+                              tokens=frame)
             rt.out_index += 1
             rt.stats.frames_out += 1
             try:
