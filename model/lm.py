@@ -57,6 +57,22 @@ def silu_gate(projected: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+@fusable
+def depformer_attention(qkv: Tensor, keys: Tensor, values: Tensor, step: int, heads: int) -> Tensor:
+    """One depformer step's attention: its k and v go into the frame's cache at `step` (in place), its q attends
+    over steps 0..step. qkv [B, 3 * dim], keys and values [B, heads, steps, head_dim] -> [B, dim].
+
+    Written out rather than through SDPA: over at most 8 keys, on the GPU it compiles with the cache writes into
+    a couple of kernels, where an SDPA call and two copies are three launches for a few microseconds of work.
+    """
+    q, k, v = qkv.unflatten(-1, (3, heads, -1)).unbind(1)
+    keys[:, :, step] = k
+    values[:, :, step] = v
+    scores = (keys[:, :, : step + 1].float() * q.float().unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
+    weights = scores.softmax(-1).unsqueeze(-1)
+    return (weights * values[:, :, : step + 1].float()).sum(2).to(q.dtype).flatten(1)
+
+
 class GatedFFN(nn.Module):
     """SiLU-gated FFN; `linear_in` stacks the gate rows then the up rows."""
 
@@ -349,11 +365,8 @@ class LM(nn.Module):
         for i, (layer, (ck, cv)) in enumerate(zip(layers, cache, strict=False)):
             attn = layer.self_attn
             w_in, w_out = attn.step_weights(step)
-            q, k, v = F.linear(normed, w_in).unflatten(-1, (3, attn.num_heads, -1)).unbind(1)
-            ck[:, :, step] = k
-            cv[:, :, step] = v
-            o = F.scaled_dot_product_attention(q.unsqueeze(2), ck[:, :, : step + 1], cv[:, :, : step + 1])
-            h, normed = add_rms_norm(h, F.linear(o.flatten(1), w_out), layer.norm2.alpha, layer.norm2.eps)
+            o = depformer_attention(F.linear(normed, w_in), ck, cv, step, attn.num_heads)
+            h, normed = add_rms_norm(h, F.linear(o, w_out), layer.norm2.alpha, layer.norm2.eps)
             delta = layer.gating[step](normed)
             if i + 1 < len(layers):
                 h, normed = add_rms_norm(h, delta, layers[i + 1].norm1.alpha, layers[i + 1].norm1.eps)

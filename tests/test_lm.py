@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.config import SILENCE_TOKENS, TEXT_PAD, TINY_LM, LMConfig
-from model.lm import LM, RING_SIZE, add_rms_norm, count_parameters, rms_norm
+from model.lm import LM, RING_SIZE, add_rms_norm, count_parameters, depformer_attention, rms_norm
 from model.prompts import apply_prompt, plan_prompt, plan_voice
 from model.sampling import RowSampling
 from model.step import StepConstants, frame_step
@@ -296,3 +296,19 @@ def test_reset_row_leaves_the_row_as_fresh_and_the_others_alone(T: int, fp8_kv: 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A tensor comparable with torch.equal (fp8 compares by its bytes)."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_fused_depformer_attention_writes_the_cache_and_equals_sdpa():
+    """Compiled as on the GPU, the depformer's attention stores each step's k and v in the caller's cache and
+    attends over the steps so far, as SDPA over the same cache does."""
+    compiled = torch.compile(depformer_attention.__wrapped__, fullgraph=True, dynamic=True)
+    batch, heads, steps, head_dim = 3, 2, 4, 8
+    keys, values = torch.zeros(batch, heads, steps, head_dim), torch.zeros(batch, heads, steps, head_dim)
+    for step in range(steps):
+        qkv = torch.randn(batch, 3 * heads * head_dim)
+        out = compiled(qkv, keys, values, step, heads)
+        q, k, v = qkv.unflatten(-1, (3, heads, -1)).unbind(1)
+        assert torch.equal(keys[:, :, step], k) and torch.equal(values[:, :, step], v)
+        want = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), keys[:, :, : step + 1],
+                                                                values[:, :, : step + 1])
+        torch.testing.assert_close(out, want.flatten(1), rtol=1e-5, atol=1e-6)
