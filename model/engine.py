@@ -9,9 +9,10 @@ Input-clocked slots (offline files) are stepped on their own between ticks whene
 prompt prefill, restarts and closes run on the same thread between ticks, so the step never races with
 bookkeeping; the asyncio side only enqueues work and receives callbacks.
 
-A session's start is a job of steps (its prompt planned, prefilled in chunks or copied from the prompt cache,
-then its first model half), one per gap between ticks where the step's recent duration fits; one that fits no gap
-runs at a gap's start, and none waits longer than JOB_MAX_WAIT_S.
+A session's start is a job of steps (its prompt planned, prefilled on a scratch row by replayed CUDA graphs
+(model/prompt_prefill.py) or copied from the prompt cache, then its first model half), one per gap between ticks
+where the step's recent duration fits; one that fits no gap runs at a gap's start, and none waits longer than
+JOB_MAX_WAIT_S.
 
 The step itself lives in `model/batch_step.py` (CUDA graphs per padded batch size, and per row for one-row steps);
 inputs and outputs move once per tick through pinned host memory.
@@ -40,8 +41,10 @@ from torch import Tensor
 from model import fused
 from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, prefill_chunks
 from model.config import FRAME_SAMPLES, SAMPLE_RATE
+from model.lm import LMState
 from model.loading import PersonaPlex
-from model.prompts import PromptPlan, VoicePrompt, persona_tokens, plan_prompt
+from model.prompt_prefill import PromptPrefill
+from model.prompts import PromptPlan, VoicePrompt, finish_prompt, persona_tokens, plan_prompt
 from model.sampling import SamplingParams, row_sampling
 from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, StepConstants
 
@@ -57,8 +60,9 @@ TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80
 # once it has waited this long: at worst one late tick, never an open that waits forever.
 JOB_MAX_WAIT_S = 0.5
 # A session start's steps, and a first guess at each one's seconds until it has run: "plan" (voice and text to
-# prompt embeddings), "chunk" (prompt prefill), "copy" (a cached prompt into the slot), "lead" (the first model half).
-JOB_STEP_KINDS = {"plan": 0.05, "chunk": 0.03, "copy": 0.005, "lead": 0.03}
+# prompt embeddings), "prefill" (the whole prompt on the scratch row, model/prompt_prefill.py), "chunk" (one piece
+# of a prompt too long for it, eager), "copy" (a cached prompt into the slot), "lead" (the first model half).
+JOB_STEP_KINDS = {"plan": 0.05, "prefill": 0.02, "chunk": 0.03, "copy": 0.005, "lead": 0.03}
 
 
 class EngineError(Exception):
@@ -260,6 +264,7 @@ class Engine:
                 log.warning("Triton is not installed: running without fused kernels (slower ticks)")
         lm = model.lm
         self.lm_state = lm.init_state(B, self.device, fp8_kv=self.config.fp8_kv)
+        self._prompt_prefill = PromptPrefill(lm, self.device, self.config.fp8_kv)
         self.mimi_state = model.mimi.init_state(B, self.device)
         self.const = StepConstants.make(lm, self.device)
         self.text_sampling, self.audio_sampling = row_sampling([SamplingParams(greedy=True)] * B, [0] * B, self.device)
@@ -329,6 +334,7 @@ class Engine:
                 # Eager, one row of the full model is ~80-100 ms of launches, more than a gap between ticks.
                 for row in range(self.max_sessions):
                     self._row_step(row)
+            self._prompt_prefill.capture(self.graph_pool)
         if fused.enabled():
             self._warm_prefill()
         self._warm_lead()
@@ -520,24 +526,28 @@ class Engine:
                 raise EngineError("the session was closed", "session_closed")
 
         lm, state = self.model.lm, self.lm_state
+        scratch = self._prompt_prefill
         with torch.no_grad():
             lm.reset_row(state, row)
             cached = self._prompt_cache.get(key)
             if cached is None:
                 self._cache_misses += 1
                 plan = self._plan(params)
-                for chunk in prefill_chunks(plan.embeddings, self.config.prefill_chunk):
-                    yield from next_step("chunk")
-                    lm.prefill(chunk, state, row)
-                yield from next_step("copy")
-                state.ring[row] = plan.ring.to(self.device)
-                state.offset[row] = plan.offset
-                if plan.embeddings.shape[0]:
-                    state.forced[row] = lm.delays(self.device) > 0
-                self._store_prompt(key, row)
+                if scratch.fits(plan.embeddings.shape[0]):
+                    yield from next_step("prefill")
+                    scratch.run(plan.embeddings)
+                    finish_prompt(lm, scratch.state, 0, plan)
+                    cached = self._store_prompt(key, scratch.state, 0)
+                else:  # longer than the scratch ring: eagerly on the row, one chunk per step
+                    for chunk in prefill_chunks(plan.embeddings, self.config.prefill_chunk):
+                        yield from next_step("chunk")
+                        lm.prefill(chunk, state, row)
+                    finish_prompt(lm, state, row, plan)
+                    self._store_prompt(key, state, row)
             else:
                 self._cache_hits += 1
                 self._prompt_cache.move_to_end(key)
+            if cached is not None:
                 self._copy_prompt(cached, row)
         text, audio = row_sampling([params.sampling], [rt.seed], self.device)
         self.text_sampling.copy_(text, row)
@@ -613,8 +623,8 @@ class Engine:
                     self._voice_cache.popitem(last=False)
         return plan_prompt(self.model.lm, voice, persona_tokens(self.model.tokenizer, params.persona))
 
-    def _store_prompt(self, key: tuple, row: int) -> None:
-        state = self.lm_state
+    def _store_prompt(self, key: tuple, state: LMState, row: int) -> _CachedPrompt:
+        """Cache the prompt that `row` of `state` holds (a fresh row after its prefill)."""
         filled = int(min(int(state.pos[row]), self.model.config.context))
         entry = _CachedPrompt(
             kv=[t[:, row, :, :filled].clone() for t in state.kv.tensors()],
@@ -624,6 +634,7 @@ class Engine:
         self._prompt_cache[key] = entry
         while len(self._prompt_cache) > self.config.prompt_cache_entries:
             self._prompt_cache.popitem(last=False)
+        return entry
 
     def _device_step(self, n: int) -> BatchStep:
         step = self._steps.get(n)

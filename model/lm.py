@@ -208,15 +208,20 @@ class LM(nn.Module):
 
     # ----- state -------------------------------------------------------------------------------------------
 
-    def init_state(self, batch_size: int, device: torch.device | str | None = None, fp8_kv: bool = False) -> LMState:
-        """Fresh state for `batch_size` rows; `fp8_kv` stores the KV cache as e4m3 with per-vector scales."""
+    def init_state(self, batch_size: int, device: torch.device | str | None = None, fp8_kv: bool = False,
+                   slots: int | None = None) -> LMState:
+        """Fresh state for `batch_size` rows; `fp8_kv` stores the KV cache as e4m3 with per-vector scales.
+
+        `slots` < context makes a short ring (a prompt's scratch row): it holds positions [0, slots) only.
+        """
         cfg = self.cfg
         device = device or self.text_linear.weight.device
         dtype = self.text_linear.weight.dtype
-        shape = (cfg.num_layers, batch_size, cfg.num_heads, cfg.context, cfg.head_dim)
+        slots = cfg.context if slots is None else slots
+        shape = (cfg.num_layers, batch_size, cfg.num_heads, slots, cfg.head_dim)
         state = LMState(
             kv=KVStore.empty(shape, dtype, device, fp8_kv),
-            kpos=torch.full((batch_size, cfg.context), -1, device=device, dtype=torch.long),
+            kpos=torch.full((batch_size, slots), -1, device=device, dtype=torch.long),
             pos=torch.zeros(batch_size, device=device, dtype=torch.long),
             ring=torch.zeros(batch_size, cfg.num_rows, RING_SIZE, device=device, dtype=torch.long),
             offset=torch.zeros(batch_size, device=device, dtype=torch.long),
@@ -306,11 +311,13 @@ class LM(nn.Module):
             h, normed = add_rms_norm(h, layer.gating(normed), following.alpha, following.eps)
         return normed.squeeze(1)
 
-    def prefill(self, x: Tensor, state: LMState, row: int) -> Tensor:
+    def prefill(self, x: Tensor, state: LMState, row: int, window: int | None = None) -> Tensor:
         """Run T known frames x [T, dim] for one row in one forward -> post-out_norm hidden [T, dim].
 
         Attends to the row's existing ring plus the chunk itself (causal, sliding window of `context`), then
         keeps the chunk's last `context` keys in the ring. Equals T calls of `temporal_step` on that row.
+        `window` fixes the ring slots read to [0, window), masked by position, instead of the slots below the
+        row's position (read from the device): a fixed shape and no host sync, as CUDA graphs need.
         """
         cfg = self.cfg
         T = x.shape[0]
@@ -319,7 +326,7 @@ class LM(nn.Module):
         qpos = p0 + torch.arange(T, device=x.device)
         # Position p sits in slot p % C, so before the ring wraps only the slots below the row's position can hold
         # keys: read and attend to those, not the whole ring (a prompt is a few hundred frames of a 3000-slot ring).
-        span = min(int(p0), C)
+        span = min(int(p0), C) if window is None else window
         old = state.kpos[row, :span]
         old_ok = (old >= 0).unsqueeze(0) & (old.unsqueeze(0) > qpos.unsqueeze(1) - C)
         rel = torch.arange(T, device=x.device)

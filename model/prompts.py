@@ -145,15 +145,20 @@ def plan_voice(lm: LM, voice_codes: Tensor) -> VoicePrompt:
 @torch.no_grad()
 def apply_prompt(lm: LM, state: LMState, row: int, plan: PromptPlan, chunk: int | None = None) -> None:
     """Reset `row` and run the plan: prefill in chunks of `chunk` frames (None: one forward), set ring and counter."""
-    device = state.ring.device
     lm.reset_row(state, row)
     total = plan.embeddings.shape[0]
     step = total if chunk is None else chunk
     for start in range(0, total, max(step, 1)):
         lm.prefill(plan.embeddings[start : start + step], state, row)
+    finish_prompt(lm, state, row, plan)
+
+
+def finish_prompt(lm: LM, state: LMState, row: int, plan: PromptPlan) -> None:
+    """After the plan's prefill: set the row's ring, call counter and forced tokens."""
+    device = state.ring.device
     state.ring[row] = plan.ring.to(device)
     state.offset[row] = plan.offset
-    if total:
+    if plan.embeddings.shape[0]:
         # The last prompt frame's delayed codes sit in the next call's target column, as the reference's
         # `provided` mask keeps them: the first conversation call must not resample them.
         state.forced[row] = lm.delays(device) > 0

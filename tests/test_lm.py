@@ -9,7 +9,8 @@ import torch
 
 from model.config import SILENCE_TOKENS, TEXT_PAD, TINY_LM, LMConfig
 from model.lm import LM, RING_SIZE, add_rms_norm, count_parameters, depformer_attention, rms_norm
-from model.prompts import apply_prompt, plan_prompt, plan_voice
+from model.prompt_prefill import PromptPrefill
+from model.prompts import apply_prompt, finish_prompt, plan_prompt, plan_voice
 from model.sampling import RowSampling
 from model.step import StepConstants, frame_step
 
@@ -312,3 +313,28 @@ def test_fused_depformer_attention_writes_the_cache_and_equals_sdpa():
         want = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), keys[:, :, : step + 1],
                                                                 values[:, :, : step + 1])
         torch.testing.assert_close(out, want.flatten(1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fp8_kv", [False, True])
+def test_prompt_prefill_on_the_scratch_row_equals_prefill_on_the_row(fp8_kv: bool):
+    """A prompt run on the scratch row in fixed pieces (57 frames: 32 + 16 + 8 + 1), over a fixed window of its
+    ring, leaves the state that prefilling the session's row in the same pieces leaves."""
+    lm = make_lm(5, dataclasses.replace(TINY_LM, context=64))
+    plan = plan_prompt(lm, random_user(34, 1, 2)[:, 0], list(range(40, 52)))
+    assert plan.embeddings.shape[0] == 57
+    direct = lm.init_state(2, fp8_kv=fp8_kv)
+    with torch.no_grad():
+        for start, frames in ((0, 32), (32, 16), (48, 8), (56, 1)):
+            lm.prefill(plan.embeddings[start : start + frames], direct, 1)
+    finish_prompt(lm, direct, 1, plan)
+    scratch = PromptPrefill(lm, torch.device("cpu"), fp8_kv)
+    assert scratch.fits(57) and not scratch.fits(65)
+    scratch.run(plan.embeddings)
+    finish_prompt(lm, scratch.state, 0, plan)
+    got, want = scratch.state, direct.rows(slice(1, 2))
+    for i in range(lm.cfg.num_layers):
+        for a, b in zip(got.kv.read_row(i, 0, torch.float32, 57), want.kv.read_row(i, 0, torch.float32, 57)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in ((got.kpos[:, :57], want.kpos[:, :57]), (got.pos, want.pos), (got.ring, want.ring),
+                 (got.offset, want.offset), (got.forced, want.forced)):
+        assert torch.equal(a, b)
