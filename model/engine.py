@@ -503,7 +503,8 @@ class Engine:
 
     def begin(self, rt: _Runtime) -> Iterator[str]:
         """A session's start, one step per gap between ticks: its prompt from the prompt cache ("copy"), or
-        planned ("plan") and prefilled one chunk per step ("chunk"); then its first model half ("lead").
+        planned ("plan") and prefilled, whole on the scratch row ("prefill") or, when longer than it, one eager
+        chunk per step on the row ("chunk"); then its first model half ("lead").
 
         Engine thread only; `_open_ms` gets the time spent working, not the ticks in between.
         """
