@@ -275,8 +275,9 @@ class Attention(nn.Module):
         queries attend over the whole ring.
         """
         b, t, c = x.shape
-        q, k, v = F.linear(x, self.in_proj_weight).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        qkv = F.linear(x, self.in_proj_weight).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(qkv[:2], rope).unbind(0)  # one rotation for both
+        v = qkv[2]
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -300,12 +301,24 @@ def ring_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Ten
 
 
 class LayerScale(nn.Module):
+    """A per-channel scale on a residual branch (applied by `scale_add`)."""
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.scale * x
+
+@fusable
+def scale_add(x: Tensor, delta: Tensor, scale: Tensor) -> Tensor:
+    return x + scale * delta
+
+
+@fusable
+def scale_add_layer_norm(x: Tensor, delta: Tensor, scale: Tensor, weight: Tensor, bias: Tensor,
+                         eps: float) -> tuple[Tensor, Tensor]:
+    """(x + scale * delta, its layer norm): a scaled residual add and the next norm, one kernel on the GPU."""
+    total = x + scale * delta
+    return total, F.layer_norm(total, (total.shape[-1],), weight, bias, eps)
 
 
 class TransformerLayer(nn.Module):
@@ -324,8 +337,10 @@ class TransformerLayer(nn.Module):
     def forward(
         self, x: Tensor, rope: Tensor, mask: Tensor, cache: tuple[Tensor, Tensor, Tensor] | None
     ) -> Tensor:
-        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), rope, mask, cache))
-        return x + self.layer_scale_2(self.linear2(F.gelu(self.linear1(self.norm2(x)))))
+        attended = self.self_attn(self.norm1(x), rope, mask, cache)
+        x, normed = scale_add_layer_norm(x, attended, self.layer_scale_1.scale, self.norm2.weight, self.norm2.bias,
+                                         self.norm2.eps)
+        return scale_add(x, self.linear2(F.gelu(self.linear1(normed))), self.layer_scale_2.scale)
 
 
 class MimiTransformer(nn.Module):

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.mimi import Mimi, MimiState, checkpoint_key, load_mimi, random_mimi_state_dict
-from model.mimi_modules import CausalConv1d, CausalConvTranspose1d
+from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, scale_add, scale_add_layer_norm
 
 CFG = TINY_MIMI
 K = CFG.num_codebooks
@@ -404,3 +404,18 @@ def test_transposed_conv_rejects_shapes_it_cannot_stream() -> None:
         CausalConvTranspose1d(4, 4, kernel_size=6, stride=4)
     with pytest.raises(ValueError, match="dense or depthwise"):
         CausalConvTranspose1d(4, 4, kernel_size=8, stride=4, groups=2)
+
+
+def test_fused_residual_helpers_compile_to_what_eager_computes() -> None:
+    """The GPU compiles the transformer's residual helpers with Inductor: they trace whole, for any batch and
+    length, and equal the eager arithmetic."""
+    add_norm = torch.compile(scale_add_layer_norm.__wrapped__, fullgraph=True, dynamic=True)
+    add = torch.compile(scale_add.__wrapped__, fullgraph=True, dynamic=True)
+    scale, weight, bias = torch.rand(16), torch.rand(16) + 0.5, torch.randn(16)
+    for shape in ((3, 1, 16), (2, 5, 16)):
+        x, delta = torch.randn(shape), torch.randn(shape)
+        total, normed = add_norm(x, delta, scale, weight, bias, 1e-5)
+        torch.testing.assert_close(total, x + scale * delta, rtol=1e-6, atol=1e-6)
+        want = torch.nn.functional.layer_norm(x + scale * delta, (16,), weight, bias, 1e-5)
+        torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(add(x, delta, scale), x + scale * delta, rtol=1e-6, atol=1e-6)
