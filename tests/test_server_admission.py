@@ -269,6 +269,10 @@ async def test_http_routes(server):
                      "personaplex_engine_late_ticks_total"):
             assert values[name] >= 0
         assert values["personaplex_frames_out_total"] > 0 and values["personaplex_engine_ticks_total"] > 0
+        starts = values['personaplex_engine_prompt_cache_total{result="hit"}'] + values[
+            'personaplex_engine_prompt_cache_total{result="miss"}']
+        assert starts >= 1 and values["personaplex_engine_open_work_last_ms"] > 0
+        assert all(values[f'personaplex_engine_open_step_ms{{kind="{k}"}}'] > 0 for k in ("plan", "prefill", "lead"))
         async with http.get(server.url + "/v1/realtime?duplex=0") as r:
             assert r.status == 400
 
