@@ -265,6 +265,7 @@ class Engine:
         lm = model.lm
         self.lm_state = lm.init_state(B, self.device, fp8_kv=self.config.fp8_kv)
         self._prompt_prefill = PromptPrefill(lm, self.device, self.config.fp8_kv)
+        model.text_piece(0)  # builds the token-text table now, not in the first tick
         self.mimi_state = model.mimi.init_state(B, self.device)
         self.const = StepConstants.make(lm, self.device)
         self.text_sampling, self.audio_sampling = row_sampling([SamplingParams(greedy=True)] * B, [0] * B, self.device)

@@ -7,6 +7,7 @@ agent's depformer sets are loaded (spec/model.md §5.3): the user's are never ne
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -217,11 +218,15 @@ class PersonaPlex:
 
     def text_piece(self, token: int) -> str:
         """The text of one emitted text token ('' for PAD, EPAD and ids outside the tokenizer)."""
-        if token in (TEXT_PAD, TEXT_EPAD) or not 0 <= token < self.tokenizer.get_piece_size():
-            return ""
-        if self.tokenizer.is_control(token) or self.tokenizer.is_unknown(token):
-            return ""
-        return self.tokenizer.id_to_piece(token).replace("\u2581", " ")
+        pieces = self._text_pieces
+        return pieces[token] if 0 <= token < len(pieces) else ""
+
+    @functools.cached_property
+    def _text_pieces(self) -> tuple[str, ...]:
+        """Every token's text, looked up once: each tick hands out one per conversation."""
+        sp = self.tokenizer
+        return tuple("" if token in (TEXT_PAD, TEXT_EPAD) or sp.is_control(token) or sp.is_unknown(token)
+                     else sp.id_to_piece(token).replace("\u2581", " ") for token in range(sp.get_piece_size()))
 
     @torch.no_grad()
     def encode_wav_voice(self, samples: np.ndarray, rate: int) -> torch.Tensor:
