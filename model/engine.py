@@ -155,7 +155,7 @@ class EngineStats:
     prompt_cache_hits: int
     prompt_cache_misses: int
     open_work_ms_last: float  # engine-thread time of the last session start (prompt prefill or cache copy)
-    open_step_ms: dict[str, float]  # recent ms of one session-start step, by kind ("chunk" of prompt, "lead")
+    open_step_ms: dict[str, float]  # recent ms of one session-start step, by kind (JOB_STEP_KINDS), once one ran
 
 
 def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> tuple[np.ndarray, bool, np.ndarray, bool]:
@@ -304,7 +304,7 @@ class Engine:
         self._jobs: deque[_Job] = deque()
         # Recent seconds per kind of job step, to run one only where it fits before the next tick. The median of
         # the last few: one slow run (a first use, a busy host) must not keep every later step waiting.
-        self._job_step_s = {kind: deque([seed], maxlen=5) for kind, seed in JOB_STEP_KINDS.items()}
+        self._job_step_s: dict[str, deque[float]] = {kind: deque(maxlen=5) for kind in JOB_STEP_KINDS}
         self._pending: set[Callable[[BaseException | None], None]] = set()
 
     # ----- public, any thread ------------------------------------------------------------------------------
@@ -467,7 +467,8 @@ class Engine:
                 errors=sum(self._errors.values()), errors_by_cause=dict(self._errors),
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
                 prompt_cache_misses=self._cache_misses, open_work_ms_last=self._open_ms,
-                open_step_ms={kind: 1000.0 * self._job_step_estimate(kind) for kind in self._job_step_s},
+                open_step_ms={kind: 1000.0 * self._job_step_estimate(kind) for kind, runs in self._job_step_s.items()
+                              if runs},
             )
 
     def step_timings(self, n: int, iterations: int) -> list[dict[str, float]]:
@@ -734,7 +735,8 @@ class Engine:
         return True
 
     def _job_step_estimate(self, kind: str) -> float:
-        return float(np.median(self._job_step_s[kind]))
+        runs = self._job_step_s[kind]
+        return float(np.median(runs)) if runs else JOB_STEP_KINDS[kind]
 
     def _drain_commands(self) -> None:
         while True:
