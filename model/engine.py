@@ -56,8 +56,8 @@ __all__ = [
 ]
 
 TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0, 160.0)
-# A session start's step that never fits between ticks (ticks longer than planned, a slow first run) runs anyway
-# once it has waited this long: at worst one late tick, never an open that waits forever.
+# A session start's step that never fits between ticks (ticks longer than planned, a slow first run) runs anyway,
+# at the start of a gap, once it has waited this long: at worst one late tick, never an open that waits forever.
 JOB_MAX_WAIT_S = 0.5
 # A session start's steps, and a first guess at each one's seconds until it has run: "plan" (voice and text to
 # prompt embeddings), "prefill" (the whole prompt on the scratch row, model/prompt_prefill.py), "chunk" (one piece
@@ -696,23 +696,24 @@ class Engine:
     def _job_step(self, time_left: float) -> bool:
         """One step of a session start, if one fits in `time_left` or may not wait longer. True if one ran.
 
-        A step that waited JOB_MAX_WAIT_S runs anyway. Otherwise the oldest job whose next step fits runs, so a
-        short step (a cached prompt's copy) does not queue behind a long one; a step longer than any gap between
-        ticks (a prompt chunk of the full model, beside many sessions) runs at the start of a gap, where it makes
-        the next tick the least late. With no realtime session live, every step runs at once.
+        A step that waited JOB_MAX_WAIT_S runs at the next gap's start. Otherwise the oldest job whose next step
+        fits runs, so a short step (a cached prompt's copy) does not queue behind a long one; a step longer than
+        any gap between ticks (a prompt chunk of the full model, beside many sessions) runs at the start of a gap,
+        where it makes the next tick the least late. With no realtime session live, every step runs at once.
         """
         if not self._live(offline=False):
             return self._run_job_step(self._jobs[0])
+        gap = self.config.tick_ms / 1000.0 - (self._tick_ms[-1] / 1000.0 if self._tick_ms else 0.0)
+        gap_start = time_left >= gap - 0.005  # where a step that does not fit makes the next tick the least late
         now = time.monotonic()
         overdue = [job for job in self._jobs if now - job.waiting_since >= JOB_MAX_WAIT_S]
-        if overdue:
+        if overdue and gap_start:
             return self._run_job_step(overdue[0])
-        gap = self.config.tick_ms / 1000.0 - (self._tick_ms[-1] / 1000.0 if self._tick_ms else 0.0)
         needed = [1.5 * self._job_step_estimate(job.next_kind) + 0.002 for job in self._jobs]
         for job, seconds in zip(self._jobs, needed):
             if time_left >= seconds:
                 return self._run_job_step(job)
-        if time_left >= gap - 0.005:  # the start of a gap: the oldest step that no gap would fit
+        if gap_start:  # the oldest step that no gap would fit
             for job, seconds in zip(self._jobs, needed):
                 if seconds > gap:
                     return self._run_job_step(job)
