@@ -25,8 +25,9 @@ CODEBOOK_EPS = 1e-5
 class CausalConv1d(nn.Module):
     """Conv1d padded on the left only; streaming keeps the last `context` input samples.
 
-    A strided convolution (SEANet's downsampling) runs as one GEMM over its input windows: for the few output
+    A strided convolution (SEANet's downsampling) steps as one GEMM over its input windows: for the few output
     frames of a streaming step cuDNN's kernels took ~0.25 ms each on the H200, where the GEMM needs microseconds.
+    One-shot calls (a voice recording of any length) keep the convolution, which needs no unfolded copy.
     """
 
     def __init__(
@@ -53,9 +54,9 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Inputs are whole frames, so every length is a multiple of the stride and no right padding is needed.
-        return self._conv(F.pad(x, (self.context, 0), mode=self.pad_mode))
+        return self.conv(F.pad(x, (self.context, 0), mode=self.pad_mode))
 
-    def _conv(self, x: Tensor) -> Tensor:
+    def _step_conv(self, x: Tensor) -> Tensor:
         stride = self.conv.stride[0]
         if stride == 1:
             return self.conv(x)
@@ -70,7 +71,7 @@ class CausalConv1d(nn.Module):
     def step(self, x: Tensor, buffers: Iterator[Tensor], first: Tensor | None = None) -> Tensor:
         """`first` [B] bool marks rows on their first frame; replicate padding uses their first sample there."""
         if self.context == 0:
-            return self._conv(x)
+            return self._step_conv(x)
         buf = next(buffers)
         past = buf
         if self.pad_mode == "replicate":
@@ -78,7 +79,7 @@ class CausalConv1d(nn.Module):
             past = torch.where(first[:, None, None], x[..., :1].expand_as(buf), buf)
         x = torch.cat([past, x], dim=-1)
         buf.copy_(x[..., -self.context :])
-        return self._conv(x)
+        return self._step_conv(x)
 
 
 class CausalConvTranspose1d(nn.Module):

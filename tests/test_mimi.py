@@ -381,8 +381,8 @@ def test_transposed_conv_step_equals_conv_transpose(groups: int) -> None:
 
 @pytest.mark.parametrize("pad_mode", ["constant", "replicate"])
 def test_strided_conv_gemm_equals_conv1d(pad_mode: str) -> None:
-    """A strided convolution's GEMM over input windows is nn.Conv1d on the left-padded input, in one shot and
-    streamed chunk by chunk (replicate padding repeats each row's first sample)."""
+    """A strided convolution's streaming GEMM over input windows, chunk by chunk, is nn.Conv1d on the left-padded
+    input in one shot (replicate padding repeats each row's first sample)."""
     torch.manual_seed(1)
     layer = CausalConv1d(6, 5, kernel_size=8, stride=4, pad_mode=pad_mode)
     x = torch.randn(3, 6, 40)
