@@ -160,8 +160,8 @@ class EngineStats:
 
 def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> tuple[np.ndarray, bool, np.ndarray, bool]:
     """A one-row step's outputs on the host, copies of the step's buffers, as `_deliver` takes them."""
-    samples = audio[0].float().cpu().numpy().copy()
-    return frame[0].cpu().numpy().copy(), bool(emitted[0]), samples, bool(np.isfinite(samples).all())
+    samples = audio[0].float().to("cpu", copy=True).numpy()
+    return frame[0].to("cpu", copy=True).numpy(), bool(emitted[0]), samples, bool(np.isfinite(samples).all())
 
 
 @dataclass

@@ -307,9 +307,14 @@ class LM(nn.Module):
             o = decode_attention(q, state.kv, i, n_valid)
             h, normed = add_rms_norm(h, layer.self_attn.out_proj(o.flatten(1)).unsqueeze(1), layer.norm2.alpha,
                                      layer.norm2.eps)
-            following = layers[i + 1].norm1 if i + 1 < len(layers) else self.out_norm
+            following = self._norm_after(i)
             h, normed = add_rms_norm(h, layer.gating(normed), following.alpha, following.eps)
         return normed.squeeze(1)
+
+    def _norm_after(self, i: int) -> RMSNorm:
+        """The norm that follows temporal layer i: the next layer's first, or the output norm."""
+        layers = self.transformer.layers
+        return layers[i + 1].norm1 if i + 1 < len(layers) else self.out_norm
 
     def prefill(self, x: Tensor, state: LMState, row: int, window: int | None = None) -> Tensor:
         """Run T known frames x [T, dim] for one row in one forward -> post-out_norm hidden [T, dim].
@@ -349,7 +354,7 @@ class LM(nn.Module):
             state.kv.write_span(i, row, slots, k[0, :, T - keep :], v[0, :, T - keep :])
             h, normed = add_rms_norm(h, layer.self_attn.out_proj(o.transpose(1, 2).flatten(2)), layer.norm2.alpha,
                                      layer.norm2.eps)
-            following = layers[i + 1].norm1 if i + 1 < len(layers) else self.out_norm
+            following = self._norm_after(i)
             h, normed = add_rms_norm(h, layer.gating(normed), following.alpha, following.eps)
         state.kpos[row, slots] = qpos[T - keep :]
         state.pos[row] += T
