@@ -93,18 +93,3 @@ def test_rope_and_store_kernel_matches_reference_on_cuda(fp8, masked):
         torch.testing.assert_close(got, want, atol=tolerance, rtol=0.07)
         if masked:  # rows that were not active keep their old entries exactly
             assert torch.equal(got[1], want[1]) and torch.equal(got[4], want[4])
-
-
-def test_fp8_quantize_never_overflows_with_bf16_scales():
-    """Values are divided by their vector's scale as rounded to bf16: none lands past e4m3's 448 (NaN), even where
-    that rounding went down, and each dequantises within half an e4m3 step of its value."""
-    torch.manual_seed(0)
-    x = torch.randn(4096, 128) * torch.exp(2 * torch.randn(4096, 1))
-    x[:, 0] = 448.0 * (1 + torch.rand(4096) * 2**-7)  # maxima just past a bf16 rounding boundary
-    q, scale = quantize(x)
-    assert scale.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn
-    values = q.float()
-    assert torch.isfinite(values).all() and values.abs().max() <= 448.0
-    error = (dequantize(q, scale, torch.float32) - x).abs()
-    step = x.abs().amax(dim=-1, keepdim=True) * 2.0**-9  # e4m3's smallest normal step, relative to the vector max
-    assert (error <= torch.maximum(x.abs() * 2.0**-4, step) * 1.02).all()
