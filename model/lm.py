@@ -58,19 +58,31 @@ def silu_gate(projected: Tensor) -> Tensor:
 
 
 @fusable
-def depformer_attention(qkv: Tensor, keys: Tensor, values: Tensor, step: int, heads: int) -> Tensor:
+def depformer_attention(qkv: Tensor, keys: Tensor, values: Tensor, step: Tensor, heads: int) -> Tensor:
     """One depformer step's attention: its k and v go into the frame's cache at `step` (in place), its q attends
-    over steps 0..step. qkv [B, 3 * dim], keys and values [B, heads, steps, head_dim] -> [B, dim].
+    over steps 0..step. qkv [B, 3 * dim], keys and values [B, heads, steps, head_dim], step [1] -> [B, dim].
 
-    Written out rather than through SDPA: over at most 8 keys, on the GPU it compiles with the cache writes into
-    a couple of kernels, where an SDPA call and two copies are three launches for a few microseconds of work.
+    Written out rather than through SDPA: over at most 16 keys, on the GPU it compiles with the cache writes into
+    a couple of kernels, where an SDPA call and two copies are three launches for a few microseconds of work. The
+    step is a tensor and later steps are masked rather than sliced off, so one compiled graph serves every step.
     """
     q, k, v = qkv.unflatten(-1, (3, heads, -1)).unbind(1)
-    keys[:, :, step] = k
-    values[:, :, step] = v
-    scores = (keys[:, :, : step + 1].float() * q.float().unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
-    weights = scores.softmax(-1).unsqueeze(-1)
-    return (weights * values[:, :, : step + 1].float()).sum(2).to(q.dtype).flatten(1)
+    keys.index_copy_(2, step, k.unsqueeze(2))
+    values.index_copy_(2, step, v.unsqueeze(2))
+    # Later steps hold the previous frame's entries (or a former session's): masked out of scores and values both.
+    visible = torch.arange(keys.shape[2], device=keys.device) <= step
+    scores = (keys.float() * q.float().unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).unsqueeze(-1)
+    return (weights * torch.where(visible.view(-1, 1), values.float(), 0.0)).sum(2).to(q.dtype).flatten(1)
+
+
+@dataclass
+class DepformerCache:
+    """One frame's depformer keys and values per layer, (k, v) [B, heads, steps, head_dim], and the step indices
+    [steps] on the same device (steps enter the attention as tensors)."""
+
+    kv: list[tuple[Tensor, Tensor]]
+    steps: Tensor
 
 
 class GatedFFN(nn.Module):
@@ -365,19 +377,20 @@ class LM(nn.Module):
 
     # ----- depformer ---------------------------------------------------------------------------------------
 
-    def depformer_step(self, step: int, x: Tensor, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def depformer_step(self, step: int, x: Tensor, cache: DepformerCache) -> Tensor:
         """Depformer step `step` for every row: x [B, depformer_dim] -> audio logits [B, card] (fp32).
 
-        `cache[layer]` holds (k, v) [B, heads, steps, head_dim] of the earlier steps of this frame; causal over
+        `cache.kv[layer]` holds (k, v) [B, heads, steps, head_dim] of the earlier steps of this frame; causal over
         steps, no positional encoding.
         """
         layers = self.depformer.layers
         h = x
         normed = layers[0].norm1(h)
-        for i, (layer, (ck, cv)) in enumerate(zip(layers, cache, strict=False)):
+        position = cache.steps[step : step + 1]
+        for i, (layer, (ck, cv)) in enumerate(zip(layers, cache.kv, strict=True)):
             attn = layer.self_attn
             w_in, w_out = attn.step_weights(step)
-            o = depformer_attention(F.linear(normed, w_in), ck, cv, step, attn.num_heads)
+            o = depformer_attention(F.linear(normed, w_in), ck, cv, position, attn.num_heads)
             h, normed = add_rms_norm(h, F.linear(o, w_out), layer.norm2.alpha, layer.norm2.eps)
             delta = layer.gating[step](normed)
             if i + 1 < len(layers):
@@ -386,15 +399,14 @@ class LM(nn.Module):
                 h = h + delta
         return self.linears[step](h).float()
 
-    def depformer_cache(self, batch_size: int) -> list[tuple[Tensor, Tensor]]:
+    def depformer_cache(self, batch_size: int) -> DepformerCache:
         cfg = self.cfg
         w = self.linears[0].weight
         heads = cfg.depformer_num_heads
         shape = (batch_size, heads, self.depformer_steps, cfg.depformer_dim // heads)
-        return [
-            (torch.zeros(shape, device=w.device, dtype=w.dtype), torch.zeros(shape, device=w.device, dtype=w.dtype))
-            for _ in range(cfg.depformer_num_layers)
-        ]
+        kv = [(torch.zeros(shape, device=w.device, dtype=w.dtype), torch.zeros(shape, device=w.device, dtype=w.dtype))
+              for _ in range(cfg.depformer_num_layers)]
+        return DepformerCache(kv, torch.arange(self.depformer_steps, device=w.device))
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.lm import LM, RING_SIZE, LMState
+from model.lm import LM, RING_SIZE, DepformerCache, LMState
 from model.sampling import RowSampling, sample
 
 MAX_TOP_K_TEXT = 500
@@ -109,7 +109,7 @@ def depformer_half(
     state: LMState,
     temporal: TemporalResult,
     audio_sampling: RowSampling,
-    dep_cache: list[tuple[Tensor, Tensor]],
+    dep_cache: DepformerCache,
     const: StepConstants,
     active: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -150,7 +150,7 @@ def frame_step(
     user_codes: Tensor,
     text_sampling: RowSampling,
     audio_sampling: RowSampling,
-    dep_cache: list[tuple[Tensor, Tensor]],
+    dep_cache: DepformerCache,
     const: StepConstants,
     active: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
