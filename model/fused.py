@@ -46,5 +46,10 @@ def enable() -> None:
             _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+def disable() -> None:
+    """Back to the eager helpers (the compiled ones are process-wide: an engine's start enables them for all)."""
+    _COMPILED.clear()
+
+
 def enabled() -> bool:
     return bool(_COMPILED)

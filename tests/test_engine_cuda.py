@@ -12,11 +12,19 @@ import pytest
 import torch
 from test_engine import Collector, QueueSource, speechlike
 
+from model import fused
 from model.engine import Engine, EngineConfig, SamplingParams, SessionParams
 from model.loading import load_model
 from model.tiny import write_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eager_helpers_after():
+    """Engines here compile the fusable helpers process-wide; the CUDA tests of other modules compare eager ones."""
+    yield
+    fused.disable()
 
 
 @pytest.fixture(scope="module")
