@@ -37,7 +37,8 @@ class BatchBuffers:
     text_sampling: RowSampling
     audio_sampling: RowSampling
     pcm_in: Tensor  # [B, 1920]
-    active: Tensor  # [B] bool
+    active: Tensor  # [B] bool: the row's model and decode run this tick
+    takes_input: Tensor  # [B] bool: the row's input frame reaches the model (False on a session's first tick)
 
 
 def decode_agent(mimi: Mimi, frame: Tensor, emitted: Tensor, state: MimiState, bins: int,
@@ -82,6 +83,7 @@ class BatchStep:
         self.const = const
         self.pcm = buffers.pcm_in[rows]
         self.active = buffers.active[rows]
+        self.takes_input = buffers.takes_input[rows]
         self.dep_cache = self.lm.depformer_cache(rows.stop - rows.start)
         self.bins = model.mimi_config.quantizer.bins
         self.codes: Tensor | None = None
@@ -95,7 +97,7 @@ class BatchStep:
 
     def encode(self) -> None:
         self.codes = self.mimi.encode_frame(self.pcm, self.mimi_state)
-        write_user_codes(self.lm, self.lm_state, self.codes, self.const, self.active, ahead=1)
+        write_user_codes(self.lm, self.lm_state, self.codes, self.const, self.takes_input, ahead=1)
 
     def temporal_part(self) -> None:
         self.temporal = temporal_half(self.lm, self.lm_state, self.text_s, self.const, self.active)

@@ -10,9 +10,9 @@ prompt prefill, restarts and closes run on the same thread between ticks, so the
 bookkeeping; the asyncio side only enqueues work and receives callbacks.
 
 A session's start is a job of steps (its prompt planned, prefilled on a scratch row by replayed CUDA graphs
-(model/prompt_prefill.py) or copied from the prompt cache, then its first model half), one per gap between ticks
-where the step's recent duration fits; one that fits no gap runs at a gap's start, and none waits longer than
-JOB_MAX_WAIT_S.
+(model/prompt_prefill.py) or copied from the prompt cache), one per gap between ticks where the step's recent
+duration fits; one that fits no gap runs at a gap's start, and none waits longer than JOB_MAX_WAIT_S. A realtime
+session's first model half runs in the batch of its first tick; an input-clocked one's is a last step.
 
 The step itself lives in `model/batch_step.py` (CUDA graphs per padded batch size, and per row for one-row steps);
 inputs and outputs move once per tick through pinned host memory.
@@ -187,6 +187,7 @@ class _Runtime:
     on_error: Callable[[EngineError], None] | None = None
     seed: int = 0
     out_index: int = 0
+    lead_pending: bool = False  # a realtime session's first model half runs in its first tick, which takes no input
 
     @property
     def live(self) -> bool:
@@ -271,14 +272,17 @@ class Engine:
         self.text_sampling, self.audio_sampling = row_sampling([SamplingParams(greedy=True)] * B, [0] * B, self.device)
         self.pcm_in = torch.zeros(B, FRAME_SAMPLES, device=self.device)
         self.active = torch.zeros(B, dtype=torch.bool, device=self.device)
+        self.takes_input = torch.zeros(B, dtype=torch.bool, device=self.device)
         pin = self.device.type == "cuda"
         self._pcm_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
         self._active_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
+        self._takes_input_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
         self._frames_host = torch.zeros(B, lm.cfg.num_rows, dtype=torch.long, pin_memory=pin)
         self._emitted_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
         self._audio_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
         # numpy views of the pinned inputs: per-slot writes from numpy cost a fraction of torch's per-op overhead.
         self._pcm_np, self._active_np = self._pcm_host.numpy(), self._active_host.numpy()
+        self._takes_input_np = self._takes_input_host.numpy()
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._steps: dict[int, BatchStep] = {}
         self._row_steps: dict[int, BatchStep] = {}
@@ -331,7 +335,7 @@ class Engine:
             with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=True):
                 for n in sorted({bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
                     self._device_step(n)
-                # One row's step, graphed per row: a session's first model half and input-clocked frames.
+                # One row's step, graphed per row: input-clocked frames and such a session's first model half.
                 # Eager, one row of the full model is ~80-100 ms of launches, more than a gap between ticks.
                 for row in range(self.max_sessions):
                     self._row_step(row)
@@ -479,12 +483,12 @@ class Engine:
         if self._thread is not None:
             raise EngineError("step_timings runs only while the engine is stopped", "invalid_state")
         n = bucket(n, self.max_sessions)
-        self._active_host[:n] = True
+        self._active_np[:n] = self._takes_input_np[:n] = True
         runs = []
         for _ in range(iterations):
             self._run_batch(n, [])
             runs.append(self._parts_ms)
-        self._active_host[:n] = False
+        self._active_np[:n] = self._takes_input_np[:n] = False
         return runs
 
     def fill_context(self, rows: slice, frames: int) -> None:
@@ -506,7 +510,7 @@ class Engine:
     def begin(self, rt: _Runtime) -> Iterator[str]:
         """A session's start, one step per gap between ticks: its prompt from the prompt cache ("copy"), or
         planned ("plan") and prefilled, whole on the scratch row ("prefill") or, when longer than it, one eager
-        chunk per step on the row ("chunk"); then its first model half ("lead").
+        chunk per step on the row ("chunk"); then, for an input-clocked session, its first model half ("lead").
 
         Engine thread only; `_open_ms` gets the time spent working, not the ticks in between.
         """
@@ -555,19 +559,25 @@ class Engine:
         text, audio = row_sampling([params.sampling], [rt.seed], self.device)
         self.text_sampling.copy_(text, row)
         self.audio_sampling.copy_(audio, row)
-        yield from next_step("lead")
-        # Ticks between the prompt's chunks ran Mimi over this (inactive) row: it starts fresh only now.
+        # Ticks between the prompt's steps ran Mimi over this (inactive) row: it starts fresh only now.
         self._reset_mimi_row(row)
-        # The first model half needs no input (model/step.py): run it now, and every tick then completes the
-        # frame whose input it just received instead of the one before.
-        self.active[row] = True
-        first = _row_to_host(*self._row_step(row).lead())
+        # The first model half needs no input (model/step.py); from then on every step completes the frame whose
+        # input it just received, instead of the one before. A realtime session's runs in its first tick, in the
+        # batch, at no cost of its own; that tick takes no input from it. The first frame of audio a client sends
+        # after its open returns arrives after that tick in any case. An input-clocked session runs it now.
+        first = None
+        if rt.offline:
+            yield from next_step("lead")
+            self.active[row] = True
+            first = _row_to_host(*self._row_step(row).lead())
         self._open_ms = (work + self._sync_elapsed(segment)) * 1000.0
         with self._lock:
             if rt.stats.state == "prefill":
                 rt.out_index = 0
+                rt.lead_pending = not rt.offline
                 rt.stats.state = "live"
-        self._deliver(rt, *first)
+        if first is not None:
+            self._deliver(rt, *first)
 
     def _warm_prefill(self) -> None:
         """Compile the fused helpers for the shapes of a session's start now, not in the first open (seconds, seen
@@ -595,9 +605,12 @@ class Engine:
             self._reset_mimi_row(0)
         self._job_step_s["lead"].append(elapsed)
 
-    def _reset_mimi_row(self, row: int) -> None:
-        self.model.mimi.reset_rows(self.mimi_state.rows(slice(row, row + 1)),
-                                   torch.ones(1, dtype=torch.bool, device=self.device))
+    def _reset_mimi_row(self, row: int, decoder: bool = True) -> None:
+        state = self.mimi_state.rows(slice(row, row + 1))
+        fresh = torch.ones(1, dtype=torch.bool, device=self.device)
+        state.encoder.reset_rows(fresh)
+        if decoder:
+            state.decoder.reset_rows(fresh)
 
     def _sync_elapsed(self, since: float) -> float:
         if self.device.type == "cuda":
@@ -661,7 +674,7 @@ class Engine:
 
     def _buffers(self) -> BatchBuffers:
         return BatchBuffers(self.lm_state, self.mimi_state, self.text_sampling, self.audio_sampling, self.pcm_in,
-                            self.active)
+                            self.active, self.takes_input)
 
     def _loop(self) -> None:
         tick_s = self.config.tick_ms / 1000.0
@@ -774,14 +787,16 @@ class Engine:
             return False
 
     def _realtime_tick(self, started_late: bool) -> None:
-        live = [rt for rt in self._live(offline=False) if self._read_input(rt)]
+        live = [rt for rt in self._live(offline=False) if rt.lead_pending or self._read_input(rt)]
         if not live:
             self._batch = 0
             return
         t0 = time.perf_counter()
         n = bucket(max(rt.index for rt in live) + 1, self.max_sessions)
-        self._active_np[:n] = False
+        leads = [rt for rt in live if rt.lead_pending]
+        self._active_np[:n] = self._takes_input_np[:n] = False
         self._active_np[[rt.index for rt in live]] = True
+        self._takes_input_np[[rt.index for rt in live if not rt.lead_pending]] = True
         offline_rows = [rt.index for rt in self._live(offline=True) if rt.index < n]
         try:
             outputs = self._run_batch(n, offline_rows)
@@ -797,6 +812,9 @@ class Engine:
         for rt in live:
             i = rt.index
             self._deliver(rt, frames[i], bool(emitted[i]), audio[i], bool(finite[i]))
+        for rt in leads:  # their encoder ran on no input this tick: it meets the first frame fresh
+            self._reset_mimi_row(rt.index, decoder=False)
+            rt.lead_pending = False
         elapsed = (time.perf_counter() - t0) * 1000.0
         self._record_tick(elapsed, n, late=started_late or elapsed > self.config.tick_ms)
 
@@ -807,6 +825,7 @@ class Engine:
                   self.mimi_state.decoder.rows(slice(r, r + 1)).clone()) for r in protected_rows]
         self.pcm_in[:n].copy_(self._pcm_host[:n], non_blocking=True)
         self.active[:n].copy_(self._active_host[:n], non_blocking=True)
+        self.takes_input[:n].copy_(self._takes_input_host[:n], non_blocking=True)
         self._timer.start()
         frame, emitted, audio = step.run(self._timer)
         for r, enc, dec in saved:
@@ -861,7 +880,7 @@ class Engine:
             # The row's active flag and input go straight into the device buffers; the next realtime tick
             # rewrites both for its own rows.
             self.pcm_in[r].copy_(self._pcm_host[r])
-            self.active[r] = True
+            self.active[r] = self.takes_input[r] = True
             outputs = _row_to_host(*self._row_step(r).run(PartTimer(self.device)))
         except Exception as exc:
             log.exception("offline step failed")

@@ -182,6 +182,26 @@ async def test_overflow_and_slot_reuse(make_engine):
     d.close()
 
 
+async def test_a_realtime_sessions_first_tick_runs_its_first_model_half_and_takes_no_input(make_engine):
+    """The open returns once the prompt is in the slot. The session's first tick runs its first model half in the
+    batch and reads nothing from the client (no underrun); from then on each tick takes one frame and hands out
+    the frame of that input."""
+    engine = make_engine()
+    slot, source, sink = engine.reserve(), QueueSource(speechlike(4, 2)), Collector()
+    reads_at_output: list[tuple[int, int]] = []
+
+    def on_output(out: FrameOutput) -> None:
+        reads_at_output.append((out.index, source._reads))
+        sink.on_output(out)
+
+    await slot.start(SessionParams(voice="NATF2", persona="Hello there.", sampling=GREEDY), source, on_output,
+                     sink.on_error)
+    await sink.wait_for(5)
+    # Output 4 came with the 4th read: none of the reads so far found the queue empty (no underrun).
+    assert reads_at_output[:5] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]
+    slot.close()
+
+
 async def test_underrun_feeds_silence_and_is_counted(make_engine):
     engine = make_engine()
     slot, sink = engine.reserve(), Collector()
