@@ -225,6 +225,37 @@ def rope_and_store(store: KVStore, layer: int, projected: Tensor, rotation: Tens
     return q
 
 
+def depformer_attention_reference(qkv: Tensor, keys: Tensor, values: Tensor, step: Tensor, heads: int) -> Tensor:
+    """depformer_attention through torch ops (CPU, and the oracle for the kernel)."""
+    q, k, v = qkv.unflatten(-1, (3, heads, -1)).unbind(1)
+    keys.index_copy_(2, step, k.unsqueeze(2))
+    values.index_copy_(2, step, v.unsqueeze(2))
+    # Later steps hold the previous frame's entries (or a former session's): masked out of scores and values both.
+    visible = torch.arange(keys.shape[2], device=keys.device) <= step
+    scores = (keys.float() * q.float().unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).unsqueeze(-1)
+    return (weights * torch.where(visible.view(-1, 1), values.float(), 0.0)).sum(2).to(q.dtype).flatten(1)
+
+
+def depformer_attention(qkv: Tensor, keys: Tensor, values: Tensor, step: Tensor, heads: int) -> Tensor:
+    """One depformer step's attention: its k and v go into the frame's cache at `step` (in place), its q attends
+    over steps 0..step. qkv [B, 3 * dim], keys and values [B, heads, steps, head_dim], step [1] long -> [B, dim].
+
+    On CUDA one kernel does it all, per (row, head): the torch ops are five launches (two cache writes, scores,
+    softmax, weighted sum) for a few microseconds of work, 48 times a tick (8 steps x 6 layers). The step is a
+    tensor, so one CUDA graph or compiled function serves every step.
+    """
+    if not use_kernel(qkv.device):
+        return depformer_attention_reference(qkv, keys, values, step, heads)
+    B, steps, D = qkv.shape[0], keys.shape[2], keys.shape[3]
+    out = torch.empty(B, heads * D, device=qkv.device, dtype=qkv.dtype)
+    _depformer_attention_kernel[(B, heads)](
+        qkv, keys, values, step, out, qkv.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), D ** -0.5,
+        D=D, BLOCK_S=triton.next_power_of_2(steps), num_warps=1,
+    )
+    return out
+
+
 @fusable
 def merge_partials(acc: Tensor, m: Tensor, denom: Tensor) -> Tensor:
     """Combine split-K partial softmaxes: acc [B, H, S, D], running max m and denominator [B, H, S]."""
@@ -362,3 +393,33 @@ if triton is not None:
         else:
             tl.store(K + at, k, mask=keep)
             tl.store(V + at, v, mask=keep)
+
+    @triton.jit
+    def _depformer_attention_kernel(QKV, K, V, STEP, OUT, sq, skb, skh, sks, scale,
+                                    D: tl.constexpr, BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        dim = tl.num_programs(1) * D
+        d = tl.arange(0, D)
+        src = QKV + b * sq + h * D + d
+        q = tl.load(src).to(tl.float32)
+        k = tl.load(src + dim)
+        v = tl.load(src + 2 * dim)
+        step = tl.load(STEP)
+        base = b * skb + h * skh
+        tl.store(K + base + step * sks + d, k)
+        tl.store(V + base + step * sks + d, v)
+        # Earlier steps come from the cache; this step's k and v from registers (no read-back of the stores above).
+        s = tl.arange(0, BLOCK_S)
+        earlier = (s < step)[:, None]
+        at = base + s[:, None] * sks + d[None, :]
+        keys = tl.load(K + at, mask=earlier, other=0.0)
+        vals = tl.load(V + at, mask=earlier, other=0.0)
+        now = (s == step)[:, None]
+        keys = tl.where(now, k[None, :], keys).to(tl.float32)
+        vals = tl.where(now, v[None, :], vals).to(tl.float32)
+        scores = tl.sum(keys * q[None, :], axis=1) * scale
+        scores = tl.where(s <= step, scores, -float("inf"))
+        p = tl.exp(scores - tl.max(scores, axis=0))
+        out = tl.sum(p[:, None] * vals, axis=0) / tl.sum(p, axis=0)
+        tl.store(OUT + b * dim + h * D + d, out.to(OUT.dtype.element_ty))

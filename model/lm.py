@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model.attention import KVStore, decode_attention, rope_and_store
+from model.attention import KVStore, decode_attention, depformer_attention, rope_and_store
 from model.config import LMConfig
 from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
@@ -55,25 +55,6 @@ def add_rms_norm(x: Tensor, delta: Tensor, alpha: Tensor, eps: float) -> tuple[T
 def silu_gate(projected: Tensor) -> Tensor:
     gate, up = projected.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@fusable
-def depformer_attention(qkv: Tensor, keys: Tensor, values: Tensor, step: Tensor, heads: int) -> Tensor:
-    """One depformer step's attention: its k and v go into the frame's cache at `step` (in place), its q attends
-    over steps 0..step. qkv [B, 3 * dim], keys and values [B, heads, steps, head_dim], step [1] -> [B, dim].
-
-    Written out rather than through SDPA: over at most 16 keys, on the GPU it compiles with the cache writes into
-    a couple of kernels, where an SDPA call and two copies are three launches for a few microseconds of work. The
-    step is a tensor and later steps are masked rather than sliced off, so one compiled graph serves every step.
-    """
-    q, k, v = qkv.unflatten(-1, (3, heads, -1)).unbind(1)
-    keys.index_copy_(2, step, k.unsqueeze(2))
-    values.index_copy_(2, step, v.unsqueeze(2))
-    # Later steps hold the previous frame's entries (or a former session's): masked out of scores and values both.
-    visible = torch.arange(keys.shape[2], device=keys.device) <= step
-    scores = (keys.float() * q.float().unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).unsqueeze(-1)
-    return (weights * torch.where(visible.view(-1, 1), values.float(), 0.0)).sum(2).to(q.dtype).flatten(1)
 
 
 @dataclass

@@ -10,6 +10,8 @@ from model.attention import (
     KVStore,
     attention_reference,
     decode_attention,
+    depformer_attention,
+    depformer_attention_reference,
     dequantize,
     quantize,
     rope_and_store,
@@ -93,3 +95,21 @@ def test_rope_and_store_kernel_matches_reference_on_cuda(fp8, masked):
         torch.testing.assert_close(got, want, atol=tolerance, rtol=0.07)
         if masked:  # rows that were not active keep their old entries exactly
             assert torch.equal(got[1], want[1]) and torch.equal(got[4], want[4])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only")
+@pytest.mark.parametrize("steps", [8, 16])
+def test_depformer_attention_kernel_matches_reference_on_cuda(steps):
+    """Step by step over one frame (stale NaN entries past the step), the kernel leaves the reference's cache bit
+    for bit and attends as it does."""
+    B, H, D = 5, 16, 64
+    caches = [[torch.full((B, H, steps, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+              for _ in range(2)]
+    positions = torch.arange(steps, device="cuda")
+    for step in range(steps):
+        qkv = (torch.randn(B, 3 * H * D, device="cuda") * 2).to(torch.bfloat16)
+        got = depformer_attention(qkv, *caches[0], positions[step : step + 1], H)
+        want = depformer_attention_reference(qkv, *caches[1], positions[step : step + 1], H)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+        for a, b in zip(caches[0], caches[1]):
+            assert torch.equal(a[:, :, : step + 1], b[:, :, : step + 1])
