@@ -104,6 +104,9 @@ class Metrics:
                [("", {"quantile": "0.5"}, s.tick_ms_p50), ("", {"quantile": "0.99"}, s.tick_ms_p99)])
         family("personaplex_engine_part_ms", "gauge", "Duration of each part of the last tick.",
                (("", {"part": p}, v) for p, v in sorted(s.parts_ms.items())))
+        family("personaplex_engine_host_ms", "gauge",
+               "Host work of the last tick outside the device step (prepare: inputs and launches; deliver: outputs).",
+               (("", {"phase": p}, v) for p, v in sorted(s.host_ms.items())))
         buckets = list(s.tick_ms_buckets)
         rows = [("_bucket", {"le": _num(le)}, n) for le, n in buckets]
         count = buckets[-1][1] if buckets else 0

@@ -70,8 +70,10 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int)
         totals.append(stats.tick_ms)
         for name, ms in stats.parts_ms.items():
             parts.setdefault(name, []).append(ms)
-        # What the tick spent outside the GPU step: reading inputs, launching, handing out 1920 samples per slot.
+        # What the tick spent outside the GPU step: launching, handing out 1920 samples per slot.
         parts.setdefault("host", []).append(stats.tick_ms - sum(stats.parts_ms.values()))
+        for name, ms in stats.host_ms.items():
+            parts.setdefault(f"host_{name}", []).append(ms)
     after = engine.stats()
     for slot in slots:
         slot.close()

@@ -145,6 +145,9 @@ class EngineStats:
     tick_ms_p50: float
     tick_ms_p99: float
     parts_ms: dict[str, float]
+    # The last tick's host work outside the device step: "prepare" (batch, input upload, graph launches) and
+    # "deliver" (from its outputs reaching the host to the last callback); the device waits on neither's end.
+    host_ms: dict[str, float]
     sessions_in_use: int
     max_sessions: int
     tick_ms_buckets: list[tuple[float, int]]
@@ -297,6 +300,8 @@ class Engine:
         self._timer = PartTimer(self.device)
         self._tick_ms: deque[float] = deque(maxlen=2000)
         self._parts_ms: dict[str, float] = {}
+        self._host_ms: dict[str, float] = {}
+        self._step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
         self._buckets = [0] * (len(TICK_MS_BUCKETS) + 1)
         self._ticks = self._late = self._offline_frames = 0
         self._errors: Counter[str] = Counter()  # by cause
@@ -466,7 +471,8 @@ class Engine:
                 tick_ms=ticks and self._tick_ms[-1] or 0.0,
                 tick_ms_p50=float(np.percentile(ticks, 50)) if ticks else 0.0,
                 tick_ms_p99=float(np.percentile(ticks, 99)) if ticks else 0.0,
-                parts_ms=dict(self._parts_ms), sessions_in_use=sum(s is not None for s in self._slots),
+                parts_ms=dict(self._parts_ms), host_ms=dict(self._host_ms),
+                sessions_in_use=sum(s is not None for s in self._slots),
                 max_sessions=self.max_sessions, tick_ms_buckets=cumulative, tick_ms_sum=self._tick_ms_sum,
                 errors=sum(self._errors.values()), errors_by_cause=dict(self._errors),
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
@@ -815,7 +821,10 @@ class Engine:
         for rt in leads:  # their encoder ran on no input this tick: it meets the first frame fresh
             self._reset_mimi_row(rt.index, decoder=False)
             rt.lead_pending = False
-        elapsed = (time.perf_counter() - t0) * 1000.0
+        end = time.perf_counter()
+        elapsed = (end - t0) * 1000.0
+        launched, returned = self._step_marks
+        self._host_ms = {"prepare": (launched - t0) * 1000.0, "deliver": (end - returned) * 1000.0}
         self._record_tick(elapsed, n, late=started_late or elapsed > self.config.tick_ms)
 
     def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -835,9 +844,11 @@ class Engine:
         self._frames_host[:n].copy_(frame, non_blocking=True)
         self._emitted_host[:n].copy_(emitted, non_blocking=True)
         self._audio_host[:n].copy_(audio, non_blocking=True)
+        launched = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._parts_ms = self._timer.parts_ms()
+        self._step_marks = (launched, time.perf_counter())
         return self._frames_host[:n].numpy(), self._emitted_host[:n].numpy(), self._audio_host[:n].numpy()
 
     def _deliver(self, rt: _Runtime, frame: np.ndarray, emitted: bool, audio: np.ndarray, finite: bool) -> None:
