@@ -61,22 +61,22 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int)
     slots = await open_sessions(engine, sessions, params)
     await engine.submit(lambda: engine.fill_context(slice(0, sessions), context))
     await asyncio.sleep(1.0)  # settle
-    parts: dict[str, list[float]] = {}
-    totals: list[float] = []
     before = engine.stats()
-    for _ in range(ticks):
-        await asyncio.sleep(engine.config.tick_ms / 1000)
-        stats = engine.stats()
-        totals.append(stats.tick_ms)
-        for name, ms in stats.parts_ms.items():
-            parts.setdefault(name, []).append(ms)
-        # What the tick spent outside the GPU step: launching, handing out 1920 samples per slot.
-        parts.setdefault("host", []).append(stats.tick_ms - sum(stats.parts_ms.values()))
-        for name, ms in stats.host_ms.items():
-            parts.setdefault(f"host_{name}", []).append(ms)
+    # Read once after the run: polling stats() every tick would contend with the tick thread it measures.
+    await asyncio.sleep(ticks * engine.config.tick_ms / 1000)
     after = engine.stats()
+    records = engine.recent_ticks(after.ticks - before.ticks)
     for slot in slots:
         slot.close()
+    totals = [record.ms for record in records]
+    parts: dict[str, list[float]] = {}
+    for record in records:
+        for name, ms in record.parts_ms.items():
+            parts.setdefault(name, []).append(ms)
+        # What the tick spent outside the GPU step: launching, handing out 1920 samples per slot.
+        parts.setdefault("host", []).append(record.ms - sum(record.parts_ms.values()))
+        for name, ms in record.host_ms.items():
+            parts.setdefault(f"host_{name}", []).append(ms)
     p50, p99 = percentiles(totals)
     line = {"bench": "engine_tick", "sessions": sessions, "context_frames": context, "batch": after.batch,
             "tick_ms_p50": p50, "tick_ms_p99": p99, "late_ticks": after.late_ticks - before.late_ticks,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import gc
+import itertools
 import logging
 import queue
 import secrets
@@ -159,6 +160,17 @@ class EngineStats:
     prompt_cache_misses: int
     open_work_ms_last: float  # engine-thread time of the last session start (prompt prefill or cache copy)
     open_step_ms: dict[str, float]  # recent ms of one session-start step, by kind (JOB_STEP_KINDS), once one ran
+
+
+@dataclass
+class TickRecord:
+    """One realtime tick: its engine-thread ms, batch, lateness, device parts and host phases (EngineStats)."""
+
+    ms: float
+    batch: int
+    late: bool
+    parts_ms: dict[str, float]
+    host_ms: dict[str, float]
 
 
 def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> tuple[np.ndarray, bool, np.ndarray, bool]:
@@ -298,7 +310,7 @@ class Engine:
         self._prompt_cache: OrderedDict[tuple, _CachedPrompt] = OrderedDict()
         self._voice_cache: OrderedDict[str, VoicePrompt | Tensor] = OrderedDict()
         self._timer = PartTimer(self.device)
-        self._tick_ms: deque[float] = deque(maxlen=2000)
+        self._ticks_log: deque[TickRecord] = deque(maxlen=2000)
         self._parts_ms: dict[str, float] = {}
         self._host_ms: dict[str, float] = {}
         self._step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
@@ -460,26 +472,33 @@ class Engine:
                 self._slots[rt.index] = None
 
     def stats(self) -> EngineStats:
+        # Copied under the lock, summarised outside it: the tick thread takes the same lock to hand out frames.
         with self._lock:
-            ticks = sorted(self._tick_ms)
-            cumulative, total = [], 0
-            for bound, count in zip((*TICK_MS_BUCKETS, float("inf")), self._buckets):
-                total += count
-                cumulative.append((bound, total))
-            return EngineStats(
-                ticks=self._ticks, late_ticks=self._late, batch=self._batch,
-                tick_ms=ticks and self._tick_ms[-1] or 0.0,
-                tick_ms_p50=float(np.percentile(ticks, 50)) if ticks else 0.0,
-                tick_ms_p99=float(np.percentile(ticks, 99)) if ticks else 0.0,
-                parts_ms=dict(self._parts_ms), host_ms=dict(self._host_ms),
-                sessions_in_use=sum(s is not None for s in self._slots),
-                max_sessions=self.max_sessions, tick_ms_buckets=cumulative, tick_ms_sum=self._tick_ms_sum,
+            ms = [record.ms for record in self._ticks_log]
+            last = self._ticks_log[-1] if self._ticks_log else None
+            counts = list(self._buckets)
+            steps = {kind: list(runs) for kind, runs in self._job_step_s.items() if runs}
+            stats = EngineStats(
+                ticks=self._ticks, late_ticks=self._late, batch=self._batch, tick_ms=last.ms if last else 0.0,
+                tick_ms_p50=0.0, tick_ms_p99=0.0, parts_ms=dict(last.parts_ms) if last else {},
+                host_ms=dict(last.host_ms) if last else {}, sessions_in_use=sum(s is not None for s in self._slots),
+                max_sessions=self.max_sessions, tick_ms_buckets=[], tick_ms_sum=self._tick_ms_sum,
                 errors=sum(self._errors.values()), errors_by_cause=dict(self._errors),
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
-                prompt_cache_misses=self._cache_misses, open_work_ms_last=self._open_ms,
-                open_step_ms={kind: 1000.0 * self._job_step_estimate(kind) for kind, runs in self._job_step_s.items()
-                              if runs},
+                prompt_cache_misses=self._cache_misses, open_work_ms_last=self._open_ms, open_step_ms={},
             )
+        if ms:
+            stats.tick_ms_p50, stats.tick_ms_p99 = (float(v) for v in np.percentile(ms, [50, 99]))
+        stats.tick_ms_buckets = list(zip((*TICK_MS_BUCKETS, float("inf")), itertools.accumulate(counts)))
+        stats.open_step_ms = {kind: 1000.0 * float(np.median(runs)) for kind, runs in steps.items()}
+        return stats
+
+    def recent_ticks(self, count: int) -> list[TickRecord]:
+        """The last `count` realtime ticks (at most the last 2000), oldest first: for benchmarks, which read them
+        once after a run instead of polling stats() every tick beside the tick thread."""
+        with self._lock:
+            records = list(self._ticks_log)
+        return records[max(len(records) - count, 0) :]
 
     def step_timings(self, n: int, iterations: int) -> list[dict[str, float]]:
         """Run the batched step over rows [0, n) with every row active, before start(): per-part ms per run.
@@ -722,7 +741,7 @@ class Engine:
         """
         if not self._live(offline=False):
             return self._run_job_step(self._jobs[0])
-        gap = self.config.tick_ms / 1000.0 - (self._tick_ms[-1] / 1000.0 if self._tick_ms else 0.0)
+        gap = self.config.tick_ms / 1000.0 - (self._ticks_log[-1].ms / 1000.0 if self._ticks_log else 0.0)
         gap_start = time_left >= gap - 0.005  # where a step that does not fit makes the next tick the least late
         now = time.monotonic()
         overdue = [job for job in self._jobs if now - job.waiting_since >= JOB_MAX_WAIT_S]
@@ -906,7 +925,7 @@ class Engine:
             self._ticks += 1
             self._late += int(late)
             self._batch = n
-            self._tick_ms.append(ms)
+            self._ticks_log.append(TickRecord(ms, n, late, self._parts_ms, self._host_ms))
             self._tick_ms_sum += ms
             self._buckets[bisect.bisect_left(TICK_MS_BUCKETS, ms)] += 1
 
