@@ -6,8 +6,8 @@
 - "prefill" lines: one eager chunk (the path of prompts longer than the scratch row) by chunk length and the
   prompt frames already in the row: p50 ms until the call returned (host: launches) and until the GPU finished
   (wall). Host close to wall means the chunk is launch-bound.
-- "prompt_prefill" lines: a whole prompt on the scratch row in fixed pieces (model/prompt_prefill.py), CUDA graphs
-  replayed on the GPU: p50 host and wall ms by prompt length.
+- "prompt_prefill" lines: a whole prompt on the scratch row in padded pieces (model/prompt_prefill.py), CUDA
+  graphs replayed on the GPU: p50 host and wall ms by prompt length.
 - `--profile` adds the top operators of one eager 128-frame chunk by host time ("prefill_op").
 `--tiny` runs the tiny checkpoint on the CPU, to try the script.
 """
@@ -108,7 +108,8 @@ def main() -> None:
             scratch.run(x)  # first-use costs
             host, wall = p50s([timed(model, lambda x=x: scratch.run(x)) for _ in range(args.repeats)])
             print(json.dumps({"bench": "prompt_prefill", "kv": kv, "prompt_frames": frames,
-                              "graphs": bool(scratch.graphs), "host_ms_p50": host, "wall_ms_p50": wall}), flush=True)
+                              "pieces": scratch.pieces(frames), "graphs": bool(scratch.graphs),
+                              "host_ms_p50": host, "wall_ms_p50": wall}), flush=True)
         if args.profile:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
             prefill_from(model, state, 0, 128)

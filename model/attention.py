@@ -100,10 +100,10 @@ class KVStore:
         for t in self.tensors():
             _raw(t).masked_fill_(rows.view(1, -1, *([1] * (t.dim() - 2))), 0)
 
-    def zero_slots(self, row: int, slots: int) -> None:
-        """Zero one row's first `slots` ring slots, in every layer."""
+    def zero_slots(self, row: int, slots: slice) -> None:
+        """Zero some ring slots of one row, in every layer."""
         for t in self.tensors():
-            _raw(t)[:, row, :, :slots].zero_()
+            _raw(t)[:, row, :, slots].zero_()
 
 
 def _raw(t: Tensor) -> Tensor:

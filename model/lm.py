@@ -254,7 +254,7 @@ class LM(nn.Module):
         used = min(int(state.pos[row]), self.cfg.context)
         one = state.rows(slice(row, row + 1))
         self._reset_all_but_kv(one, torch.ones(1, dtype=torch.bool, device=one.pos.device))
-        state.kv.zero_slots(row, used)
+        state.kv.zero_slots(row, slice(0, used))
 
     # ----- embeddings --------------------------------------------------------------------------------------
 

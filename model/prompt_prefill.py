@@ -2,10 +2,13 @@
 
 Run eagerly, a prompt chunk's forward through the full model is hundreds of small launches: ~50 ms on the H200's
 host whatever the chunk's length, one chunk per gap between ticks. Here the prompt runs on a one-row scratch state
-in pieces of 128, 64, ..., 1 frames; on CUDA each length is captured once as a graph, so a prompt of T frames is a
-few replays (its GPU work, a few ms) and fits in one gap. Pieces read a fixed window of the scratch ring
-(`LM.prefill(window=...)`), so they need no host sync. The engine then stores the scratch row as a prompt-cache
-entry and copies it into the session's row. Prompts longer than the scratch ring take the eager path.
+in pieces of 128 frames, the last one padded up to 16, 32, 64 or 128 with frames that come after every real one;
+on CUDA each length is captured once as a graph, so a prompt of T frames is ceil(T / 128) replays and fits in one
+gap. Each piece reads every weight once (~9 ms on the H200 whatever its length), so fewer, padded pieces beat
+exact ones. The padding frames cannot reach a real frame (attention is causal) and their keys are dropped after
+the last piece. Pieces read a fixed window of the scratch ring (`LM.prefill(window=...)`), so they need no host
+sync. The engine then stores the scratch row as a prompt-cache entry and copies it into the session's row.
+Prompts longer than the scratch ring take the eager path.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from torch import Tensor
 
 from model.lm import LM, LMState
 
-PIECE_FRAMES = (128, 64, 32, 16, 8, 4, 2, 1)
+PIECE_FRAMES = (128, 64, 32, 16)  # largest first; a prompt's last piece is the smallest that holds what is left
 SCRATCH_SLOTS = 512  # frames of prompt the scratch row holds: 41 s, far above a voice + persona prompt
 
 
@@ -30,22 +33,36 @@ class PromptPrefill:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def fits(self, frames: int) -> bool:
-        return frames <= self.slots
+        return sum(self.pieces(frames)) <= self.slots
+
+    @staticmethod
+    def pieces(total: int) -> list[int]:
+        """Piece lengths for a prompt of `total` frames: whole 128s, then the smallest piece that holds the rest."""
+        full, rest = divmod(total, PIECE_FRAMES[0])
+        tail = [min(n for n in PIECE_FRAMES if n >= rest)] if rest else []
+        return [PIECE_FRAMES[0]] * full + tail
 
     @torch.no_grad()
     def run(self, embeddings: Tensor) -> None:
         """Prefill `embeddings` [T, dim] (T <= slots) into the scratch row, from fresh."""
         self.lm.reset_row(self.state, 0)
         done, total = 0, embeddings.shape[0]
-        while done < total:
-            frames = next(n for n in PIECE_FRAMES if n <= total - done)
-            self.x[:frames].copy_(embeddings[done : done + frames])
+        for frames in self.pieces(total):
+            real = min(frames, total - done)
+            self.x[:real].copy_(embeddings[done : done + real])
+            self.x[real:frames].zero_()
             graph = self.graphs.get(frames)
             if graph is None:
                 self._piece(frames)
             else:
                 graph.replay()
-            done += frames
+            done += real
+        padded = sum(self.pieces(total))
+        if padded > total:  # the padding frames' keys leave the ring; the row ends at its last real frame
+            state = self.state
+            state.kv.zero_slots(0, slice(total, padded))
+            state.kpos[0, total:padded] = -1
+            state.pos[0] = total
 
     def capture(self, pool) -> None:
         """One graph per piece length, after a warm-up run of each (compiling the fused helpers)."""
