@@ -8,12 +8,19 @@ functions until `enable()` is called (the engine does so on CUDA), so CPU runs a
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch._dynamo.exc
 
 F = TypeVar("F", bound=Callable)
+log = logging.getLogger(__name__)
+
+# What Dynamo raises, with fullgraph=True, for a helper it cannot compile as one graph or has recompiled too often
+# (a Python int that varies is specialised per value): the helper then runs eagerly, slower but running.
+_COMPILE_FAILURES = (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported)
 
 _EAGER: list[Callable] = []
 _COMPILED: dict[Callable, Callable] = {}
@@ -25,7 +32,16 @@ def fusable(fn: F) -> F:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return _COMPILED.get(fn, fn)(*args, **kwargs)
+        compiled = _COMPILED.get(fn)
+        if compiled is None:
+            return fn(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except _COMPILE_FAILURES as exc:  # raised while tracing, before any kernel ran
+            log.warning("%s cannot be compiled (%s): it runs eagerly from now on", fn.__qualname__,
+                        str(exc).splitlines()[0])
+            _COMPILED.pop(fn, None)
+            return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]
 

@@ -1,0 +1,37 @@
+"""Fusable helpers: compiled where enabled, and eager again for one that Dynamo cannot keep compiled."""
+
+from __future__ import annotations
+
+import torch
+
+from model import fused
+
+
+@fused.fusable
+def _cleared_row(x: torch.Tensor, row: int) -> torch.Tensor:
+    out = x * 2.0
+    out[:, row] = 0.0  # an index put specialises on the int: one graph per value
+    return out
+
+
+def _cleared_row_reference(x: torch.Tensor, row: int) -> torch.Tensor:
+    out = x * 2.0
+    out[:, row] = 0.0
+    return out
+
+
+def test_a_helper_past_its_recompile_limit_runs_eagerly_with_the_same_results(caplog):
+    """An int argument that varies is specialised per value; past Dynamo's limit the compiled helper raises (the
+    engine did not start on the GPU when this happened to the depformer's step index). It now falls back."""
+    x = torch.arange(12.0).view(2, 6)
+    torch._dynamo.reset()
+    fused.enable()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2):
+            results = [_cleared_row(x, row) for row in range(6)]
+        assert _cleared_row.__wrapped__ not in fused._COMPILED
+    finally:
+        fused.disable()
+    for row, got in enumerate(results):
+        assert torch.equal(got, _cleared_row_reference(x, row))
+    assert "runs eagerly from now on" in caplog.text
