@@ -7,6 +7,7 @@ import collections
 import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -332,6 +333,29 @@ def test_start_takes_the_loaded_model_out_of_the_collectors_view(tiny_model):
     finally:
         engine.stop()
     assert gc.get_freeze_count() == 0  # a stopped engine's objects can be collected again
+
+
+async def test_the_engine_thread_runs_the_garbage_collector_between_ticks(make_engine):
+    """While an engine runs, allocations no longer start collections (one could fall inside a tick); its thread
+    collects after each tick instead, and garbage cycles made on other threads still go."""
+    engine = make_engine()
+    assert not gc.isenabled()
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    allocations = [[] for _ in range(5 * gc.get_threshold()[0])]  # past the youngest generation's threshold
+    deadline = time.monotonic() + 5
+    while gone() is not None:
+        assert time.monotonic() < deadline, "the cycle was never collected"
+        await asyncio.sleep(0.02)
+    del allocations
+    engine.stop()
+    assert gc.isenabled()
 
 
 async def test_a_step_hands_out_the_frame_of_the_input_it_took(make_engine, tiny_model):
