@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
+from model.stream_kernels import overlap_add, stream_window
 
 NORM_EPS = 1e-5
 CODEBOOK_EPS = 1e-5
@@ -72,22 +73,17 @@ class CausalConv1d(nn.Module):
         """`first` [B] bool marks rows on their first frame; replicate padding uses their first sample there."""
         if self.context == 0:
             return self._step_conv(x)
-        buf = next(buffers)
-        past = buf
         if self.pad_mode == "replicate":
             assert first is not None, "replicate padding needs the per-row first-frame mask"
-            past = torch.where(first[:, None, None], x[..., :1].expand_as(buf), buf)
-        x = torch.cat([past, x], dim=-1)
-        buf.copy_(x[..., -self.context :])
-        return self._step_conv(x)
+        return self._step_conv(stream_window(next(buffers), x, first if self.pad_mode == "replicate" else None))
 
 
 class CausalConvTranspose1d(nn.Module):
     """ConvTranspose1d trimmed on the right; streaming carries the `kernel - stride` overlap tail to the next call.
 
     The streaming step computes the transposed convolution itself, as one GEMM (or, depthwise, one product) and an
-    overlap-add of `kernel / stride` shifted slices: on the GPU cuDNN's kernels for these few-frame shapes cost
-    up to a millisecond per call, the GEMM microseconds.
+    overlap-add of `kernel / stride` shifted slices (`overlap_add`, one kernel on CUDA): on the GPU cuDNN's kernels
+    for these few-frame shapes cost up to a millisecond per call, the GEMM microseconds.
     """
 
     def __init__(
@@ -109,36 +105,17 @@ class CausalConvTranspose1d(nn.Module):
         y = self.convtr(x)
         return y[..., : y.shape[-1] - self.overlap]
 
-    def _transposed(self, x: Tensor) -> Tensor:
-        """convtr(x) for x [B, C_in, T] -> [B, C_out, (T + K/s - 1) * s]."""
+    def _taps(self, x: Tensor) -> Tensor:
+        """Each input frame's contribution to K output samples: x [B, C_in, T] -> [B, C_out, T, K]."""
         w = self.convtr.weight  # [C_in, C_out / groups, K]
         c_in, _, k = w.shape
         b, _, t = x.shape
-        s = self.stride
         if self.convtr.groups == 1:
-            taps = (x.transpose(1, 2).reshape(b * t, c_in) @ w.reshape(c_in, -1)).view(b, t, -1, k).transpose(1, 2)
-        else:
-            taps = x.unsqueeze(-1) * w.view(1, c_in, 1, k)
-        shifts = k // s
-        taps = taps.unflatten(-1, (shifts, s))
-        y = taps.new_zeros(b, taps.shape[1], (t + shifts - 1) * s)
-        for i in range(shifts):  # tap group i of input frame j lands on output frame j + i
-            y[..., i * s : (t + i) * s] += taps[:, :, :, i].flatten(-2)
-        if self.convtr.bias is not None:
-            y = y + self.convtr.bias[:, None]
-        return y
+            return (x.transpose(1, 2).reshape(b * t, c_in) @ w.reshape(c_in, -1)).view(b, t, -1, k).transpose(1, 2)
+        return x.unsqueeze(-1) * w.view(1, c_in, 1, k)
 
     def step(self, x: Tensor, buffers: Iterator[Tensor]) -> Tensor:
-        tail = next(buffers)
-        y = self._transposed(x)
-        n = x.shape[-1] * self.stride
-        out = torch.cat([y[..., : self.overlap] + tail, y[..., self.overlap : n]], dim=-1)
-        rest = y[..., n:]
-        if self.convtr.bias is not None:
-            # The next call's outputs carry the bias again; keep it only once.
-            rest = rest - self.convtr.bias[:, None]
-        tail.copy_(rest)
-        return out
+        return overlap_add(self._taps(x), next(buffers), self.convtr.bias, self.stride)
 
 
 class ResidualBlock(nn.Module):

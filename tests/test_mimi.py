@@ -15,6 +15,7 @@ from torch import Tensor
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.mimi import Mimi, MimiState, checkpoint_key, load_mimi, random_mimi_state_dict
 from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, scale_add, scale_add_layer_norm
+from model.stream_kernels import overlap_add, overlap_add_reference, stream_window, stream_window_reference
 
 CFG = TINY_MIMI
 K = CFG.num_codebooks
@@ -419,3 +420,38 @@ def test_fused_residual_helpers_compile_to_what_eager_computes() -> None:
         want = torch.nn.functional.layer_norm(x + scale * delta, (16,), weight, bias, 1e-5)
         torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(add(x, delta, scale), x + scale * delta, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA only")
+@pytest.mark.parametrize(("channels", "context", "length", "strided", "replicate"),
+                         [(1, 6, 1920, False, False), (64, 2, 1920, True, False), (512, 6, 2, False, False),
+                          (512, 2, 2, True, True)])
+def test_stream_window_kernel_equals_reference_on_cuda(channels, context, length, strided, replicate) -> None:
+    """Shapes of Mimi's streaming convolutions at 64 rows (x strided as a GEMM's output, a window longer and
+    shorter than the kept context): the kernel's window and kept buffer equal the torch ops' bit for bit."""
+    rows = 64
+    x = torch.randn(rows, length, channels, device="cuda").transpose(1, 2) if strided else torch.randn(
+        rows, channels, length, device="cuda")
+    buffer = torch.randn(rows, channels, context, device="cuda")
+    buffers = [buffer.clone(), buffer.clone()]
+    first = (torch.arange(rows, device="cuda") % 3 == 0) if replicate else None
+    got = stream_window(buffers[0], x, first)
+    want = stream_window_reference(buffers[1], x, first)
+    assert torch.equal(got, want) and torch.equal(buffers[0], buffers[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA only")
+@pytest.mark.parametrize(("channels", "frames", "kernel", "stride", "depthwise"),
+                         [(512, 2, 4, 2, True), (512, 2, 16, 8, False), (64, 240, 8, 4, False)])
+def test_overlap_add_kernel_equals_reference_on_cuda(channels, frames, kernel, stride, depthwise) -> None:
+    """Shapes of Mimi's streaming transposed convolutions at 64 rows (the dense taps strided as the GEMM leaves
+    them): output and kept tail equal the torch ops' bit for bit, with and without a bias."""
+    rows = 64
+    taps = torch.randn(rows, channels, frames, kernel, device="cuda") if depthwise else torch.randn(
+        rows, frames, channels, kernel, device="cuda").transpose(1, 2)
+    for bias in (torch.randn(channels, device="cuda"), None):
+        tail = torch.randn(rows, channels, kernel - stride, device="cuda")
+        tails = [tail.clone(), tail.clone()]
+        got = overlap_add(taps, tails[0], bias, stride)
+        want = overlap_add_reference(taps, tails[1], bias, stride)
+        assert torch.equal(got, want) and torch.equal(tails[0], tails[1])

@@ -1,0 +1,137 @@
+"""The streaming state updates of Mimi's convolutions, one kernel each on CUDA.
+
+A streaming convolution prepends the samples it kept from the last call (a concatenation) and keeps the last ones
+of its window for the next (a strided copy); a transposed one overlap-adds its taps, adds the tail it kept, and
+keeps the new tail (a zero fill, an add per tap shift, the bias, a concatenation, a subtraction and a copy). Over
+the ~22 streaming (transposed) convolutions of a tick those are ~80 launches of a few microseconds each, on
+non-contiguous views. Here each is one Triton kernel per call, with the torch ops as the reference and the CPU
+path; both do the same fp32 operations in the same order, so they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from model.attention import use_kernel
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def stream_window_reference(buf: Tensor, x: Tensor, first: Tensor | None) -> Tensor:
+    """stream_window through torch ops (CPU, and the oracle for the kernel)."""
+    past = buf if first is None else torch.where(first[:, None, None], x[..., :1].expand_as(buf), buf)
+    window = torch.cat([past, x], dim=-1)
+    buf.copy_(window[..., -buf.shape[-1] :])
+    return window
+
+
+def stream_window(buf: Tensor, x: Tensor, first: Tensor | None = None) -> Tensor:
+    """[buf, x] along time -> [B, C, context + L]; `buf` [B, C, context] then holds the window's last samples.
+
+    Rows where `first` [B] (bool) is set start fresh with replicate padding: their past is x's first sample.
+    """
+    if not use_kernel(x.device):
+        return stream_window_reference(buf, x, first)
+    B, C, L = x.shape
+    context = buf.shape[-1]
+    assert buf.is_contiguous() and buf.dtype == x.dtype
+    out = torch.empty(B, C, context + L, device=x.device, dtype=x.dtype)
+    _stream_window_kernel[(B * C,)](
+        buf, x, buf if first is None else first, out, C, context, L, x.stride(0), x.stride(1), x.stride(2),
+        HAS_FIRST=first is not None, BLOCK=triton.next_power_of_2(context + L), num_warps=4,
+    )
+    return out
+
+
+def overlap_add_reference(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) -> Tensor:
+    """overlap_add through torch ops (CPU, and the oracle for the kernel)."""
+    b, c, t, k = taps.shape
+    shifts = k // stride
+    parts = taps.unflatten(-1, (shifts, stride))
+    y = taps.new_zeros(b, c, (t + shifts - 1) * stride)
+    for i in range(shifts):  # tap group i of input frame j lands on output frame j + i
+        y[..., i * stride : (t + i) * stride] += parts[:, :, :, i].flatten(-2)
+    if bias is not None:
+        y = y + bias[:, None]
+    n, overlap = t * stride, k - stride
+    out = torch.cat([y[..., :overlap] + tail, y[..., overlap:n]], dim=-1)
+    rest = y[..., n:]
+    if bias is not None:
+        # The next call's outputs carry the bias again; keep it only once.
+        rest = rest - bias[:, None]
+    tail.copy_(rest)
+    return out
+
+
+def overlap_add(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) -> Tensor:
+    """A streaming transposed convolution's output from its taps [B, C, T, K] (input frame t's contribution to
+    output samples t * stride .. t * stride + K - 1): [B, C, T * stride], the kept `tail` [B, C, K - stride] added
+    to its start; `tail` then holds the part that overruns this call (without the bias, which the next call adds).
+    """
+    b, c, t, k = taps.shape
+    if not use_kernel(taps.device):
+        return overlap_add_reference(taps, tail, bias, stride)
+    overlap = k - stride
+    assert t * stride >= overlap and tail.is_contiguous() and tail.shape[-1] == overlap
+    out = torch.empty(b, c, t * stride, device=taps.device, dtype=taps.dtype)
+    _overlap_add_kernel[(b * c,)](
+        taps, tail, tail if bias is None else bias, out, c, t, taps.stride(0), taps.stride(1), taps.stride(2),
+        taps.stride(3), overlap, STRIDE=stride, SHIFTS=k // stride, HAS_BIAS=bias is not None,
+        BLOCK=triton.next_power_of_2(t * stride + overlap), num_warps=4,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _stream_window_kernel(BUF, X, FIRST, OUT, C, CONTEXT, L, sxb, sxc, sxl,
+                              HAS_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        b = row // C
+        c = row % C
+        i = tl.arange(0, BLOCK)
+        total = CONTEXT + L
+        kept = i < CONTEXT
+        x_row = X + b * sxb + c * sxc
+        past = tl.load(BUF + row * CONTEXT + i, mask=kept, other=0.0)
+        if HAS_FIRST:
+            fresh = tl.load(FIRST + b) != 0
+            past = tl.where(fresh, tl.load(x_row), past)
+        new = tl.load(x_row + (i - CONTEXT) * sxl, mask=(i >= CONTEXT) & (i < total), other=0.0)
+        window = tl.where(kept, past, new)
+        tl.store(OUT + row * total + i, window, mask=i < total)
+        tl.debug_barrier()  # every lane has read its part of the buffer before any lane overwrites it
+        tl.store(BUF + row * CONTEXT + (i - L), window, mask=(i >= L) & (i < total))
+
+    @triton.jit
+    def _overlap_add_kernel(TAPS, TAIL, BIAS, OUT, C, T, stb, stc, stt, stk, OVERLAP,
+                            STRIDE: tl.constexpr, SHIFTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        b = row // C
+        c = row % C
+        p = tl.arange(0, BLOCK)
+        n = T * STRIDE
+        frame = p // STRIDE
+        offset = p % STRIDE
+        y = tl.zeros([BLOCK], dtype=OUT.dtype.element_ty)
+        for i in tl.static_range(SHIFTS):  # in the reference's order: shift 0's taps first
+            f = frame - i
+            y += tl.load(TAPS + b * stb + c * stc + f * stt + (i * STRIDE + offset) * stk,
+                         mask=(f >= 0) & (f < T), other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(BIAS + c)
+            y = y + bias
+        head = p < OVERLAP
+        tail = tl.load(TAIL + row * OVERLAP + p, mask=head, other=0.0)
+        tl.store(OUT + row * n + p, tl.where(head, y + tail, y), mask=p < n)
+        tl.debug_barrier()  # every lane has read its part of the tail before any lane overwrites it
+        if HAS_BIAS:
+            y = y - bias
+        tl.store(TAIL + row * OVERLAP + (p - n), y, mask=(p >= n) & (p < n + OVERLAP))
