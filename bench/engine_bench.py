@@ -1,12 +1,14 @@
 """The engine on the H200: tick time by session count and context, capacity, and session-open latency.
 
     python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
+                                 [--open-background 64] [--opens 5] [--fp8-kv] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory;
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
 - "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick.
+`--tiny` runs the tiny checkpoint on the CPU, to try the script.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 import numpy as np
 
-from bench.fullsize import gpu_memory_gb, persona, random_personaplex, voice_wav
+from bench.fullsize import bench_model, gpu_memory_gb, persona, voice_wav
 from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
 
 
@@ -131,7 +133,7 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    model = random_personaplex()
+    model = bench_model(args.tiny)
     started = time.perf_counter()
     engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv))
     engine.start()
@@ -165,6 +167,7 @@ def main() -> None:
     parser.add_argument("--open-background", type=int, default=64)
     parser.add_argument("--opens", type=int, default=5)
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
+    parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     asyncio.run(main_async(args))
 

@@ -1,6 +1,7 @@
 """A PersonaPlex-7B of the official shape with random weights on the GPU, for speed and memory benchmarks.
 
-Speed does not depend on weight values, so random bf16 weights measure what the real checkpoint would.
+Speed does not depend on weight values, so random bf16 weights measure what the real checkpoint would. The tiny
+checkpoint on the CPU stands in where a script is only being tried (`--tiny`, and the tests that run the scripts).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from safetensors.torch import save_file
 from model.audio import write_wav
 from model.config import SAMPLE_RATE, LMConfig, MimiConfig
 from model.lm import LM
-from model.loading import DTYPES, PersonaPlex
+from model.loading import DTYPES, PersonaPlex, load_model
 from model.mimi import load_mimi, random_mimi_state_dict
-from model.tiny import synthetic_voice, train_tokenizer
+from model.tiny import synthetic_voice, train_tokenizer, write_tiny_checkpoint
 
 
 def random_personaplex(device: str = "cuda", dtype: str = "bfloat16", context: int = 3000) -> PersonaPlex:
@@ -40,6 +41,13 @@ def random_personaplex(device: str = "cuda", dtype: str = "bfloat16", context: i
     tokenizer = sentencepiece.SentencePieceProcessor(model_proto=train_tokenizer())
     return PersonaPlex(lm=lm, mimi=mimi, tokenizer=tokenizer, config=cfg, mimi_config=mimi_cfg, voices_dir=None,
                        source="random full-size weights", device=torch.device(device), dtype=torch_dtype)
+
+
+def bench_model(tiny: bool) -> PersonaPlex:
+    """The full-size random model on the GPU, or with `tiny` the tiny checkpoint on the CPU."""
+    if tiny:
+        return load_model(str(write_tiny_checkpoint(Path(tempfile.mkdtemp()), seed=0)))
+    return random_personaplex()
 
 
 def voice_wav(seconds: float = 4.0) -> str:

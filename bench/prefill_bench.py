@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -24,20 +23,16 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.fullsize import bench_model
 from model import fused
 from model.lm import LMState
-from model.loading import PersonaPlex, load_model
+from model.loading import PersonaPlex
 from model.prompt_prefill import PromptPrefill
-from model.tiny import write_tiny_checkpoint
 
 
 def build(tiny: bool) -> PersonaPlex:
-    if tiny:
-        return load_model(str(write_tiny_checkpoint(tempfile.mkdtemp(), seed=0)))
-    from bench.fullsize import random_personaplex
-
-    model = random_personaplex()
-    if fused.available():
+    model = bench_model(tiny)
+    if model.device.type == "cuda" and fused.available():
         fused.enable()  # as the engine does on CUDA
     return model
 

@@ -1,0 +1,49 @@
+"""The benchmark scripts run end to end (on the tiny checkpoint on the CPU) and print the JSON lines they promise.
+
+The figures come from the H200 (docs/benchmarks.md); these runs only keep the scripts working.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_lines(*args: str) -> list[dict]:
+    done = subprocess.run([sys.executable, "-m", *args, "--tiny"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_engine_bench_prints_ticks_capacity_and_opens() -> None:
+    lines = bench_lines("bench.engine_bench", "--sessions", "2", "--contexts", "0", "200", "--ticks", "5",
+                        "--max-sessions", "3", "--open-background", "2", "--opens", "2")
+    by_kind: dict[str, list[dict]] = {}
+    for line in lines:
+        by_kind.setdefault(line["bench"], []).append(line)
+    assert len(by_kind["engine_start"]) == 1
+    ticks = by_kind["engine_tick"]
+    assert [t["context_frames"] for t in ticks] == [0, 200]
+    for tick in ticks:
+        assert tick["ticks"] >= 3 and tick["batch"] == 2
+        parts = sum(tick[f"{p}_ms_p50"] for p in ("encode", "temporal", "depformer", "decode"))
+        assert 0 < parts <= tick["tick_ms_p50"]
+        assert tick["host_deliver_ms_p50"] > 0
+    assert {c["context_frames"] for c in by_kind["engine_capacity"]} == {0, 200}
+    opens = {o["kind"]: o for o in by_kind["engine_open"]}
+    assert set(opens) == {"cold", "cached"}
+    assert opens["cached"]["engine_work_ms_p50"] < opens["cold"]["engine_work_ms_p50"]
+    assert all(o["opens"] == 2 and o["open_ms_p50"] > 0 for o in opens.values())
+
+
+def test_prefill_bench_prints_chunks_and_whole_prompts() -> None:
+    lines = bench_lines("bench.prefill_bench", "--chunks", "16", "--starts", "0", "--prompts", "57", "--repeats", "1")
+    chunk = next(line for line in lines if line["bench"] == "prefill")
+    prompt = next(line for line in lines if line["bench"] == "prompt_prefill")
+    assert chunk["chunk_frames"] == 16 and chunk["wall_ms_p50"] > 0
+    assert prompt["prompt_frames"] == 57 and prompt["pieces"] == [64] and prompt["wall_ms_p50"] > 0
