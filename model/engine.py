@@ -864,12 +864,14 @@ class Engine:
                 self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
             return
         frames, emitted, audio = outputs
-        # One copy of the tick's outputs (the pinned buffers are the next tick's), handed out as row views.
+        # One copy of the tick's outputs (the pinned buffers are the next tick's), handed out as row views; the
+        # per-row flags as Python lists, and the lock taken once for the tick rather than once per session.
         frames, audio = frames.copy(), audio.copy()
-        finite = np.isfinite(audio).all(axis=1)
-        for rt in live:
-            i = rt.index
-            self._deliver(rt, frames[i], bool(emitted[i]), audio[i], bool(finite[i]))
+        finite, emitted_rows = np.isfinite(audio).all(axis=1).tolist(), emitted.tolist()
+        with self._lock:
+            for rt in live:
+                i = rt.index
+                self._deliver(rt, frames[i], emitted_rows[i], audio[i], finite[i])
         for rt in leads:  # their encoder ran on no input this tick: it meets the first frame fresh
             self._reset_mimi_row(rt.index, decoder=False)
             rt.lead_pending = False
