@@ -12,7 +12,8 @@ bookkeeping; the asyncio side only enqueues work and receives callbacks.
 A session's start is a job of steps (its prompt planned, prefilled on a scratch row by replayed CUDA graphs
 (model/prompt_prefill.py) or copied from the prompt cache), one per gap between ticks where the step's recent
 duration fits; one that fits no gap runs at a gap's start, and none waits longer than JOB_MAX_WAIT_S. A realtime
-session's first model half runs in the batch of its first tick; an input-clocked one's is a last step.
+session's first model half runs at its first tick: as a one-row step before the batch when its client's audio
+already waits (so that tick takes the first frame), else in the batch; an input-clocked one's is a last step.
 
 The step itself lives in `model/batch_step.py` (CUDA graphs per padded batch size, and per row for one-row steps);
 inputs and outputs move once per tick through pinned host memory.
@@ -60,6 +61,8 @@ TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80
 # A session start's step that never fits between ticks (ticks longer than planned, a slow first run) runs anyway,
 # at the start of a gap, once it has waited this long: at worst one late tick, never an open that waits forever.
 JOB_MAX_WAIT_S = 0.5
+# Sessions whose first model half may run as a one-row step right before a tick (see _start_leads).
+LEADS_BEFORE_TICK = 2
 # A session start's steps, and a first guess at each one's seconds until it has run: "plan" (voice and text to
 # prompt embeddings), "prefill" (the whole prompt on the scratch row, model/prompt_prefill.py), "chunk" (one piece
 # of a prompt too long for it, eager), "copy" (a cached prompt into the slot), "lead" (the first model half).
@@ -232,7 +235,7 @@ class _Runtime:
     on_error: Callable[[EngineError], None] | None = None
     seed: int = 0
     out_index: int = 0
-    lead_pending: bool = False  # a realtime session's first model half runs in its first tick, which takes no input
+    lead_pending: bool = False  # a realtime session's first model half is still to run, in or before its first tick
 
     @property
     def live(self) -> bool:
@@ -619,9 +622,8 @@ class Engine:
         # Ticks between the prompt's steps ran Mimi over this (inactive) row: it starts fresh only now.
         self._reset_mimi_row(row)
         # The first model half needs no input (model/step.py); from then on every step completes the frame whose
-        # input it just received, instead of the one before. A realtime session's runs in its first tick, in the
-        # batch, at no cost of its own; that tick takes no input from it. The first frame of audio a client sends
-        # after its open returns arrives after that tick in any case. An input-clocked session runs it now.
+        # input it just received, instead of the one before. A realtime session's runs at its first tick
+        # (_start_leads), so the open returns once the prompt is in place; an input-clocked session's runs now.
         first = None
         if rt.offline:
             yield from next_step("lead")
@@ -844,12 +846,41 @@ class Engine:
             self._fail(rt, SessionFailed(f"input failed: {exc}", "input"))
             return False
 
+    def _start_leads(self, realtime: list[_Runtime]) -> float:
+        """Run the first model half of sessions whose client audio already waits, as one-row steps before the
+        batch, so that this tick takes their first frame (at most LEADS_BEFORE_TICK, ~8 ms each on the H200: the
+        tick starts that much later). Other pending ones run in the batch, which then takes no input from them:
+        free, and no later for a client whose first frame has not arrived. Seconds spent."""
+        started = time.perf_counter()
+        waiting = []
+        for rt in realtime:
+            if not rt.lead_pending or len(waiting) == LEADS_BEFORE_TICK:
+                continue
+            try:
+                if rt.source.frames_ready() > 0:
+                    waiting.append(rt)
+            except Exception as exc:
+                self._fail(rt, SessionFailed(f"input failed: {exc}", "input"))
+        for rt in waiting:
+            try:
+                self.active[rt.index] = True
+                first = _row_to_host(*self._row_step(rt.index).lead())
+            except Exception as exc:
+                log.exception("first model half failed")
+                self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
+                continue
+            rt.lead_pending = False
+            self._deliver(rt, *first)
+        return time.perf_counter() - started if waiting else 0.0
+
     def _realtime_tick(self, started_late: bool) -> None:
-        live = [rt for rt in self._live(offline=False) if rt.lead_pending or self._read_input(rt)]
+        realtime = self._live(offline=False)
+        lead_s = self._start_leads(realtime)
+        live = [rt for rt in realtime if rt.live and (rt.lead_pending or self._read_input(rt))]
         if not live:
             self._batch = 0
             return
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() - lead_s  # the tick's own one-row steps count in its time
         n = bucket(max(rt.index for rt in live) + 1, self.max_sessions)
         leads = [rt for rt in live if rt.lead_pending]
         self._active_np[:n] = self._takes_input_np[:n] = False
@@ -878,7 +909,9 @@ class Engine:
         end = time.perf_counter()
         elapsed = (end - t0) * 1000.0
         launched, returned = self._step_marks
-        self._host_ms = {"prepare": (launched - t0) * 1000.0, "deliver": (end - returned) * 1000.0}
+        self._host_ms = {"prepare": (launched - t0 - lead_s) * 1000.0, "deliver": (end - returned) * 1000.0}
+        if lead_s:
+            self._host_ms["leads"] = lead_s * 1000.0
         self._record_tick(elapsed, n, late=started_late or elapsed > self.config.tick_ms)
 
     def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -183,23 +183,47 @@ async def test_overflow_and_slot_reuse(make_engine):
     d.close()
 
 
-async def test_a_realtime_sessions_first_tick_runs_its_first_model_half_and_takes_no_input(make_engine):
-    """The open returns once the prompt is in the slot. The session's first tick runs its first model half in the
-    batch and reads nothing from the client (no underrun); from then on each tick takes one frame and hands out
-    the frame of that input."""
+async def test_a_realtime_sessions_first_half_runs_before_its_first_tick_when_its_audio_waits(make_engine):
+    """The open returns once the prompt is in the slot. At the session's first tick its client's audio already
+    waits: its first model half runs as a one-row step before the batch, and that same tick takes the first frame
+    (no frame of latency lost); from then on each tick takes one frame and hands out the frame of that input."""
     engine = make_engine()
     slot, source, sink = engine.reserve(), QueueSource(speechlike(4, 2)), Collector()
-    reads_at_output: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, int]] = []  # (output index, frames read, ticks done)
 
     def on_output(out: FrameOutput) -> None:
-        reads_at_output.append((out.index, source._reads))
+        seen.append((out.index, source._reads, engine.stats().ticks))
         sink.on_output(out)
 
     await slot.start(SessionParams(voice="NATF2", persona="Hello there.", sampling=GREEDY), source, on_output,
                      sink.on_error)
     await sink.wait_for(5)
-    # Output 4 came with the 4th read: none of the reads so far found the queue empty (no underrun).
-    assert reads_at_output[:5] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]
+    assert [(index, reads) for index, reads, _ in seen[:5]] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]
+    assert seen[0][2] == seen[1][2]  # the first half and the first frame in one tick
+    assert slot.stats().frames_in == 4
+    slot.close()
+
+
+async def test_a_realtime_sessions_first_half_runs_in_the_batch_when_no_audio_waits(make_engine):
+    """With no client audio yet at its first tick, the session's first model half runs in that tick's batch,
+    which reads nothing from it: no underrun is counted for it. Frames that come later are taken one per tick."""
+    engine = make_engine()
+    slot, source, sink = engine.reserve(), QueueSource(), Collector()
+    at_output: list[tuple[int, int]] = []  # (frames read, underruns) when each output was handed out
+
+    def on_output(out: FrameOutput) -> None:
+        at_output.append((source._reads, slot.stats().underruns))
+        sink.on_output(out)
+
+    await slot.start(SessionParams(voice="NATF2", persona="Hello there.", sampling=GREEDY), source, on_output,
+                     sink.on_error)
+    await sink.wait_for(1)
+    assert at_output[0] == (0, 0)
+    for frame in speechlike(3, 5):
+        source.push(frame)
+    outputs = await sink.wait_for(4)
+    assert [out.index for out in outputs] == [0, 1, 2, 3]
+    assert slot.stats().frames_in == 3
     slot.close()
 
 
