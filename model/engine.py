@@ -637,6 +637,14 @@ class Engine:
                 rt.stats.state = "live"
         if first is not None:
             self._deliver(rt, *first)
+        if rt.lead_pending:  # in a gap before the first tick if one fits: then the tick neither waits nor skips input
+            self._jobs.append(_Job(self._early_lead(rt), lambda exc: None, "lead"))
+
+    def _early_lead(self, rt: _Runtime) -> Iterator[str]:
+        """A job of one step: the session's first model half, unless its first tick ran it already."""
+        yield "lead"
+        if rt.lead_pending and rt.live:
+            self._lead(rt)
 
     def _warm_prefill(self) -> None:
         """Compile the fused helpers for the shapes of a session's start now, not in the first open (seconds, seen
@@ -847,10 +855,11 @@ class Engine:
             return False
 
     def _start_leads(self, realtime: list[_Runtime]) -> float:
-        """Run the first model half of sessions whose client audio already waits, as one-row steps before the
-        batch, so that this tick takes their first frame (at most LEADS_BEFORE_TICK, ~8 ms each on the H200: the
-        tick starts that much later). Other pending ones run in the batch, which then takes no input from them:
-        free, and no later for a client whose first frame has not arrived. Seconds spent."""
+        """First model halves that no gap ran (_early_lead): those of sessions whose client audio already waits run
+        as one-row steps before the batch, so that this tick takes their first frame (at most LEADS_BEFORE_TICK,
+        ~8 ms each on the H200: the tick starts that much later). Other pending ones run in the batch, which then
+        takes no input from them: free, and no later for a client whose first frame has not arrived. Seconds
+        spent."""
         started = time.perf_counter()
         waiting = []
         for rt in realtime:
@@ -862,16 +871,20 @@ class Engine:
             except Exception as exc:
                 self._fail(rt, SessionFailed(f"input failed: {exc}", "input"))
         for rt in waiting:
-            try:
-                self.active[rt.index] = True
-                first = _row_to_host(*self._row_step(rt.index).lead())
-            except Exception as exc:
-                log.exception("first model half failed")
-                self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
-                continue
-            rt.lead_pending = False
-            self._deliver(rt, *first)
+            self._lead(rt)
         return time.perf_counter() - started if waiting else 0.0
+
+    def _lead(self, rt: _Runtime) -> None:
+        """A realtime session's first model half as a one-row step; its frame goes out at once."""
+        try:
+            self.active[rt.index] = True
+            first = _row_to_host(*self._row_step(rt.index).lead())
+        except Exception as exc:
+            log.exception("first model half failed")
+            self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
+            return
+        rt.lead_pending = False
+        self._deliver(rt, *first)
 
     def _realtime_tick(self, started_late: bool) -> None:
         realtime = self._live(offline=False)

@@ -183,10 +183,10 @@ async def test_overflow_and_slot_reuse(make_engine):
     d.close()
 
 
-async def test_a_realtime_sessions_first_half_runs_before_its_first_tick_when_its_audio_waits(make_engine):
-    """The open returns once the prompt is in the slot. At the session's first tick its client's audio already
-    waits: its first model half runs as a one-row step before the batch, and that same tick takes the first frame
-    (no frame of latency lost); from then on each tick takes one frame and hands out the frame of that input."""
+async def test_a_realtime_session_whose_audio_waits_loses_no_frame_of_latency_to_its_first_half(make_engine):
+    """The open returns once the prompt is in the slot; the session's first model half runs after it (in a gap,
+    or right before the first tick's batch when no gap fits). Its client's audio already waits, so the first tick
+    after that half takes the first frame; from then on each tick takes one frame and hands out that input's."""
     engine = make_engine()
     slot, source, sink = engine.reserve(), QueueSource(speechlike(4, 2)), Collector()
     seen: list[tuple[int, int, int]] = []  # (output index, frames read, ticks done)
@@ -199,14 +199,15 @@ async def test_a_realtime_sessions_first_half_runs_before_its_first_tick_when_it
                      sink.on_error)
     await sink.wait_for(5)
     assert [(index, reads) for index, reads, _ in seen[:5]] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]
-    assert seen[0][2] == seen[1][2]  # the first half and the first frame in one tick
+    assert seen[0][2] == seen[1][2]  # no tick between the first half's frame and the first input's
     assert slot.stats().frames_in == 4
     slot.close()
 
 
-async def test_a_realtime_sessions_first_half_runs_in_the_batch_when_no_audio_waits(make_engine):
-    """With no client audio yet at its first tick, the session's first model half runs in that tick's batch,
-    which reads nothing from it: no underrun is counted for it. Frames that come later are taken one per tick."""
+async def test_a_realtime_session_counts_no_underrun_before_its_first_half(make_engine):
+    """With no client audio yet, the session's first frame (its first model half: in a gap, or in the first tick's
+    batch, which then reads nothing from it) comes without a read or an underrun. Frames that come later are taken
+    one per tick."""
     engine = make_engine()
     slot, source, sink = engine.reserve(), QueueSource(), Collector()
     at_output: list[tuple[int, int]] = []  # (frames read, underruns) when each output was handed out
