@@ -12,8 +12,9 @@ bookkeeping; the asyncio side only enqueues work and receives callbacks.
 A session's start is a job of steps (its prompt planned, prefilled on a scratch row by replayed CUDA graphs
 (model/prompt_prefill.py) or copied from the prompt cache), one per gap between ticks where the step's recent
 duration fits; one that fits no gap runs at a gap's start, and none waits longer than JOB_MAX_WAIT_S. A realtime
-session's first model half runs at its first tick: as a one-row step before the batch when its client's audio
-already waits (so that tick takes the first frame), else in the batch; an input-clocked one's is a last step.
+session's open returns with its prompt in place; its first model half follows as a one-row step in a gap, or, when
+a tick comes first, right before that tick's batch (its client's audio already waits) or in the batch (none does).
+An input-clocked session's is the last step of its open.
 
 The step itself lives in `model/batch_step.py` (CUDA graphs per padded batch size, and per row for one-row steps);
 inputs and outputs move once per tick through pinned host memory.
@@ -149,8 +150,9 @@ class EngineStats:
     tick_ms_p50: float
     tick_ms_p99: float
     parts_ms: dict[str, float]
-    # The last tick's host work outside the device step: "prepare" (batch, input upload, graph launches) and
-    # "deliver" (from its outputs reaching the host to the last callback); the device waits on neither's end.
+    # The last tick's host work outside the device step: "prepare" (batch, input upload, graph launches),
+    # "deliver" (from its outputs reaching the host to the last callback), and "leads" when the tick ran sessions'
+    # first model halves before its batch (_start_leads).
     host_ms: dict[str, float]
     sessions_in_use: int
     max_sessions: int
@@ -385,7 +387,7 @@ class Engine:
             with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=True):
                 for n in sorted({bucket(i, self.max_sessions) for i in range(1, self.max_sessions + 1)}):
                     self._device_step(n)
-                # One row's step, graphed per row: input-clocked frames and such a session's first model half.
+                # One row's step, graphed per row: a session's first model half, and input-clocked frames.
                 # Eager, one row of the full model is ~80-100 ms of launches, more than a gap between ticks.
                 for row in range(self.max_sessions):
                     self._row_step(row)
