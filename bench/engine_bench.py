@@ -7,7 +7,8 @@ Full 7B shape with random bf16 weights. Sessions are real engine sessions (realt
 fed by sources that always have a frame. One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory;
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
-- "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick.
+- "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick: until the
+  open returned, and until the session's first frame came out.
 `--tiny` runs the tiny checkpoint on the CPU, to try the script.
 """
 
@@ -18,6 +19,7 @@ import asyncio
 import json
 import random
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -89,18 +91,33 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int)
     return {**line, **gpu_memory_gb()}
 
 
-async def open_once(engine: Engine, params: SessionParams, seed: int, phases: random.Random) -> tuple[float, float]:
-    """One session open while the others tick: (wall ms, engine-thread work ms); then close it and pause."""
+@dataclass
+class OpenTimes:
+    wall_ms: float  # until the open returned
+    work_ms: float  # the engine thread's work for it
+    first_frame_ms: float  # until its first frame was handed out (its first model half runs after the open)
+
+
+async def open_once(engine: Engine, params: SessionParams, seed: int, phases: random.Random) -> OpenTimes:
+    """One session open while the others tick; then close it and pause."""
+    loop = asyncio.get_running_loop()
+    first_frame: asyncio.Future[float] = loop.create_future()
+
+    def on_output(_: FrameOutput) -> None:
+        now = time.perf_counter()
+        loop.call_soon_threadsafe(lambda: first_frame.done() or first_frame.set_result(now))
+
     slot = engine.reserve()
     started = time.perf_counter()
-    await slot.start(params, EndlessSource(seed), drop, fail)
+    await slot.start(params, EndlessSource(seed), on_output, fail)
     wall = (time.perf_counter() - started) * 1000
     work = engine.stats().open_work_ms_last
+    first = (await asyncio.wait_for(first_frame, 5.0) - started) * 1000
     slot.close()
     # Arrivals at uniformly random points of the 80 ms tick cycle: a fixed pause would fall into the same few
     # phases (an open that arrives just before a tick waits for it), and a handful of opens would measure those.
     await asyncio.sleep(0.1 + phases.uniform(0.0, engine.config.tick_ms / 1000))
-    return wall, work
+    return OpenTimes(wall, work, first)
 
 
 async def measure_open(engine: Engine, background: int, wav: str, opens: int) -> list[dict]:
@@ -113,17 +130,17 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
     for kind in ("cold", "cached"):
         if kind == "cached":
             await open_once(engine, cached, 0, phases)  # fills the prompt cache; not counted
-        times, work = [], []
+        runs = []
         for i in range(opens):
             params = cached if kind == "cached" else SessionParams(voice=wav, persona=persona(40, salt=i),
                                                                    sampling=SamplingParams())
-            wall, engine_ms = await open_once(engine, params, i, phases)
-            times.append(wall)
-            work.append(engine_ms)
+            runs.append(await open_once(engine, params, i, phases))
+        times, work, first = ([getattr(r, f) for r in runs] for f in ("wall_ms", "work_ms", "first_frame_ms"))
         p50, p99 = percentiles(times)
         lines.append({"bench": "engine_open", "kind": kind, "background_sessions": background,
                       "voice_seconds": 4.0, "persona_words": 40, "opens": opens, "open_ms_p50": p50,
                       "open_ms_max": round(max(times), 3), "open_ms_p99": p99,
+                      "first_frame_ms_p50": percentiles(first)[0], "first_frame_ms_max": round(max(first), 3),
                       "engine_work_ms_p50": percentiles(work)[0], "engine_work_ms_max": round(max(work), 3),
                       "open_step_ms": {k: round(v, 2) for k, v in engine.stats().open_step_ms.items()},
                       "late_ticks_total": engine.stats().late_ticks})

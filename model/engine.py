@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -640,13 +640,17 @@ class Engine:
         if first is not None:
             self._deliver(rt, *first)
         if rt.lead_pending:  # in a gap before the first tick if one fits: then the tick neither waits nor skips input
-            self._jobs.append(_Job(self._early_lead(rt), lambda exc: None, "lead"))
+            lead = self._early_lead(rt)
+            self._jobs.append(_Job(lead, lambda exc: None, next(lead)))  # a job stands before its first step
 
-    def _early_lead(self, rt: _Runtime) -> Iterator[str]:
-        """A job of one step: the session's first model half, unless its first tick ran it already."""
+    def _early_lead(self, rt: _Runtime) -> Generator[str, None, bool]:
+        """A job of one step: the session's first model half, unless its first tick ran it already (or the session
+        ended): then it returns False, and the no-op is not taken for a lead's duration."""
         yield "lead"
-        if rt.lead_pending and rt.live:
-            self._lead(rt)
+        if not (rt.lead_pending and rt.live):
+            return False
+        self._lead(rt)
+        return True
 
     def _warm_prefill(self) -> None:
         """Compile the fused helpers for the shapes of a session's start now, not in the first open (seconds, seen
@@ -805,16 +809,19 @@ class Engine:
     def _run_job_step(self, job: _Job) -> bool:
         kind = job.next_kind
         started = time.perf_counter()
+        worked = True
         try:
             job.next_kind = next(job.steps)
-        except StopIteration:
+        except StopIteration as stop:  # a last step that found nothing to do returns False
+            worked = stop.value is not False
             self._jobs.remove(job)
             job.done(None)
         except BaseException as exc:  # handed to the awaiting coroutine
             self._jobs.remove(job)
             job.done(exc)
-        with self._lock:  # stats() reads these from other threads
-            self._job_step_s[kind].append(time.perf_counter() - started)
+        if worked:
+            with self._lock:  # stats() reads these from other threads
+                self._job_step_s[kind].append(time.perf_counter() - started)
         job.waiting_since = time.monotonic()
         return True
 
