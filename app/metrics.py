@@ -124,7 +124,7 @@ class Metrics:
         family("personaplex_engine_prompt_cache_total", "counter", "Session starts by prompt-cache result.",
                [("", {"result": "hit"}, s.prompt_cache_hits), ("", {"result": "miss"}, s.prompt_cache_misses)])
         family("personaplex_engine_open_work_last_ms", "gauge",
-               "Engine-thread time of the last session start (prompt and first model half).",
+               "Engine-thread time of the last session start (its prompt; an input-clocked one's first model half).",
                [("", {}, s.open_work_ms_last)])
         family("personaplex_engine_open_step_ms", "gauge",
                "Recent duration of one session-start step, by kind; a step runs where it fits between ticks.",

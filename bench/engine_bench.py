@@ -135,7 +135,8 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
             params = cached if kind == "cached" else SessionParams(voice=wav, persona=persona(40, salt=i),
                                                                    sampling=SamplingParams())
             runs.append(await open_once(engine, params, i, phases))
-        times, work, first = ([getattr(r, f) for r in runs] for f in ("wall_ms", "work_ms", "first_frame_ms"))
+        times, work = [r.wall_ms for r in runs], [r.work_ms for r in runs]
+        first = [r.first_frame_ms for r in runs]
         p50, p99 = percentiles(times)
         lines.append({"bench": "engine_open", "kind": kind, "background_sessions": background,
                       "voice_seconds": 4.0, "persona_words": 40, "opens": opens, "open_ms_p50": p50,

@@ -6,7 +6,8 @@ of launches and no Python per session.
 
 The model half runs one call ahead of the input (model/step.py says why that is exact): a tick encodes the user's
 frame o, writes its codes, and runs the model half of call o + 1, which completes and decodes frame o. A session's
-first model half has no frame to wait for, so `lead()` runs it when the session starts.
+first model half has no frame to wait for: `lead()` runs it on its own, or a tick runs it in the batch with the row
+taking no input (`takes_input`).
 """
 
 from __future__ import annotations

@@ -347,7 +347,6 @@ class Engine:
         self._timer = PartTimer(self.device)
         self._ticks_log: deque[TickRecord] = deque(maxlen=2000)
         self._parts_ms: dict[str, float] = {}
-        self._host_ms: dict[str, float] = {}
         self._step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
         self._buckets = [0] * (len(TICK_MS_BUCKETS) + 1)
         self._ticks = self._late = self._offline_frames = 0
@@ -629,8 +628,7 @@ class Engine:
         first = None
         if rt.offline:
             yield from next_step("lead")
-            self.active[row] = True
-            first = _row_to_host(*self._row_step(row).lead())
+            first = self._first_half(row)
         self._open_ms = (work + self._sync_elapsed(segment)) * 1000.0
         with self._lock:
             if rt.stats.state == "prefill":
@@ -669,14 +667,18 @@ class Engine:
     def _warm_lead(self) -> None:
         """Pay a first model half's first-use costs now, not in the first open, and time one for the schedule."""
         for _ in range(2):
-            self.active[0] = True
             started = time.perf_counter()
-            self._row_step(0).lead()
-            elapsed = self._sync_elapsed(started)  # the second run's is kept: the first pays first-use costs
+            self._first_half(0)
+            elapsed = time.perf_counter() - started  # the second run's is kept: the first pays first-use costs
             self.active[0] = False
             self.model.lm.reset_row(self.lm_state, 0)
             self._reset_mimi_row(0)
         self._job_step_s["lead"].append(elapsed)
+
+    def _first_half(self, row: int) -> tuple[np.ndarray, bool, np.ndarray, bool]:
+        """A session's first model half (and its decode) as a one-row step; its outputs on the host."""
+        self.active[row] = True
+        return _row_to_host(*self._row_step(row).lead())
 
     def _reset_mimi_row(self, row: int, decoder: bool = True) -> None:
         state = self.mimi_state.rows(slice(row, row + 1))
@@ -872,7 +874,9 @@ class Engine:
         started = time.perf_counter()
         waiting = []
         for rt in realtime:
-            if not rt.lead_pending or len(waiting) == LEADS_BEFORE_TICK:
+            if len(waiting) == LEADS_BEFORE_TICK:
+                break
+            if not rt.lead_pending:
                 continue
             try:
                 if rt.source.frames_ready() > 0:
@@ -886,8 +890,7 @@ class Engine:
     def _lead(self, rt: _Runtime) -> None:
         """A realtime session's first model half as a one-row step; its frame goes out at once."""
         try:
-            self.active[rt.index] = True
-            first = _row_to_host(*self._row_step(rt.index).lead())
+            first = self._first_half(rt.index)
         except Exception as exc:
             log.exception("first model half failed")
             self._fail(rt, SessionFailed(f"step failed: {exc}", "step"))
@@ -931,10 +934,10 @@ class Engine:
         end = time.perf_counter()
         elapsed = (end - t0) * 1000.0
         launched, returned = self._step_marks
-        self._host_ms = {"prepare": (launched - t0 - lead_s) * 1000.0, "deliver": (end - returned) * 1000.0}
+        host_ms = {"prepare": (launched - t0 - lead_s) * 1000.0, "deliver": (end - returned) * 1000.0}
         if lead_s:
-            self._host_ms["leads"] = lead_s * 1000.0
-        self._record_tick(elapsed, n, late=started_late or elapsed > self.config.tick_ms)
+            host_ms["leads"] = lead_s * 1000.0
+        self._record_tick(elapsed, n, started_late or elapsed > self.config.tick_ms, host_ms)
 
     def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One step over rows [0, n); `protected_rows` (input-clocked sessions) keep their Mimi state."""
@@ -1010,12 +1013,12 @@ class Engine:
         self._deliver(rt, *outputs)
         return True
 
-    def _record_tick(self, ms: float, n: int, late: bool) -> None:
+    def _record_tick(self, ms: float, n: int, late: bool, host_ms: dict[str, float]) -> None:
         with self._lock:
             self._ticks += 1
             self._late += int(late)
             self._batch = n
-            self._ticks_log.append(TickRecord(ms, n, late, self._parts_ms, self._host_ms))
+            self._ticks_log.append(TickRecord(ms, n, late, self._parts_ms, host_ms))
             self._tick_ms_sum += ms
             self._buckets[bisect.bisect_left(TICK_MS_BUCKETS, ms)] += 1
 

@@ -47,7 +47,8 @@ class PromptPrefill:
         """Prefill `embeddings` [T, dim] (T <= slots) into the scratch row, from fresh."""
         self.lm.reset_row(self.state, 0)
         done, total = 0, embeddings.shape[0]
-        for frames in self.pieces(total):
+        pieces = self.pieces(total)
+        for frames in pieces:
             real = min(frames, total - done)
             self.x[:real].copy_(embeddings[done : done + real])
             self.x[real:frames].zero_()
@@ -57,7 +58,7 @@ class PromptPrefill:
             else:
                 graph.replay()
             done += real
-        padded = sum(self.pieces(total))
+        padded = sum(pieces)
         if padded > total:  # the padding frames' keys leave the ring; the row ends at its last real frame
             state = self.state
             state.kv.zero_slots(0, slice(total, padded))
