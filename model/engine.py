@@ -11,7 +11,9 @@ bookkeeping; the asyncio side only enqueues work and receives callbacks.
 
 A session's start is a job of steps (its prompt planned, prefilled on a scratch row by replayed CUDA graphs
 (model/prompt_prefill.py) or copied from the prompt cache), one per gap between ticks where the step's recent
-duration fits; one that fits no gap runs at a gap's start, and none waits longer than JOB_MAX_WAIT_S. A realtime
+duration fits; one that fits no gap runs at a gap's start, and none waits longer than JOB_MAX_WAIT_S. On CUDA a
+cached prompt's copy also runs while a tick is in flight on the device, queued behind it on its stream, so a
+cached open does not wait for a tick (_serve_in_flight). A realtime
 session's open returns with its prompt in place; its first model half follows as a one-row step in a gap, or, when
 a tick comes first, right before that tick's batch (its client's audio already waits) or in the batch (none does).
 An input-clocked session's is the last step of its open.
@@ -131,6 +133,9 @@ class EngineConfig:
     prompt_cache_entries: int = 32
     fp8_kv: bool = False  # e4m3 KV cache: half the memory and bytes read per tick, not bit-exact with bf16
     fuse_kernels: bool = True  # on CUDA: torch.compile the elementwise helpers (model/fused.py)
+    # On CUDA, a cached prompt's copy may run while a tick is in flight if it ends within this share of the tick's
+    # recent shortest time from launch to outputs; above 1 it may hold up the tick's delivery (_serve_in_flight).
+    in_flight_copy_share: float = 0.9
 
 
 @dataclass
@@ -165,6 +170,7 @@ class EngineStats:
     prompt_cache_misses: int
     open_work_ms_last: float  # engine-thread time of the last session start (prompt prefill or cache copy)
     open_step_ms: dict[str, float]  # recent ms of one session-start step, by kind (JOB_STEP_KINDS), once one ran
+    prompt_copies_in_flight: int  # cached prompts copied while a tick ran on the device (_serve_in_flight)
 
 
 _collector_lock = threading.Lock()
@@ -221,6 +227,7 @@ class _Job:
     steps: Iterator[str]  # each step yields the kind of the next one
     done: Callable[[BaseException | None], None]
     next_kind: str
+    row: int | None  # the slot it starts
     waiting_since: float = field(default_factory=time.monotonic)  # since its last step ran, or it was queued
 
 
@@ -279,14 +286,14 @@ class Slot:
         self._rt.params, self._rt.source, self._rt.on_output, self._rt.on_error = params, source, on_output, on_error
         seed = params.sampling.seed
         self._rt.seed = seed if seed is not None else secrets.randbits(63)
-        await engine.submit(lambda: engine.begin(self._rt))
+        await engine.submit(lambda: engine.begin(self._rt), self.index)
 
     async def restart(self) -> None:
         """A fresh context with the same parameters; output indices restart at 0."""
         engine = self._engine
         if self._rt.params is None:
             raise EngineError("session not started", "invalid_state")
-        await engine.submit(lambda: engine.begin(self._rt))
+        await engine.submit(lambda: engine.begin(self._rt), self.index)
 
     def close(self) -> None:
         self._engine.release(self._rt)
@@ -361,6 +368,14 @@ class Engine:
         # the last few: one slow run (a first use, a busy host) must not keep every later step waiting.
         self._job_step_s: dict[str, deque[float]] = {kind: deque(maxlen=5) for kind in JOB_STEP_KINDS}
         self._pending: set[Callable[[BaseException | None], None]] = set()
+        # Per row, an upper bound on the KV slots written since its last reset, so that resetting a row needs no
+        # read of its position from the device (which would wait for a tick in flight).
+        self._kv_extent = np.zeros(B, dtype=np.int64)
+        # Per padded batch size, recent seconds from a tick's launch to its outputs on the host: how long a cached
+        # prompt's copy may be served while the tick is in flight (_serve_in_flight).
+        self._in_flight_s: dict[int, deque[float]] = {}
+        self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._copies_in_flight = 0
 
     # ----- public, any thread ------------------------------------------------------------------------------
 
@@ -456,8 +471,8 @@ class Engine:
             except ValueError as exc:
                 raise InvalidSessionParams(str(exc), "invalid_voice") from exc
 
-    async def submit(self, fn: Callable[[], Iterator[str] | None]) -> None:
-        """Run `fn` on the engine thread between ticks; its exception is raised here.
+    async def submit(self, fn: Callable[[], Iterator[str] | None], row: int | None = None) -> None:
+        """Run `fn` (work on slot `row`) on the engine thread between ticks; its exception is raised here.
 
         A generator function runs one step per gap between ticks, where the step fits before the next tick
         (prompt prefill in chunks), so long work does not make ticks late. It yields the kind of its next step
@@ -488,7 +503,7 @@ class Engine:
             if steps is None:
                 done(None)
             else:
-                self._jobs.append(_Job(steps, done, kind))
+                self._jobs.append(_Job(steps, done, kind, row))
 
         if self._thread is None:
             raise EngineError("the engine is not running", "engine_stopped")
@@ -522,6 +537,7 @@ class Engine:
                 errors=sum(self._errors.values()), errors_by_cause=dict(self._errors),
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
                 prompt_cache_misses=self._cache_misses, open_work_ms_last=self._open_ms, open_step_ms={},
+                prompt_copies_in_flight=self._copies_in_flight,
             )
         if ms:
             stats.tick_ms_p50, stats.tick_ms_p99 = (float(v) for v in np.percentile(ms, [50, 99]))
@@ -565,6 +581,7 @@ class Engine:
         state.kpos[rows] = kpos
         state.pos[rows] = frames
         state.offset[rows] = frames + 1
+        np.maximum(self._kv_extent[rows], held, out=self._kv_extent[rows])
 
     # ----- engine thread -----------------------------------------------------------------------------------
 
@@ -584,10 +601,16 @@ class Engine:
         yield "copy" if key in self._prompt_cache else "plan"
         work = 0.0
         segment = time.perf_counter()
+        cached = self._prompt_cache.get(key)
+
+        def spent(since: float) -> float:
+            # A cached prompt's copy may run while a tick is in flight (_serve_in_flight): waiting for the device
+            # would wait for the tick. Its time is then the host's, which is most of it (~130 small copies).
+            return time.perf_counter() - since if cached is not None else self._sync_elapsed(since)
 
         def next_step(kind: str) -> Iterator[str]:
             nonlocal work, segment
-            work += self._sync_elapsed(segment)
+            work += spent(segment)
             yield kind
             segment = time.perf_counter()
             if rt.stats.state != "prefill":
@@ -596,8 +619,7 @@ class Engine:
         lm, state = self.model.lm, self.lm_state
         scratch = self._prompt_prefill
         with torch.no_grad():
-            lm.reset_row(state, row)
-            cached = self._prompt_cache.get(key)
+            self._reset_lm_row(row)
             if cached is None:
                 self._cache_misses += 1
                 plan = self._plan(params)
@@ -605,21 +627,21 @@ class Engine:
                     yield from next_step("prefill")
                     scratch.run(plan.embeddings)
                     finish_prompt(lm, scratch.state, 0, plan)
-                    cached = self._store_prompt(key, scratch.state, 0)
+                    self._copy_prompt(self._store_prompt(key, scratch.state, 0), row)
                 else:  # longer than the scratch ring: eagerly on the row, one chunk per step
                     for chunk in prefill_chunks(plan.embeddings, self.config.prefill_chunk):
                         yield from next_step("chunk")
                         lm.prefill(chunk, state, row)
+                        self._kv_extent[row] += chunk.shape[0]
                     finish_prompt(lm, state, row, plan)
                     self._store_prompt(key, state, row)
             else:
                 self._cache_hits += 1
                 self._prompt_cache.move_to_end(key)
-            if cached is not None:
                 self._copy_prompt(cached, row)
-        text, audio = row_sampling([params.sampling], [rt.seed], self.device)
-        self.text_sampling.copy_(text, row)
-        self.audio_sampling.copy_(audio, row)
+        sampling = params.sampling
+        self.text_sampling.set_row(row, sampling.greedy, sampling.temp_text, sampling.topk_text, rt.seed)
+        self.audio_sampling.set_row(row, sampling.greedy, sampling.temp_audio, sampling.topk_audio, rt.seed)
         # Ticks between the prompt's steps ran Mimi over this (inactive) row: it starts fresh only now.
         self._reset_mimi_row(row)
         # The first model half needs no input (model/step.py); from then on every step completes the frame whose
@@ -629,7 +651,7 @@ class Engine:
         if rt.offline:
             yield from next_step("lead")
             first = self._first_half(row)
-        self._open_ms = (work + self._sync_elapsed(segment)) * 1000.0
+        self._open_ms = (work + spent(segment)) * 1000.0
         with self._lock:
             if rt.stats.state == "prefill":
                 rt.out_index = 0
@@ -639,7 +661,7 @@ class Engine:
             self._deliver(rt, *first)
         if rt.lead_pending:  # in a gap before the first tick if one fits: then the tick neither waits nor skips input
             lead = self._early_lead(rt)
-            self._jobs.append(_Job(lead, lambda exc: None, next(lead)))  # a job stands before its first step
+            self._jobs.append(_Job(lead, lambda exc: None, next(lead), row))  # a job stands before its first step
 
     def _early_lead(self, rt: _Runtime) -> Generator[str, None, bool]:
         """A job of one step: the session's first model half, unless its first tick ran it already (or the session
@@ -671,14 +693,19 @@ class Engine:
             self._first_half(0)
             elapsed = time.perf_counter() - started  # the second run's is kept: the first pays first-use costs
             self.active[0] = False
-            self.model.lm.reset_row(self.lm_state, 0)
+            self._reset_lm_row(0)
             self._reset_mimi_row(0)
         self._job_step_s["lead"].append(elapsed)
 
     def _first_half(self, row: int) -> tuple[np.ndarray, bool, np.ndarray, bool]:
         """A session's first model half (and its decode) as a one-row step; its outputs on the host."""
         self.active[row] = True
+        self._kv_extent[row] += 1
         return _row_to_host(*self._row_step(row).lead())
+
+    def _reset_lm_row(self, row: int) -> None:
+        self.model.lm.reset_row(self.lm_state, row, used=int(self._kv_extent[row]))
+        self._kv_extent[row] = 0
 
     def _reset_mimi_row(self, row: int, decoder: bool = True) -> None:
         state = self.mimi_state.rows(slice(row, row + 1))
@@ -698,10 +725,12 @@ class Engine:
         for tensor, saved in zip(state.kv.tensors(), cached.kv):
             tensor[:, row, :, :filled] = saved
         state.kpos[row, :filled] = cached.kpos
-        state.pos[row] = cached.pos
+        # fill_, not `x[row] = int`: that copies a host scalar, which waits for the stream (a tick in flight).
+        state.pos[row].fill_(cached.pos)
         state.ring[row] = cached.ring
-        state.offset[row] = cached.offset
+        state.offset[row].fill_(cached.offset)
         state.forced[row] = cached.forced
+        self._kv_extent[row] = max(int(self._kv_extent[row]), filled)
 
     def _plan(self, params: SessionParams) -> PromptPlan:
         voice = None
@@ -914,6 +943,7 @@ class Engine:
         offline_rows = [rt.index for rt in self._live(offline=True) if rt.index < n]
         try:
             outputs = self._run_batch(n, offline_rows)
+            self._kv_extent[[rt.index for rt in live]] += 1
         except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
             log.exception("tick failed")
             for rt in live:
@@ -957,11 +987,44 @@ class Engine:
         self._emitted_host[:n].copy_(emitted, non_blocking=True)
         self._audio_host[:n].copy_(audio, non_blocking=True)
         launched = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if self._outputs_ready is not None:
+            self._outputs_ready.record()
+            self._serve_in_flight(n, launched)
+            self._outputs_ready.synchronize()  # not the stream: copies served in flight queue behind the outputs
+        returned = time.perf_counter()
         self._parts_ms = self._timer.parts_ms()
-        self._step_marks = (launched, time.perf_counter())
+        self._step_marks = (launched, returned)
+        self._in_flight_s.setdefault(n, deque(maxlen=8)).append(returned - launched)
         return self._frames_host[:n].numpy(), self._emitted_host[:n].numpy(), self._audio_host[:n].numpy()
+
+    def _serve_in_flight(self, n: int, launched: float) -> None:
+        """While the tick over rows [0, n) runs on the device, copy cached prompts into their slots.
+
+        A copy is ~3 ms of host work (small launches) and a tick ~25 ms of device work, so an open that arrives
+        during a tick need not wait for it. The copies queue on the tick's stream, behind its writes to the
+        (inactive) row and behind its outputs, so they change nothing the tick computes; a copy runs only where
+        its recent duration ends before the tick's outputs are expected (within `in_flight_copy_share` of the
+        shortest recent launch-to-outputs time of this batch size), so delivery is not held up.
+        """
+        recent = self._in_flight_s.get(n)
+        if not recent:
+            return
+        until = launched + self.config.in_flight_copy_share * min(recent)
+        while True:
+            self._drain_commands()
+            now = time.perf_counter()
+            # Not a row the tick steps (a live session's restart): its frame is yet to be delivered.
+            job = next((job for job in self._jobs
+                        if job.next_kind == "copy" and job.row is not None
+                        and (job.row >= n or not self._active_np[job.row])), None)
+            if job is not None and now + 1.5 * self._job_step_estimate("copy") <= until:
+                self._run_job_step(job)
+                self._copies_in_flight += 1
+                continue
+            if now >= until or self._outputs_ready.query():
+                return
+            self._wake.wait(timeout=until - now)
+            self._wake.clear()
 
     def _deliver(self, rt: _Runtime, frame: np.ndarray, emitted: bool, audio: np.ndarray, finite: bool) -> None:
         """Hand one slot its frame (arrays it may keep). The lock makes close() wait for a callback in flight, so
@@ -1004,6 +1067,7 @@ class Engine:
             # rewrites both for its own rows.
             self.pcm_in[r].copy_(self._pcm_host[r])
             self.active[r] = self.takes_input[r] = True
+            self._kv_extent[r] += 1
             outputs = _row_to_host(*self._row_step(r).run(PartTimer(self.device)))
         except Exception as exc:
             log.exception("offline step failed")

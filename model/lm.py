@@ -227,7 +227,7 @@ class LM(nn.Module):
         """The 'initial' token of every row: text 32000, audio 2048."""
         cfg = self.cfg
         col = torch.full((cfg.num_rows,), cfg.initial_audio_token, dtype=torch.long, device=device)
-        col[0] = cfg.initial_text_token
+        col[0].fill_(cfg.initial_text_token)  # not `= int`: a host scalar's copy waits for the stream
         return col
 
     def _reset_all_but_kv(self, state: LMState, rows: Tensor) -> None:
@@ -248,10 +248,16 @@ class LM(nn.Module):
         # Zero the KV of reset rows so a recycled slot's memory never leaks into masked arithmetic (0 * nan).
         state.kv.zero_rows(rows)
 
-    def reset_row(self, state: LMState, row: int) -> None:
+    def reset_row(self, state: LMState, row: int, used: int | None = None) -> None:
         """reset_rows for one row, zeroing only the KV slots its last occupant wrote: slots fill in order from a
-        reset, so those are the first min(pos, context), a few hundred for a short call instead of all 3000."""
-        used = min(int(state.pos[row]), self.cfg.context)
+        reset, so those are the first min(pos, context), a few hundred for a short call instead of all 3000.
+
+        `used` (an upper bound on those slots, kept by the caller) spares reading pos from the device, which would
+        wait for every step queued before this reset.
+        """
+        if used is None:
+            used = int(state.pos[row])
+        used = min(used, self.cfg.context)
         one = state.rows(slice(row, row + 1))
         self._reset_all_but_kv(one, torch.ones(1, dtype=torch.bool, device=one.pos.device))
         state.kv.zero_slots(row, slice(0, used))

@@ -50,11 +50,13 @@ class RowSampling:
     def to(self, device: torch.device) -> RowSampling:
         return RowSampling(*(t.to(device) for t in (self.greedy, self.temperature, self.top_k, self.seed)))
 
-    def copy_(self, other: RowSampling, rows: slice | Tensor | int) -> None:
-        """Set `rows` from `other` (same order of fields) in place, for static buffers."""
-        for mine, theirs in zip((self.greedy, self.temperature, self.top_k, self.seed),
-                                (other.greedy, other.temperature, other.top_k, other.seed)):
-            mine[rows] = theirs
+    def set_row(self, row: int, greedy: bool, temperature: float, top_k: int, seed: int) -> None:
+        """Set one row in place from Python values: fills on the device, no upload, so nothing waits for the
+        work queued before it (a tick in flight)."""
+        self.greedy[row].fill_(greedy)
+        self.temperature[row].fill_(temperature)
+        self.top_k[row].fill_(top_k)
+        self.seed[row].fill_(seed_bits(seed))
 
 
 def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, max_top_k: int) -> Tensor:

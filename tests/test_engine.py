@@ -136,6 +136,22 @@ async def test_recycled_slot_is_bit_exact_with_a_fresh_engine(make_engine):
     assert same(a, b)
 
 
+async def test_a_recycled_slot_keeps_no_key_or_value_of_its_last_session(make_engine, tiny_model):
+    """A slot's reset zeroes every KV slot its last session wrote, counted on the host (no read from the device):
+    past the new session's own frames the row holds zeros only, as a fresh engine's does."""
+    engine = make_engine()
+    params = SessionParams(persona="Be brief.", sampling=GREEDY, pacing="input")
+    first, _ = await run_session(engine, params, speechlike(12, 3), 10)
+    slot = engine.reserve()
+    assert slot.index == first.index
+    await slot.start(params, QueueSource([]), Collector().on_output, Collector().on_error)  # prompt from the cache
+    engine.stop()
+    state = engine.lm_state
+    written, held = int(state.pos[slot.index]), tiny_model.config.context
+    assert engine.stats().prompt_cache_hits == 1 and written + 10 <= held
+    assert all(not tensor[:, slot.index, :, written:].any() for tensor in state.kv.tensors())
+
+
 async def test_batch_invariance_with_sessions_opened_at_different_ticks(make_engine):
     """A realtime session's tokens do not depend on a second session that joins mid-way."""
     frames = speechlike(14, 2)

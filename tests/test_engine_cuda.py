@@ -6,11 +6,12 @@ Run on the device machine: `python3 -m pytest -q --noconftest tests/test_engine_
 from __future__ import annotations
 
 import asyncio
+import random
 
 import numpy as np
 import pytest
 import torch
-from test_engine import Collector, QueueSource, speechlike
+from test_engine import GREEDY, Collector, QueueSource, speechlike
 
 from model import fused
 from model.engine import Engine, EngineConfig, SamplingParams, SessionParams
@@ -33,6 +34,10 @@ def cuda_model(tmp_path_factory):
     return load_model(str(folder), device="cuda", dtype="float32")
 
 
+def session_params(pacing: str = "realtime") -> SessionParams:
+    return SessionParams(voice="NATF2", persona="Hello there.", sampling=SamplingParams(greedy=True), pacing=pacing)
+
+
 async def session_tokens(model, config: EngineConfig, frames: int, row: int = 0,
                          pacing: str = "realtime") -> list[np.ndarray]:
     """The tokens of one greedy session in slot `row` (the slots before it held, idle)."""
@@ -42,9 +47,8 @@ async def session_tokens(model, config: EngineConfig, frames: int, row: int = 0,
         slots = [engine.reserve() for _ in range(row + 1)]
         slot, sink = slots[-1], Collector()
         assert slot.index == row
-        params = SessionParams(voice="NATF2", persona="Hello there.", sampling=SamplingParams(greedy=True),
-                               pacing=pacing)
-        await slot.start(params, QueueSource(speechlike(frames + 2, 1)), sink.on_output, sink.on_error)
+        await slot.start(session_params(pacing), QueueSource(speechlike(frames + 2, 1)), sink.on_output,
+                         sink.on_error)
         outputs = await sink.wait_for(frames)
         assert all(np.isfinite(o.audio).all() for o in outputs)
         return [o.tokens for o in outputs]
@@ -83,3 +87,39 @@ def test_graphed_row_steps_replay_the_eager_ones(cuda_model, row, pacing):
     """A session's first model half, and every frame of an input-clocked session, replay one row's graphs."""
     eager, graphed = graphed_and_eager(cuda_model, 10, row, pacing)
     assert all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+async def tokens_after_an_in_flight_copy(model, config: EngineConfig, frames: int) -> list[np.ndarray]:
+    """The tokens of session_tokens' session in slot 1, opened (from the prompt cache) until its prompt's copy
+    happened while a tick was in flight, beside a live session in slot 0."""
+    engine = Engine(model, config)
+    engine.start()
+    try:
+        await engine.reserve().start(SessionParams(voice="NATM1", sampling=GREEDY), QueueSource(speechlike(3000, 4)),
+                                     Collector().on_output, Collector().on_error)
+        pause = random.Random(5)
+        for _ in range(200):  # the first open caches the prompt; each later one copies it, in a gap or in flight
+            copied = engine.stats().prompt_copies_in_flight
+            slot, sink = engine.reserve(), Collector()
+            assert slot.index == 1
+            await slot.start(session_params(), QueueSource(speechlike(frames + 2, 1)), sink.on_output, sink.on_error)
+            if engine.stats().prompt_copies_in_flight > copied:
+                return [o.tokens for o in await sink.wait_for(frames)]
+            slot.close()
+            await asyncio.sleep(pause.uniform(0.0, config.tick_ms / 1000.0))
+        raise AssertionError("no cached prompt was copied while a tick was in flight")
+    finally:
+        engine.stop()
+
+
+def test_a_prompt_copied_while_a_tick_is_in_flight_starts_the_same_session(cuda_model):
+    """A cached prompt's copy served during a tick queues behind the tick's writes to the (inactive) row and its
+    outputs: the session is the one an open between ticks starts."""
+    config = {"max_sessions": 3, "fuse_kernels": False}
+    with torch.backends.cudnn.flags(enabled=False):
+        between = asyncio.run(session_tokens(cuda_model, EngineConfig(**config), 10, row=1))
+        # Short ticks: most opens then land in one or wait for one. The tiny model's tick (~2.5 ms on the H200) is
+        # shorter than its copy (~2 ms of host work, times 1.5): let the copy hold up the tick's delivery.
+        in_flight = asyncio.run(tokens_after_an_in_flight_copy(
+            cuda_model, EngineConfig(tick_ms=10.0, in_flight_copy_share=4.0, **config), 10))
+    assert all(np.array_equal(a, b) for a, b in zip(between, in_flight, strict=True))

@@ -274,17 +274,19 @@ def test_fused_residual_norm_compiles_to_what_eager_computes():
         torch.testing.assert_close(normed, rms_norm(x + delta, alpha, 1e-8), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bound", [None, 3])
 @pytest.mark.parametrize("fp8_kv", [False, True])
 @pytest.mark.parametrize("T", [5, 40])
-def test_reset_row_leaves_the_row_as_fresh_and_the_others_alone(T: int, fp8_kv: bool):
-    """reset_row zeroes only the KV slots the row wrote (all of them once the ring wrapped, T > 16): the row is
-    then bit for bit a fresh one, every other row untouched."""
+def test_reset_row_leaves_the_row_as_fresh_and_the_others_alone(T: int, fp8_kv: bool, bound: int | None):
+    """reset_row zeroes only the KV slots the row wrote (all of them once the ring wrapped, T > 16), read from the
+    row's position or given as an upper bound (here 3 frames above it): the row is then bit for bit a fresh one,
+    every other row untouched."""
     lm = make_lm(7)
     state = lm.init_state(2, fp8_kv=fp8_kv)
     with torch.no_grad():
         run_steps(lm, state, random_user(T, 2, 5))
     before = [t.clone() for t in (*state.kv.tensors(), state.kpos, state.pos, state.ring, state.offset, state.forced)]
-    lm.reset_row(state, 1)
+    lm.reset_row(state, 1, used=None if bound is None else T + bound)
     fresh = lm.init_state(1, fp8_kv=fp8_kv)
     after = (*state.kv.tensors(), state.kpos, state.pos, state.ring, state.offset, state.forced)
     new = (*fresh.kv.tensors(), fresh.kpos, fresh.pos, fresh.ring, fresh.offset, fresh.forced)
