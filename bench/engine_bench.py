@@ -170,9 +170,10 @@ async def main_async(args: argparse.Namespace) -> None:
     for context, sessions in best.items():
         print(json.dumps({"bench": "engine_capacity", "context_frames": context,
                           "largest_realtime_sessions": sessions, "max_sessions_allocated": args.max_sessions}))
-    wav = voice_wav()
-    for line in await measure_open(engine, min(args.open_background, args.max_sessions - 1), wav, args.opens):
-        print(json.dumps(line), flush=True)
+    if args.opens > 0:
+        wav = voice_wav()
+        for line in await measure_open(engine, min(args.open_background, args.max_sessions - 1), wav, args.opens):
+            print(json.dumps(line), flush=True)
     engine.stop()
 
 
@@ -183,7 +184,7 @@ def main() -> None:
     parser.add_argument("--ticks", type=int, default=60)
     parser.add_argument("--max-sessions", type=int, default=76)
     parser.add_argument("--open-background", type=int, default=64)
-    parser.add_argument("--opens", type=int, default=5)
+    parser.add_argument("--opens", type=int, default=5, help="opens of each kind to time (0: none)")
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()

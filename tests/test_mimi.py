@@ -94,7 +94,7 @@ def _rotate_half_rows(w: Tensor, heads: int) -> Tensor:
 
 
 def to_hf(sd: dict[str, Tensor], heads: int) -> dict[str, Tensor]:
-    """Reference (moshi) keys -> transformers 5.x `MimiModel` keys (spec 4.3)."""
+    """Reference (moshi) keys -> recent transformers `MimiModel` keys (spec 4.3; hf_mimi adapts them to older ones)."""
     out: dict[str, Tensor] = {}
     for key, value in sd.items():
         if m := re.fullmatch(r"(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.(.+)", key):
@@ -157,8 +157,20 @@ def hf_mimi(cfg: MimiConfig, sd: dict[str, Tensor]):
     )
     assert hf_cfg.frame_rate == cfg.frame_rate
     model = transformers.MimiModel(hf_cfg).eval()
-    model.load_state_dict(to_hf(sd, t.num_heads), strict=True)
+    hf = to_hf(sd, t.num_heads)
+    if "encoder.layers.0.conv.weight" in model.state_dict():  # earlier releases (5.17) kept these at the top
+        hf = {_OLDER_HF_PREFIX.sub(lambda m: _OLDER_HF_NAMES[m.group(0)], key): value for key, value in hf.items()}
+    model.load_state_dict(hf, strict=True)
     return model
+
+
+# The 5.x layout's prefixes that earlier transformers releases named without the enclosing encoder/decoder.
+_OLDER_HF_NAMES = {
+    "encoder.encoder_seanet.": "encoder.", "encoder.encoder_transformer.": "encoder_transformer.",
+    "encoder.downsample.": "downsample.", "decoder.decoder_seanet.": "decoder.",
+    "decoder.decoder_transformer.": "decoder_transformer.", "decoder.upsample.": "upsample.",
+}
+_OLDER_HF_PREFIX = re.compile("^(" + "|".join(re.escape(k) for k in _OLDER_HF_NAMES) + ")")
 
 
 def test_one_shot_matches_transformers(mimi: Mimi, ckpt: tuple[Path, dict[str, Tensor]]) -> None:
