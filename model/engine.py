@@ -13,10 +13,10 @@ A session's start is a job of steps (its prompt planned, prefilled on a scratch 
 (model/prompt_prefill.py) or copied from the prompt cache), one per gap between ticks where the step's recent
 duration fits; one that fits no gap runs at a gap's start, and none waits longer than JOB_MAX_WAIT_S. On CUDA a
 cached prompt's copy also runs while a tick is in flight on the device, queued behind it on its stream, so a
-cached open does not wait for a tick (_serve_in_flight). A realtime
-session's open returns with its prompt in place; its first model half follows as a one-row step in a gap, or, when
-a tick comes first, right before that tick's batch (its client's audio already waits) or in the batch (none does).
-An input-clocked session's is the last step of its open.
+cached open does not wait for a tick (_serve_in_flight). A realtime session's open returns with its prompt in
+place; its first model half follows as a one-row step in a gap, or, when a tick comes first, right before that
+tick's batch (its client's audio already waits) or in the batch (none does). An input-clocked session's is the
+last step of its open.
 
 The step itself lives in `model/batch_step.py` (CUDA graphs per padded batch size, and per row for one-row steps);
 inputs and outputs move once per tick through pinned host memory.
