@@ -123,6 +123,9 @@ class Metrics:
                (("", {"cause": c}, n) for c, n in sorted(s.errors_by_cause.items())))
         family("personaplex_engine_prompt_cache_total", "counter", "Session starts by prompt-cache result.",
                [("", {"result": "hit"}, s.prompt_cache_hits), ("", {"result": "miss"}, s.prompt_cache_misses)])
+        family("personaplex_engine_prompt_copies_in_flight_total", "counter",
+               "Cached prompts copied into their slots while a tick ran on the device (the open did not wait for it).",
+               [("", {}, s.prompt_copies_in_flight)])
         family("personaplex_engine_open_work_last_ms", "gauge",
                "Engine-thread time of the last session start (its prompt; an input-clocked one's first model half).",
                [("", {}, s.open_work_ms_last)])

@@ -272,6 +272,7 @@ async def test_http_routes(server):
         starts = values['personaplex_engine_prompt_cache_total{result="hit"}'] + values[
             'personaplex_engine_prompt_cache_total{result="miss"}']
         assert starts >= 1 and values["personaplex_engine_open_work_last_ms"] > 0
+        assert values["personaplex_engine_prompt_copies_in_flight_total"] == 0  # CPU: no tick is ever in flight
         assert all(values[f'personaplex_engine_open_step_ms{{kind="{k}"}}'] > 0 for k in ("plan", "prefill", "lead"))
         assert all(values[f'personaplex_engine_host_ms{{phase="{p}"}}'] > 0 for p in ("prepare", "deliver"))
         async with http.get(server.url + "/v1/realtime?duplex=0") as r:
