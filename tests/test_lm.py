@@ -12,7 +12,7 @@ from model.config import SILENCE_TOKENS, TEXT_PAD, TINY_LM, LMConfig
 from model.lm import LM, RING_SIZE, add_rms_norm, count_parameters, rms_norm
 from model.prompt_prefill import PromptPrefill
 from model.prompts import apply_prompt, finish_prompt, plan_prompt, plan_voice
-from model.sampling import RowSampling
+from model.sampling import RowSampling, SamplingParams, row_sampling
 from model.step import StepConstants, frame_step
 
 CPU = torch.device("cpu")
@@ -203,6 +203,21 @@ def test_sampling_seeded_and_row_independent():
     k1 = sampling(2, greedy=False, seed=3, top_k=1)
     e, _ = run_steps(lm, lm.init_state(2), user, k1, k1)
     assert torch.equal(g, e)
+
+
+def test_a_row_set_in_place_equals_the_row_built_from_its_params():
+    """The engine sets a slot's sampling with set_row (fills, no upload); it must give what row_sampling builds."""
+    params = SamplingParams(temp_text=0.55, temp_audio=0.9, topk_text=17, topk_audio=140, greedy=False)
+    seed = 2**40 + 12345
+    text, audio = row_sampling([SamplingParams(greedy=True)] * 3, [0] * 3, torch.device("cpu"))
+    before, _ = row_sampling([SamplingParams(greedy=True)] * 3, [0] * 3, torch.device("cpu"))
+    text.set_row(1, params.greedy, params.temp_text, params.topk_text, seed)
+    audio.set_row(1, params.greedy, params.temp_audio, params.topk_audio, seed)
+    want_text, want_audio = row_sampling([params], [seed], torch.device("cpu"))
+    for got, want in ((text, want_text), (audio, want_audio)):
+        for name in ("greedy", "temperature", "top_k", "seed"):
+            assert torch.equal(getattr(got, name)[1:2], getattr(want, name)), name
+            assert torch.equal(getattr(got, name)[0::2], getattr(before, name)[0::2])  # the other rows untouched
 
 
 def test_context_config_is_respected():
