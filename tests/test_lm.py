@@ -210,11 +210,11 @@ def test_a_row_set_in_place_equals_the_row_built_from_its_params():
     params = SamplingParams(temp_text=0.55, temp_audio=0.9, topk_text=17, topk_audio=140, greedy=False)
     seed = 2**40 + 12345
     text, audio = row_sampling([SamplingParams(greedy=True)] * 3, [0] * 3, torch.device("cpu"))
-    before, _ = row_sampling([SamplingParams(greedy=True)] * 3, [0] * 3, torch.device("cpu"))
+    text_before, audio_before = row_sampling([SamplingParams(greedy=True)] * 3, [0] * 3, torch.device("cpu"))
     text.set_row(1, params.greedy, params.temp_text, params.topk_text, seed)
     audio.set_row(1, params.greedy, params.temp_audio, params.topk_audio, seed)
     want_text, want_audio = row_sampling([params], [seed], torch.device("cpu"))
-    for got, want in ((text, want_text), (audio, want_audio)):
+    for got, want, before in ((text, want_text, text_before), (audio, want_audio, audio_before)):
         for name in ("greedy", "temperature", "top_k", "seed"):
             assert torch.equal(getattr(got, name)[1:2], getattr(want, name)), name
             assert torch.equal(getattr(got, name)[0::2], getattr(before, name)[0::2])  # the other rows untouched
