@@ -144,7 +144,8 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
                       "first_frame_ms_p50": percentiles(first)[0], "first_frame_ms_max": round(max(first), 3),
                       "engine_work_ms_p50": percentiles(work)[0], "engine_work_ms_max": round(max(work), 3),
                       "open_step_ms": {k: round(v, 2) for k, v in engine.stats().open_step_ms.items()},
-                      "late_ticks_total": engine.stats().late_ticks})
+                      "late_ticks_total": engine.stats().late_ticks,
+                      "prompt_copies_in_flight_total": engine.stats().prompt_copies_in_flight})
     for slot in slots:
         slot.close()
     return lines

@@ -38,6 +38,7 @@ def test_engine_bench_prints_ticks_capacity_and_opens() -> None:
     assert set(opens) == {"cold", "cached"}
     assert opens["cached"]["engine_work_ms_p50"] < opens["cold"]["engine_work_ms_p50"]
     assert all(o["opens"] == 2 and 0 < o["open_ms_p50"] <= o["first_frame_ms_p50"] for o in opens.values())
+    assert all(o["prompt_copies_in_flight_total"] == 0 for o in opens.values())  # the CPU has no tick in flight
     # Every step kind's figure is a real run's (a first model half that a tick ran first is no 0 ms "lead").
     assert all(ms > 0 for o in opens.values() for ms in o["open_step_ms"].values())
 
