@@ -34,7 +34,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -373,7 +373,7 @@ class Engine:
         self._kv_extent = np.zeros(B, dtype=np.int64)
         # Per padded batch size, recent seconds from a tick's launch to its outputs on the host: how long a cached
         # prompt's copy may be served while the tick is in flight (_serve_in_flight).
-        self._in_flight_s: dict[int, deque[float]] = {}
+        self._in_flight_s: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=8))
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         self._copies_in_flight = 0
 
@@ -943,7 +943,7 @@ class Engine:
         offline_rows = [rt.index for rt in self._live(offline=True) if rt.index < n]
         try:
             outputs = self._run_batch(n, offline_rows)
-            self._kv_extent[[rt.index for rt in live]] += 1
+            self._kv_extent[:n] += self._active_np[:n]  # the rows that stepped wrote one slot each
         except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
             log.exception("tick failed")
             for rt in live:
@@ -994,7 +994,7 @@ class Engine:
         returned = time.perf_counter()
         self._parts_ms = self._timer.parts_ms()
         self._step_marks = (launched, returned)
-        self._in_flight_s.setdefault(n, deque(maxlen=8)).append(returned - launched)
+        self._in_flight_s[n].append(returned - launched)
         return self._frames_host[:n].numpy(), self._emitted_host[:n].numpy(), self._audio_host[:n].numpy()
 
     def _serve_in_flight(self, n: int, launched: float) -> None:
