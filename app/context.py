@@ -1,6 +1,8 @@
-"""What every route handler shares: settings, the loaded model, the engine, metrics, and the open sockets.
+"""What every route handler shares: settings, the model's description, the engine, metrics, and the open sockets.
 
-Stored on the aiohttp application under `CONTEXT`; the engine and model are set once startup has loaded them.
+Stored on the aiohttp application under `CONTEXT`. In one process the engine is a `model.engine.Engine` and the model
+is loaded at startup; in a worker process the engine is a `RemoteEngine` (the engine process's slots, over the
+channel) and the model's description comes from the engine process.
 Voice names are resolved here, so clients can only name bundled voices or files in the server's voices folder,
 never arbitrary paths.
 """
@@ -20,6 +22,8 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from model.engine import Engine
+    from model.engine_channel import ModelInfo
+    from model.engine_client import RemoteEngine
     from model.loading import PersonaPlex
 
 VOICE_SUFFIXES = (".pt", ".wav")
@@ -33,22 +37,37 @@ class ClosableSocket(Protocol):
 class ServerContext:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
-    model: PersonaPlex | None = None
-    engine: Engine | None = None
+    model: PersonaPlex | None = None          # in one process only: the loaded model
+    engine: Engine | RemoteEngine | None = None
     model_note: str = ""                      # why this model was loaded (the tiny fallback says why)
     sockets: set[ClosableSocket] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     shutting_down: bool = False
+    _info: ModelInfo | None = None
 
     @property
     def ready(self) -> bool:
         return self.engine is not None and self.engine.running and not self.shutting_down
 
     @property
+    def model_info(self) -> ModelInfo | None:
+        """The model's description: the loaded model's (one process) or the engine process's (a worker)."""
+        if self.model is not None:
+            if self._info is None:
+                self._info = self.model.info()
+            return self._info
+        return getattr(self.engine, "model", None)
+
+    @property
     def model_id(self) -> str:
-        if self.model is None:
+        info = self.model_info
+        if info is None:
             return self.settings.model
-        return "personaplex-tiny" if self.model.is_tiny else Path(self.model.source).name or self.model.source
+        if info.is_tiny:
+            return "personaplex-tiny"
+        if info.random_weights:
+            return "personaplex-7b-random-weights"
+        return Path(info.source).name or info.source
 
     def _extra_voices(self) -> dict[str, Path]:
         folder = self.settings.voices_dir
@@ -57,12 +76,14 @@ class ServerContext:
         return {p.stem: p for p in sorted(folder.iterdir()) if p.suffix in VOICE_SUFFIXES and p.is_file()}
 
     def voice_names(self) -> list[str]:
-        bundled = self.model.voices() if self.model is not None else []
+        info = self.model_info
+        bundled = info.voices if info is not None else []
         return sorted(set(bundled) | set(self._extra_voices()))
 
     @property
     def default_voice(self) -> str | None:
-        return self.model.default_voice if self.model is not None else None
+        info = self.model_info
+        return info.default_voice if info is not None else None
 
     def resolve_voice(self, name: object, *, param: str = "voice") -> str | None:
         """A client's voice name -> what SessionParams.voice takes (a bundled name or a voices-folder path).
@@ -77,7 +98,8 @@ class ServerContext:
                 stem = stem[: -len(suffix)]
         if "/" in stem or "\\" in stem or stem.startswith("."):
             raise ProtocolError("invalid_voice", f"voice {name!r}: name a voice, not a path", param=param)
-        if self.model is not None and stem in self.model.voices():
+        info = self.model_info
+        if info is not None and stem in info.voices:
             return stem
         extra = self._extra_voices()
         if stem in extra:

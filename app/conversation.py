@@ -2,7 +2,7 @@
 
 Every transport (the three WebSocket dialects, WebRTC) holds one `Conversation` per connection:
 
-    slot = engine.reserve()                           # admission (raises ResourceExhausted)
+    slot = await engine.reserve_wait(timeout_s)       # admission (raises ResourceExhausted)
     conv = Conversation(slot, metrics=metrics, input_policy=InputPolicy(backlog_s=2.0))
     remove = conv.add_listener(on_frame, on_error)    # called on the event loop, in frame order
     conv.start(SessionParams(...))                    # -> asyncio.Task (prefill, then live); makes `conv.input` now

@@ -1,7 +1,9 @@
 """Server counters and their Prometheus text exposition (format 0.0.4), written by hand.
 
 The app counts admissions, rejections, errors and connections; the engine's `EngineStats` gives ticks and the tick
-histogram; frame and underrun totals are closed conversations' counts plus the live ones' current counts.
+histogram; frame and underrun totals are closed conversations' counts plus the live ones' current counts. With
+worker processes, each worker's counters reach the others through the engine process (`snapshot()`, about twice a
+second), and whichever worker serves `/metrics` renders the sum: its own counters now, the others' last snapshots.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+_KEY_JOIN = "\t"  # joins a rejection's route and code into one key of a snapshot
 
 
 class CountedConversation(Protocol):
@@ -62,8 +66,22 @@ class Metrics:
             totals.update(conv.counters())
         return totals
 
-    def render(self, engine_stats: Any | None) -> str:
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """These counters as plain dicts, to cross to other processes (`render(..., others=[...])`)."""
+        return {"admissions": dict(self.admissions), "errors": dict(self.errors),
+                "connections": dict(self.connections), "frames": dict(self.frame_totals()),
+                "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
+
+    def render(self, engine_stats: Any | None, others: Iterable[dict[str, dict[str, int]]] = ()) -> str:
         out: list[str] = []
+        admissions, errors, connections = Counter(self.admissions), Counter(self.errors), Counter(self.connections)
+        rejections, totals = Counter(self.rejections), self.frame_totals()
+        for other in others:
+            admissions.update(other.get("admissions", {}))
+            errors.update(other.get("errors", {}))
+            connections.update(other.get("connections", {}))
+            totals.update(other.get("frames", {}))
+            rejections.update({tuple(key.split(_KEY_JOIN, 1)): n for key, n in other.get("rejections", {}).items()})
 
         def family(name: str, kind: str, help_: str, samples: Iterable[tuple[str, dict[str, str], float]]) -> None:
             rows = list(samples)
@@ -73,14 +91,13 @@ class Metrics:
                 out.append(f"{name}{suffix}{_label_text(labels)} {_num(value)}")
 
         family("personaplex_admissions_total", "counter", "Conversations admitted, by route.",
-               (("", {"route": r}, n) for r, n in sorted(self.admissions.items())))
+               (("", {"route": r}, n) for r, n in sorted(admissions.items())))
         family("personaplex_rejections_total", "counter", "Connections refused, by route and error code.",
-               (("", {"route": r, "code": c}, n) for (r, c), n in sorted(self.rejections.items())))
+               (("", {"route": r, "code": c}, n) for (r, c), n in sorted(rejections.items())))
         family("personaplex_errors_total", "counter", "Error events sent to clients, by code.",
-               (("", {"code": c}, n) for c, n in sorted(self.errors.items())))
+               (("", {"code": c}, n) for c, n in sorted(errors.items())))
         family("personaplex_connections", "gauge", "Open WebSocket connections, by route.",
-               (("", {"route": r}, n) for r, n in sorted(self.connections.items())))
-        totals = self.frame_totals()
+               (("", {"route": r}, n) for r, n in sorted(connections.items())))
         family("personaplex_frames_in_total", "counter", "80 ms input frames the engine consumed.",
                [("", {}, totals["frames_in"])])
         family("personaplex_frames_out_total", "counter", "80 ms output frames the engine produced.",

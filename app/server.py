@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -26,10 +27,12 @@ from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
 from app.errors import http_error_body
 from app.realtime import capabilities, realtime_handler
-from app.settings import TINY_MODEL, Settings
+from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
 from app.twilio import twilio_handler
-from model.engine import Engine, EngineConfig
+from model.engine import Engine, EngineConfig, EngineError, EngineStats
+from model.engine_client import RemoteEngine
 from model.loading import PersonaPlex, load_model
+from model.random_model import random_personaplex
 from model.tiny import write_tiny_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -58,7 +61,8 @@ def tiny_folder(settings: Settings) -> Path:
 
 def load_for(settings: Settings) -> tuple[PersonaPlex, str]:
     """The model to serve and a note on why. A repo id without a GPU or a token, or any load failure, falls back to
-    the built-in tiny model (unless `strict_model`), and the log says so loudly."""
+    the built-in tiny model (unless `strict_model`), and the log says so loudly. `random-7b` (the official shape with
+    random weights, for sizing hardware) is loaded only when asked for by name, and says so everywhere."""
     device, dtype = resolve_device(settings)
     source = settings.model
     local = Path(source).expanduser().is_dir()
@@ -69,11 +73,16 @@ def load_for(settings: Settings) -> tuple[PersonaPlex, str]:
         reason = f"no GPU for {source} (device {device})"
     if not reason:
         try:
+            if source == RANDOM_MODEL:
+                note = (f"serving {RANDOM_MODEL}: PersonaPlex-7B's shape with RANDOM WEIGHTS on {device} ({dtype}), "
+                        "for sizing hardware; sessions run at the real model's speed but say nothing")
+                logger.warning("\n%s\n%s\n%s", _BANNER, note.upper(), _BANNER)
+                return random_personaplex(device=device, dtype=dtype), note
             return load_model(source, device=device, dtype=dtype), f"loaded {source} on {device} ({dtype})"
         except Exception as e:
             if settings.strict_model:
                 raise
-            hint = "" if local or os.environ.get("HF_TOKEN") else " (HF_TOKEN is not set)"
+            hint = "" if local or os.environ.get("HF_TOKEN") or source == RANDOM_MODEL else " (HF_TOKEN is not set)"
             reason = f"{source} did not load{hint}: {type(e).__name__}: {e}"
     folder = tiny_folder(settings)
     model = load_model(str(folder), device=device, dtype="float32")
@@ -83,17 +92,27 @@ def load_for(settings: Settings) -> tuple[PersonaPlex, str]:
     return model, note
 
 
+def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
+    """The engine for `model` as the settings ask (not started)."""
+    fp8 = settings.kv_cache == "fp8"
+    if fp8 and model.device.type != "cuda":
+        logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)
+    return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda"))
+
+
 async def _startup(app: web.Application) -> None:
     ctx = app[CONTEXT]
+    if isinstance(ctx.engine, RemoteEngine):  # a worker: the engine process has the model
+        remote = ctx.engine
+        remote.counters_source = ctx.metrics.snapshot
+        task = asyncio.ensure_future(remote.run())
+        ctx.tasks.add(task)
+        return
     loop = asyncio.get_running_loop()
     if ctx.model is None:
         ctx.model, ctx.model_note = await loop.run_in_executor(None, load_for, ctx.settings)
     logger.info("%s", ctx.model_note or f"model {ctx.model.source}")
-    fp8 = ctx.settings.kv_cache == "fp8"
-    if fp8 and ctx.model.device.type != "cuda":
-        logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", ctx.model.dtype)
-    engine = Engine(ctx.model, EngineConfig(max_sessions=ctx.settings.max_sessions,
-                                            fp8_kv=fp8 and ctx.model.device.type == "cuda"))
+    engine = build_engine(ctx.settings, ctx.model)
     engine.start()
     ctx.engine = engine
 
@@ -111,7 +130,7 @@ async def _shutdown(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     ctx = app[CONTEXT]
-    if ctx.engine is not None:
+    if isinstance(ctx.engine, Engine):
         engine, ctx.engine = ctx.engine, None
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
@@ -126,29 +145,65 @@ def _unauthorized(request: web.Request) -> web.Response | None:
     return _json(http_error_body("unauthorized", "a valid API key is required"), status=401)
 
 
+async def _engine_stats(ctx: ServerContext) -> EngineStats | None:
+    """The engine's stats now (a worker asks the engine process), or None while there is no engine to ask."""
+    engine = ctx.engine
+    if engine is None:
+        return None
+    try:
+        if isinstance(engine, RemoteEngine):
+            return await asyncio.wait_for(engine.fresh_stats(), 1.0)
+        return engine.stats()
+    except (EngineError, asyncio.TimeoutError):
+        return None
+
+
+def processes(ctx: ServerContext) -> list[dict[str, object]]:
+    """The server's processes: the engine's and every worker's in a multi-process server, else this one."""
+    engine = ctx.engine
+    if not isinstance(engine, RemoteEngine):
+        return [{"role": "main", "pid": os.getpid()}]
+    found: list[dict[str, object]] = [{"role": "main", "pid": os.getppid()}]
+    if engine.engine_pid:
+        found.append({"role": "engine", "pid": engine.engine_pid})
+    for number, worker in sorted(engine.workers.items(), key=lambda item: int(item[0])):
+        found.append({"role": "worker", "worker": int(number), "pid": worker.pid, "sessions": worker.sessions,
+                      "this": worker.pid == os.getpid()})
+    return found
+
+
 async def health(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
-    if ctx.engine is None:
-        return _json({"status": "shutting_down" if ctx.shutting_down else "starting", "ready": False}, status=503)
-    s = ctx.engine.stats()
-    status = "shutting_down" if ctx.shutting_down else ("ok" if ctx.engine.running else "engine_down")
+    s = await _engine_stats(ctx)
+    if s is None:
+        status = "shutting_down" if ctx.shutting_down else (
+            "engine_down" if isinstance(ctx.engine, RemoteEngine) and ctx.engine.connects else "starting")
+        return _json({"status": status, "ready": False, "processes": processes(ctx)}, status=503)
+    ready = ctx.ready
+    status = "shutting_down" if ctx.shutting_down else ("ok" if ready else "engine_down")
+    info = ctx.model_info
     return _json({
         "status": status,
-        "ready": ctx.ready,
+        "ready": ready,
         "model": ctx.model_id,
-        "tiny": bool(ctx.model and ctx.model.is_tiny),
-        "note": ctx.model_note,
+        "tiny": bool(info and info.is_tiny),
+        "random_weights": bool(info and (info.random_weights or info.is_tiny)),
+        "note": ctx.model_note or getattr(ctx.engine, "note", ""),
         "sessions": {"in_use": s.sessions_in_use, "free": s.max_sessions - s.sessions_in_use,
                      "max": s.max_sessions},
         "tick": {"ticks": s.ticks, "late_ticks": s.late_ticks, "batch": s.batch, "last_ms": s.tick_ms,
                  "p50_ms": s.tick_ms_p50, "p99_ms": s.tick_ms_p99},
-    }, status=200 if ctx.ready else 503)
+        "processes": processes(ctx),
+    }, status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
-    stats = ctx.engine.stats() if ctx.engine is not None else None
-    return web.Response(text=ctx.metrics.render(stats), content_type="text/plain",
+    stats = await _engine_stats(ctx)
+    others = []
+    if isinstance(ctx.engine, RemoteEngine):
+        others = [w.counters for w in ctx.engine.workers.values() if w.pid != os.getpid()]
+    return web.Response(text=ctx.metrics.render(stats, others), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
 
 
@@ -158,10 +213,12 @@ async def models(request: web.Request) -> web.Response:
         return refused
     ctx = request.app[CONTEXT]
     max_sessions = ctx.engine.max_sessions if ctx.engine is not None else ctx.settings.max_sessions
+    info = ctx.model_info
     return _json({"object": "list", "data": [{
         "id": ctx.model_id, "object": "model", "created": 0, "owned_by": "personaplex-server",
-        "source": ctx.model.source if ctx.model is not None else ctx.settings.model,
-        "tiny": bool(ctx.model and ctx.model.is_tiny),
+        "source": info.source if info is not None else ctx.settings.model,
+        "tiny": bool(info and info.is_tiny),
+        "random_weights": bool(info and (info.random_weights or info.is_tiny)),
         "capabilities": capabilities(max_sessions),
     }]})
 
@@ -171,16 +228,19 @@ async def voices(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     ctx = request.app[CONTEXT]
-    bundled = set(ctx.model.voices()) if ctx.model is not None else set()
+    info = ctx.model_info
+    bundled = set(info.voices) if info is not None else set()
     return _json({"object": "list", "default": ctx.default_voice, "data": [
         {"id": name, "object": "voice", "source": "bundled" if name in bundled else "voices_dir",
          "default": name == ctx.default_voice} for name in ctx.voice_names()]})
 
 
-def create_app(settings: Settings, *, model: PersonaPlex | None = None) -> web.Application:
-    """The server; `model` skips loading (tests, embedding). Engine start and stop follow the app's lifetime."""
+def create_app(settings: Settings, *, model: PersonaPlex | None = None,
+               engine: RemoteEngine | None = None) -> web.Application:
+    """The server; `model` skips loading (tests, embedding). Engine start and stop follow the app's lifetime; with
+    `engine` (a worker process) the engine process has the model, and this app only talks to it."""
     app = web.Application(client_max_size=settings.max_message_bytes)
-    app[CONTEXT] = ServerContext(settings=settings, model=model,
+    app[CONTEXT] = ServerContext(settings=settings, model=model, engine=engine,
                                  model_note=f"model given by the caller: {model.source}" if model else "")
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -198,18 +258,22 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None) -> web.A
     return app
 
 
-async def serve(settings: Settings) -> None:
-    """Run until cancelled (SIGINT/SIGTERM through `python -m app`)."""
-    app = create_app(settings)
-    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s)
+async def serve(settings: Settings, *, sock: socket.socket | None = None, engine_path: str | None = None,
+                worker: int = 0) -> None:
+    """Run until cancelled (SIGINT/SIGTERM through `python -m app`). In one process by default; a worker process
+    gets the listening socket it shares with the other workers and the engine process's channel."""
+    engine = RemoteEngine(engine_path, worker, settings.input_lead_ms / 1000.0) if engine_path else None
+    app = create_app(settings, engine=engine)
+    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     ctx = app[CONTEXT]
-    for sock in site._server.sockets if site._server else ():  # type: ignore[union-attr]
-        host, port = sock.getsockname()[:2]
-        logger.info("listening on http://%s:%d (%s; %d sessions)", host, port, ctx.model_id,
-                    settings.max_sessions)
+    if engine is None:
+        for bound in site._server.sockets if site._server else ():  # type: ignore[union-attr]
+            host, port = bound.getsockname()[:2]
+            logger.info("listening on http://%s:%d (%s; %d sessions)", host, port, ctx.model_id,
+                        settings.max_sessions)
     try:
         await asyncio.Event().wait()
     finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
 TINY_MODEL = "tiny"
+RANDOM_MODEL = "random-7b"
 
 
 @dataclass
@@ -46,6 +47,9 @@ class Settings:
     max_input_backlog_s: float = 30.0     # input-paced sessions: audio queued ahead of the engine before backpressure
     max_output_backlog_s: float = 20.0    # output queued for a client that does not read before the socket closes
     shutdown_timeout_s: float = 5.0
+    workers: int = -1                     # network processes beside the engine process; 0: all in one process;
+                                          # -1: from the core count (default_workers)
+    input_lead_ms: float = 8.0            # workers send each tick's input this long before the engine's deadline
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
@@ -65,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                "e.g. PERSONAPLEX_API_KEYS=k1,k2); a flag wins. HF_TOKEN is used for gated Hugging Face repos. Without "
                "a GPU, or when the model cannot be loaded, the server runs the built-in tiny test model and says so.",
     )
-    p.add_argument("--model", help=f"checkpoint folder, HF repo id or 'tiny' (default {d.model})")
+    p.add_argument("--model", help=f"checkpoint folder, HF repo id, 'tiny', or '{RANDOM_MODEL}' (the official "
+                                   f"shape with random weights on the GPU, for sizing hardware) (default {d.model})")
     p.add_argument("--host", help=f"bind address (default {d.host})")
     p.add_argument("--port", type=int, help=f"TCP port, 0 = any free port (default {d.port})")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default auto)")
@@ -94,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-backlog-s", type=float)
     p.add_argument("--max-output-backlog-s", type=float)
     p.add_argument("--shutdown-timeout-s", type=float)
+    p.add_argument("--workers", type=int,
+                   help="worker processes for the network and media work, sharing the port, beside one engine process "
+                        "that owns the GPU; 0 runs everything in one process (default: half the cores, 1 to 16)")
+    p.add_argument("--input-lead-ms", type=float,
+                   help=f"workers send each tick's input frames this long before its deadline (default "
+                        f"{d.input_lead_ms:g})")
     return p
 
 
@@ -113,7 +124,15 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     if s.kv_cache not in KV_CACHE_CHOICES:
         raise SystemExit(f"--kv-cache / PERSONAPLEX_KV_CACHE must be one of {', '.join(KV_CACHE_CHOICES)}, "
                          f"got {s.kv_cache!r}")
+    if s.workers < 0:
+        s.workers = default_workers()
     return s
+
+
+def default_workers(cores: int | None = None) -> int:
+    """Half the cores for the doors (the engine process and the load beside it keep the rest), 1 to 16."""
+    cores = cores or os.cpu_count() or 2
+    return max(1, min(16, cores // 2))
 
 
 def _coerce(name: str, value: object, default: object) -> object:

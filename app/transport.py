@@ -26,7 +26,7 @@ from app.auth import refusal, response_subprotocols
 from app.context import CONTEXT, ServerContext
 from app.conversation import Conversation, InputPolicy
 from app.errors import ProtocolError, error_event, new_event_id
-from model.engine import ResourceExhausted, Slot
+from model.engine import EngineError, ResourceExhausted, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -235,15 +235,17 @@ class WsSession:
         engine = self.ctx.engine
         assert engine is not None
         try:
-            if self.settings.queue_timeout_s > 0:
-                slot = await engine.reserve_wait(self.settings.queue_timeout_s)
-            else:
-                slot = engine.reserve()
+            slot = await engine.reserve_wait(self.settings.queue_timeout_s)
         except ResourceExhausted:
             self.ctx.metrics.rejections[(self.route, "resource_exhausted")] += 1
             await self.send_error(ProtocolError(
                 "resource_exhausted", f"duplex_session_capacity_exhausted: limit={engine.max_sessions}"))
             await self.close(CLOSE_TRY_LATER, "resource_exhausted", send_closed=False)
+            return None
+        except EngineError as e:  # the engine process is down or restarting
+            self.ctx.metrics.rejections[(self.route, e.code)] += 1
+            await self.send_error(ProtocolError(e.code, e.message))
+            await self.close(CLOSE_TRY_LATER, e.code, send_closed=False)
             return None
         self.ctx.metrics.admissions[self.route] += 1
         return slot

@@ -63,7 +63,7 @@ from media.tracks import (
     OutboundAudioTrack,
     install_contained_encoder,
 )
-from model.engine import FrameOutput, InvalidSessionParams, ResourceExhausted, Slot
+from model.engine import EngineError, FrameOutput, InvalidSessionParams, ResourceExhausted, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -505,14 +505,14 @@ async def create_call(request: web.Request) -> web.Response:
     except OfferError as e:
         return _error(e.status, e.code, str(e))
     try:
-        if settings.queue_timeout_s > 0:
-            slot = await ctx.engine.reserve_wait(settings.queue_timeout_s)
-        else:
-            slot = ctx.engine.reserve()
+        slot = await ctx.engine.reserve_wait(settings.queue_timeout_s)
     except ResourceExhausted:
         ctx.metrics.rejections[(CALLS_ROUTE, "resource_exhausted")] += 1
         return _error(429, "resource_exhausted",
                       f"duplex_session_capacity_exhausted: limit={ctx.engine.max_sessions}; try again later")
+    except EngineError as e:  # the engine process is down or restarting
+        ctx.metrics.rejections[(CALLS_ROUTE, e.code)] += 1
+        return _error(503, e.code, e.message)
     call = CallSession(request, slot, request.app[WEBRTC], offer)
     try:
         await call.open(session)

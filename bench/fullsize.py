@@ -10,37 +10,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import sentencepiece
 import torch
-from safetensors.torch import save_file
 
 from model.audio import write_wav
-from model.config import SAMPLE_RATE, LMConfig, MimiConfig
-from model.lm import LM
-from model.loading import DTYPES, PersonaPlex, load_model
-from model.mimi import load_mimi, random_mimi_state_dict
-from model.tiny import synthetic_voice, train_tokenizer, write_tiny_checkpoint
-
-
-def random_personaplex(device: str = "cuda", dtype: str = "bfloat16", context: int = 3000) -> PersonaPlex:
-    cfg = LMConfig(context=context)
-    torch_dtype = DTYPES[dtype]
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)
-    try:
-        with torch.device(device):
-            lm = LM(cfg, depformer_steps=cfg.num_audio_codebooks).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    mimi_cfg = MimiConfig()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "mimi.safetensors"
-        save_file(random_mimi_state_dict(mimi_cfg, 1), str(path))
-        mimi = load_mimi(path, mimi_cfg, device=device)
-    tokenizer = sentencepiece.SentencePieceProcessor(model_proto=train_tokenizer())
-    return PersonaPlex(lm=lm, mimi=mimi, tokenizer=tokenizer, config=cfg, mimi_config=mimi_cfg, voices_dir=None,
-                       source="random full-size weights", device=torch.device(device), dtype=torch_dtype)
+from model.config import SAMPLE_RATE
+from model.loading import PersonaPlex, load_model
+from model.random_model import random_personaplex
+from model.tiny import synthetic_voice, write_tiny_checkpoint
 
 
 def bench_model(tiny: bool) -> PersonaPlex:

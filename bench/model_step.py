@@ -14,8 +14,9 @@ import json
 import numpy as np
 import torch
 
-from bench.fullsize import gpu_memory_gb, random_personaplex
+from bench.fullsize import gpu_memory_gb
 from model.engine import Engine, EngineConfig
+from model.random_model import random_personaplex
 
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, float]:

@@ -11,9 +11,9 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.fullsize import random_personaplex
 from model.batch_step import BatchStep, PartTimer
 from model.engine import Engine, EngineConfig
+from model.random_model import random_personaplex
 
 
 def main() -> None:

@@ -171,6 +171,7 @@ class EngineStats:
     open_work_ms_last: float  # engine-thread time of the last session start (prompt prefill or cache copy)
     open_step_ms: dict[str, float]  # recent ms of one session-start step, by kind (JOB_STEP_KINDS), once one ran
     prompt_copies_in_flight: int  # cached prompts copied while a tick ran on the device (_serve_in_flight)
+    last_tick_at: float = 0.0  # time.monotonic() when the loop last passed a tick's deadline (0: never)
 
 
 _collector_lock = threading.Lock()
@@ -376,6 +377,9 @@ class Engine:
         self._in_flight_s: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=8))
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         self._copies_in_flight = 0
+        self._tick_listeners: list[Callable[[TickRecord | None, float], None]] = []
+        self._next_tick_at = time.monotonic()
+        self._last_tick_at = 0.0
 
     # ----- public, any thread ------------------------------------------------------------------------------
 
@@ -387,6 +391,16 @@ class Engine:
     def running(self) -> bool:
         """Whether the tick thread is up (for health checks)."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def next_tick_at(self) -> float:
+        """The monotonic time (time.monotonic()) of the next realtime tick's deadline."""
+        return self._next_tick_at
+
+    def add_tick_listener(self, listener: Callable[[TickRecord | None, float], None]) -> None:
+        """Call `listener(record, next_tick_at)` on the engine thread after every tick's deliveries (record None
+        for a tick with no live realtime session); add listeners before start()."""
+        self._tick_listeners.append(listener)
 
     def sessions_in_use(self) -> int:
         with self._lock:
@@ -537,7 +551,7 @@ class Engine:
                 errors=sum(self._errors.values()), errors_by_cause=dict(self._errors),
                 offline_frames=self._offline_frames, prompt_cache_hits=self._cache_hits,
                 prompt_cache_misses=self._cache_misses, open_work_ms_last=self._open_ms, open_step_ms={},
-                prompt_copies_in_flight=self._copies_in_flight,
+                prompt_copies_in_flight=self._copies_in_flight, last_tick_at=self._last_tick_at,
             )
         if ms:
             stats.tick_ms_p50, stats.tick_ms_p99 = (float(v) for v in np.percentile(ms, [50, 99]))
@@ -782,7 +796,7 @@ class Engine:
 
     def _loop(self) -> None:
         tick_s = self.config.tick_ms / 1000.0
-        deadline = time.monotonic() + tick_s
+        deadline = self._next_tick_at = time.monotonic() + tick_s
         while self._running:
             try:
                 deadline = self._iterate(deadline, tick_s)
@@ -797,11 +811,17 @@ class Engine:
         self._drain_commands()
         now = time.monotonic()
         if now >= deadline:
+            ticks = self._ticks
             self._realtime_tick(started_late=now - deadline > tick_s / 2)
-            _collect_garbage()
             deadline += tick_s
             if time.monotonic() > deadline:  # never burst to catch up: re-anchor on the clock
                 deadline = time.monotonic() + tick_s
+            self._next_tick_at = deadline
+            self._last_tick_at = time.monotonic()
+            record = self._ticks_log[-1] if self._ticks != ticks else None
+            for listener in self._tick_listeners:
+                listener(record, deadline)
+            _collect_garbage()
             return deadline
         if self._jobs and self._job_step(deadline - now):
             return deadline

@@ -36,6 +36,7 @@ from model.config import (
     mimi_config_from_dict,
     read_json,
 )
+from model.engine_channel import ModelInfo
 from model.lm import LM
 from model.mimi import Mimi, load_mimi
 from model.prompts import VoicePrompt, plan_voice
@@ -205,6 +206,12 @@ class PersonaPlex:
     device: torch.device
     dtype: torch.dtype
     is_tiny: bool = False
+    random_weights: bool = False  # the official shape with random weights (`random-7b`): for sizing hardware
+
+    def info(self) -> ModelInfo:
+        """What the doors need to know of this model, in a form that crosses to worker processes."""
+        return ModelInfo(source=self.source, is_tiny=self.is_tiny, random_weights=self.random_weights,
+                         voices=self.voices(), default_voice=self.default_voice)
 
     def voices(self) -> list[str]:
         if self.voices_dir is None:

@@ -1,0 +1,187 @@
+"""The channel between the engine process and the worker processes: typed messages and their framing.
+
+One Unix stream socket per worker. Each message is a msgpack body (msgspec) behind a 4-byte big-endian length.
+Audio crosses as raw float32 bytes, one frame (1920 samples) per session, batched per tick in both directions:
+a worker sends one `Frames` message a tick for all its realtime sessions, the engine one `Tick` message a tick with
+all that worker's outputs and session counters. Requests (`Reserve`, `Start`, `Restart`, `StatsRequest`) carry a
+request number that their `Reply` echoes.
+
+Nothing here imports torch: a worker process needs only this to talk to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgspec
+
+HEADER = struct.Struct(">I")
+MAX_MESSAGE_BYTES = 256 << 20  # a tick of 256 sessions is ~2 MB; anything near this is a broken peer
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """What the doors need to know of the loaded model (for /health, /v1/models, voices, the page)."""
+
+    source: str
+    is_tiny: bool
+    random_weights: bool
+    voices: list[str]
+    default_voice: str | None
+
+
+class Sampling(msgspec.Struct, frozen=True):
+    greedy: bool
+    temp_text: float
+    topk_text: int
+    temp_audio: float
+    topk_audio: int
+    seed: int | None
+
+
+class Params(msgspec.Struct, frozen=True):
+    voice: str | None
+    persona: str
+    sampling: Sampling
+    pacing: str
+
+
+# ---- worker -> engine -------------------------------------------------------------------------------------------
+
+class Hello(msgspec.Struct, tag=True):
+    worker: int
+    pid: int
+
+
+class Reserve(msgspec.Struct, tag=True):
+    req: int
+    timeout_s: float
+
+
+class Start(msgspec.Struct, tag=True):
+    req: int
+    sid: str
+    params: Params
+
+
+class Restart(msgspec.Struct, tag=True):
+    req: int
+    sid: str
+
+
+class Close(msgspec.Struct, tag=True):
+    sid: str
+
+
+class Frames(msgspec.Struct, tag=True):
+    """Input frames, one per listed session: float32 bytes of 1920 samples at 24 kHz."""
+
+    sids: list[str]
+    audio: list[bytes]
+
+
+class StatsRequest(msgspec.Struct, tag=True):
+    req: int
+
+
+class WorkerCounters(msgspec.Struct, tag=True):
+    """A worker's own metrics counters (sent now and then), so that any worker can serve the server's totals."""
+
+    counters: dict[str, dict[str, int]]
+
+
+# ---- engine -> worker -------------------------------------------------------------------------------------------
+
+class Welcome(msgspec.Struct, tag=True):
+    model: ModelInfo
+    max_sessions: int
+    engine_pid: int
+    note: str
+    next_tick_at: float
+
+
+class Reply(msgspec.Struct, tag=True):
+    req: int
+    ok: bool
+    sid: str = ""
+    index: int = -1
+    code: str = ""
+    message: str = ""
+    cause: str = ""
+    stats: Stats | None = None
+
+
+class Output(msgspec.Struct, array_like=True):
+    sid: str
+    index: int
+    audio: bytes  # float32, 1920 samples
+    text: str
+    tokens: bytes  # int64, 17
+
+
+class Counters(msgspec.Struct, array_like=True):
+    sid: str
+    frames_in: int
+    frames_out: int
+    underruns: int
+
+
+class Tick(msgspec.Struct, tag=True):
+    """One realtime tick's outputs for one worker (or, with `next_tick_at` 0, an input-clocked step's)."""
+
+    next_tick_at: float
+    outputs: list[Output]
+    counters: list[Counters]
+
+
+class Failed(msgspec.Struct, tag=True):
+    sid: str
+    code: str
+    message: str
+    cause: str
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    pid: int
+    sessions: int
+    counters: dict[str, dict[str, int]]  # the worker's own metrics counters, as it last sent them
+
+
+class Stats(msgspec.Struct, tag=True):
+    """The engine's stats and every connected worker's: pushed to every worker twice a second."""
+
+    engine: dict
+    workers: dict[str, WorkerInfo]  # by worker number
+    next_tick_at: float
+
+
+ToEngine = Hello | Reserve | Start | Restart | Close | Frames | StatsRequest | WorkerCounters
+ToWorker = Welcome | Reply | Tick | Failed | Stats
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """One framed message: length header and body."""
+    body = _encoder.encode(message)
+    return HEADER.pack(len(body)) + body
+
+
+class MessageReader:
+    """Reads framed messages of one union type from an asyncio stream."""
+
+    def __init__(self, reader: asyncio.StreamReader, kind: type) -> None:
+        self._reader = reader
+        self._decoder = msgspec.msgpack.Decoder(kind)
+
+    async def read(self) -> object | None:
+        """The next message, or None at the end of the stream."""
+        try:
+            header = await self._reader.readexactly(HEADER.size)
+            (size,) = HEADER.unpack(header)
+            if size > MAX_MESSAGE_BYTES:
+                raise ConnectionError(f"a channel message of {size} bytes: the peer is broken")
+            body = await self._reader.readexactly(size)
+        except asyncio.IncompleteReadError:
+            return None
+        return self._decoder.decode(body)

@@ -1,0 +1,409 @@
+"""A worker process's handle on the engine process: the Engine interface the doors use, over the channel.
+
+`RemoteEngine` answers what the doors ask of an engine (`reserve_wait`, `validate`, `stats`, `running`,
+`max_sessions`) and gives `RemoteSlot`s with the `Slot` interface. Input crosses once per tick: shortly before each
+tick (`input_lead_s` ahead of the engine's deadline) one `Frames` message carries the next frame of every realtime
+session of this worker whose previous frame the engine has taken; a session that has none ready sends nothing and
+the engine counts an underrun, as it would in one process. Input-clocked sessions send as soon as frames are ready,
+up to `OFFLINE_CREDIT` ahead of the engine. Outputs arrive batched per tick and are handed to each slot's callback
+on this loop.
+
+If the engine process goes away, every session fails with `engine_stopped`, `running` turns false, and the client
+reconnects when an engine is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from model.engine import (
+    EngineError,
+    EngineStats,
+    FrameOutput,
+    FrameSource,
+    InvalidSessionParams,
+    ResourceExhausted,
+    SessionFailed,
+    SessionParams,
+    SlotStats,
+)
+from model.engine_channel import (
+    Close,
+    Failed,
+    Frames,
+    Hello,
+    MessageReader,
+    ModelInfo,
+    Params,
+    Reply,
+    Reserve,
+    Restart,
+    Sampling,
+    Start,
+    Stats,
+    StatsRequest,
+    Tick,
+    ToWorker,
+    Welcome,
+    WorkerCounters,
+    WorkerInfo,
+    encode,
+)
+from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
+
+log = logging.getLogger(__name__)
+
+OFFLINE_CREDIT = 4      # input-clocked frames sent ahead of the engine's consumption
+OFFLINE_POLL_S = 0.01   # how often input-clocked sources are checked for new frames
+TICK_S = 0.08
+ERRORS = {cls.code: cls for cls in (ResourceExhausted, InvalidSessionParams)}
+
+
+def channel_params(params: SessionParams) -> Params:
+    s = params.sampling
+    return Params(voice=params.voice, persona=params.persona, pacing=params.pacing,
+                  sampling=Sampling(greedy=s.greedy, temp_text=s.temp_text, topk_text=s.topk_text,
+                                    temp_audio=s.temp_audio, topk_audio=s.topk_audio, seed=s.seed))
+
+
+def _error(reply: Reply) -> EngineError:
+    if reply.code == SessionFailed.code:
+        return SessionFailed(reply.message, reply.cause or "step")
+    cls = ERRORS.get(reply.code)
+    return cls(reply.message) if cls is not None else EngineError(reply.message, reply.code, reply.cause or None)
+
+
+def engine_stats(data: dict) -> EngineStats:
+    data = dict(data)
+    data["tick_ms_buckets"] = [(float(le), int(n)) for le, n in data["tick_ms_buckets"]]
+    return EngineStats(**data)
+
+
+@dataclass
+class _Counters:
+    frames_in: int = 0
+    frames_out: int = 0
+    underruns: int = 0
+
+
+class RemoteSlot:
+    """A slot of the engine process, with the interface of `model.engine.Slot`."""
+
+    def __init__(self, engine: RemoteEngine, sid: str, index: int) -> None:
+        self._engine = engine
+        self.id = sid
+        self.index = index
+        self.state = "reserved"
+        self.source: FrameSource | None = None
+        self.offline = False
+        self.sent = 0
+        self.counters = _Counters()
+        self._on_output: Callable[[FrameOutput], None] | None = None
+        self._on_error: Callable[[EngineError], None] | None = None
+
+    async def start(self, params: SessionParams, source: FrameSource, on_output: Callable[[FrameOutput], None],
+                    on_error: Callable[[EngineError], None]) -> None:
+        self._engine.validate(params)
+        if self.state != "reserved":
+            raise EngineError(f"slot {self.id} is {self.state}, not reserved", "invalid_state")
+        self.source, self._on_output, self._on_error = source, on_output, on_error
+        self.offline = params.pacing == "input"
+        self.state = "prefill"
+        try:
+            await self._engine.request(Start(self._engine.next_req(), self.id, channel_params(params)))
+        except BaseException:
+            if self.state == "prefill":
+                self.state = "reserved"
+            raise
+        if self.state == "prefill":
+            self.state = "live"
+
+    async def restart(self) -> None:
+        if self.source is None:
+            raise EngineError("session not started", "invalid_state")
+        await self._engine.request(Restart(self._engine.next_req(), self.id))
+
+    def close(self) -> None:
+        if self.state in ("closed", "failed"):
+            return
+        self.state = "closed"
+        self._engine.forget(self, tell_engine=True)
+
+    def stats(self) -> SlotStats:
+        c = self.counters
+        return SlotStats(frames_in=c.frames_in, frames_out=c.frames_out, underruns=c.underruns, state=self.state)
+
+    # ---- from the channel -------------------------------------------------------------------------------------
+
+    def deliver(self, frame: FrameOutput) -> None:
+        if self.state == "live" and self._on_output is not None:
+            self._on_output(frame)
+
+    def fail(self, error: EngineError) -> None:
+        if self.state in ("closed", "failed"):
+            return
+        self.state = "failed"
+        self._engine.forget(self, tell_engine=False)
+        if self._on_error is not None:
+            self._on_error(error)
+
+    def next_frame(self) -> bytes | None:
+        """The next input frame to send, if the engine has taken the last one (realtime) or has credit left."""
+        credit = OFFLINE_CREDIT if self.offline else 1
+        if self.source is None or self.sent - self.counters.frames_in >= credit:
+            return None
+        frame = self.source.read_frame()
+        if frame is None:
+            return None
+        self.sent += 1
+        return np.asarray(frame, dtype=np.float32).tobytes()
+
+
+class RemoteEngine:
+    """The engine process seen from a worker; `await run()` keeps the connection up (start it as a task)."""
+
+    def __init__(self, path: str, worker: int, input_lead_s: float = 0.008) -> None:
+        self.path = path
+        self.worker = worker
+        self.input_lead_s = input_lead_s
+        self.model: ModelInfo | None = None
+        self.note = ""
+        self.engine_pid = 0
+        self._max_sessions = 0
+        self._connected = asyncio.Event()
+        self._writer: asyncio.StreamWriter | None = None
+        self._stats: dict | None = None
+        self._stats_at = 0.0
+        self.workers: dict[str, WorkerInfo] = {}
+        self._slots: dict[str, RemoteSlot] = {}
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._req = 0
+        self._next_tick_at = 0.0
+        self._pump: asyncio.TimerHandle | None = None
+        self.counters_source: Callable[[], dict[str, dict[str, int]]] | None = None
+        self.connects = 0
+
+    # ---- what the doors use -----------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Connected, and the engine ticked lately (a stuck engine process counts as down)."""
+        if self._writer is None or self._stats is None:
+            return False
+        last = self._stats.get("last_tick_at")
+        return last is None or time.monotonic() - last < 2.0
+
+    @property
+    def max_sessions(self) -> int:
+        return self._max_sessions
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._connected.wait(), timeout_s)
+        return self._connected.is_set()
+
+    def stats(self) -> EngineStats:
+        if self._stats is None:
+            raise EngineError("the engine process is not connected", "engine_stopped")
+        return engine_stats(self._stats)
+
+    async def fresh_stats(self) -> EngineStats:
+        """Stats asked of the engine now (health checks), not the last pushed ones."""
+        reply = await self.request(StatsRequest(self.next_req()))
+        assert reply.stats is not None
+        self._take_stats(reply.stats)
+        return self.stats()
+
+    def validate(self, params: SessionParams) -> None:
+        try:
+            params.sampling.validate(MAX_TOP_K_TEXT, MAX_TOP_K_AUDIO)
+        except ValueError as exc:
+            raise InvalidSessionParams(str(exc)) from exc
+        if params.pacing not in ("realtime", "input"):
+            raise InvalidSessionParams(f"pacing must be 'realtime' or 'input', got {params.pacing!r}")
+
+    async def reserve_wait(self, timeout_s: float) -> RemoteSlot:
+        reply = await self.request(Reserve(self.next_req(), timeout_s))
+        slot = RemoteSlot(self, reply.sid, reply.index)
+        self._slots[slot.id] = slot
+        return slot
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    def next_req(self) -> int:
+        self._req += 1
+        return self._req
+
+    async def request(self, message: Reserve | Start | Restart | StatsRequest) -> Reply:
+        if self._writer is None:
+            raise EngineError("the engine process is not running", "engine_stopped")
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[message.req] = future
+        try:
+            self._writer.write(encode(message))
+            reply = await future
+        finally:
+            self._pending.pop(message.req, None)
+        if not reply.ok:
+            raise _error(reply)
+        return reply
+
+    def forget(self, slot: RemoteSlot, tell_engine: bool) -> None:
+        if self._slots.pop(slot.id, None) is not None and tell_engine and self._writer is not None:
+            self._writer.write(encode(Close(slot.id)))
+
+    # ---- the connection ---------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect, serve, and reconnect after a loss, until cancelled."""
+        offline = asyncio.ensure_future(self._offline_pump())
+        try:
+            while True:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 22)
+                except OSError:
+                    await asyncio.sleep(0.2)
+                    continue
+                try:
+                    await self._serve(reader, writer)
+                except (ConnectionError, OSError) as exc:
+                    log.warning("engine channel error: %s", exc)
+                finally:
+                    self._lost()
+                    writer.close()
+                await asyncio.sleep(0.2)
+        finally:
+            offline.cancel()
+            self._lost()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        messages = MessageReader(reader, ToWorker)
+        writer.write(encode(Hello(self.worker, os.getpid())))
+        welcome = await messages.read()
+        if not isinstance(welcome, Welcome):
+            raise ConnectionError(f"the engine answered {type(welcome).__name__}, not Welcome")
+        self.model, self._max_sessions, self.engine_pid = welcome.model, welcome.max_sessions, welcome.engine_pid
+        self.note = welcome.note
+        self._writer = writer
+        self.connects += 1
+        self._schedule_pump(welcome.next_tick_at)
+        asyncio.ensure_future(self._become_ready())
+        while (message := await messages.read()) is not None:
+            self._dispatch(message)
+
+    async def _become_ready(self) -> None:
+        """Connected once the first stats arrive: they say whether the engine ticks."""
+        with contextlib.suppress(EngineError):
+            await self.fresh_stats()
+            self._connected.set()
+
+    def _lost(self) -> None:
+        if self._writer is None:
+            return
+        self._writer = None
+        self._stats = None
+        self._connected.clear()
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+        stopped = EngineError("the engine process stopped", "engine_stopped")
+        for future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(stopped)
+        for slot in list(self._slots.values()):
+            slot.fail(EngineError("the engine process stopped", "engine_stopped"))
+        self._slots.clear()
+
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, Tick):
+            self._take_tick(message)
+        elif isinstance(message, Reply):
+            future = self._pending.get(message.req)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif isinstance(message, Failed):
+            slot = self._slots.get(message.sid)
+            if message.code == SessionFailed.code:
+                error: EngineError = SessionFailed(message.message, message.cause)
+            else:
+                error = EngineError(message.message, message.code, message.cause)
+            if slot is not None:
+                slot.fail(error)
+        elif isinstance(message, Stats):
+            self._take_stats(message)
+            self._send_counters()
+
+    def _take_stats(self, stats: Stats) -> None:
+        self._stats, self.workers = stats.engine, stats.workers
+
+    def _send_counters(self) -> None:
+        if self.counters_source is not None and self._writer is not None:
+            self._writer.write(encode(WorkerCounters(self.counters_source())))
+
+    def _take_tick(self, tick: Tick) -> None:
+        slots = self._slots
+        for c in tick.counters:
+            slot = slots.get(c.sid)
+            if slot is not None:
+                slot.counters = _Counters(c.frames_in, c.frames_out, c.underruns)
+        for out in tick.outputs:
+            slot = slots.get(out.sid)
+            if slot is not None:
+                slot.deliver(FrameOutput(index=out.index, audio=np.frombuffer(out.audio, dtype=np.float32),
+                                         text=out.text, tokens=np.frombuffer(out.tokens, dtype=np.int64)))
+        if tick.next_tick_at:
+            self._schedule_pump(tick.next_tick_at)
+        else:
+            self._send_offline()
+
+    # ---- input ------------------------------------------------------------------------------------------------
+
+    def _schedule_pump(self, next_tick_at: float) -> None:
+        """Send input `input_lead_s` before the engine's next tick; each pump schedules the one after, and every
+        tick message re-anchors the schedule on the engine's own clock (monotonic time is one clock per host)."""
+        self._next_tick_at = next_tick_at
+        loop = asyncio.get_running_loop()
+        if self._pump is not None:
+            self._pump.cancel()
+        at = next_tick_at - self.input_lead_s
+        while at < loop.time() - TICK_S / 2:  # missed: aim at the next one
+            at += TICK_S
+            self._next_tick_at += TICK_S
+        self._pump = loop.call_at(at, self._pump_realtime)
+
+    def _pump_realtime(self) -> None:
+        self._pump = None
+        sids, audio = [], []
+        for slot in list(self._slots.values()):
+            if slot.state == "live" and not slot.offline:
+                data = slot.next_frame()
+                if data is not None:
+                    sids.append(slot.id)
+                    audio.append(data)
+        if sids and self._writer is not None:
+            self._writer.write(encode(Frames(sids, audio)))
+        if self._writer is not None:
+            self._schedule_pump(self._next_tick_at + TICK_S)
+
+    def _send_offline(self) -> None:
+        sids, audio = [], []
+        for slot in list(self._slots.values()):
+            if slot.offline and slot.state == "live":
+                while (data := slot.next_frame()) is not None:
+                    sids.append(slot.id)
+                    audio.append(data)
+        if sids and self._writer is not None:
+            self._writer.write(encode(Frames(sids, audio)))
+
+    async def _offline_pump(self) -> None:
+        while True:
+            await asyncio.sleep(OFFLINE_POLL_S)
+            self._send_offline()

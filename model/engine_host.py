@@ -1,0 +1,312 @@
+"""The engine process's side of the channel: one Engine served to the worker processes over a Unix socket.
+
+The engine thread never waits for a worker. Input frames arrive on this process's asyncio thread and wait in a
+per-session queue that the tick reads (`ChannelSource`); a tick's outputs for each worker are gathered by the
+sessions' callbacks on the engine thread, encoded there in one message per worker by the tick listener, and handed
+to the asyncio thread, whose transports write them. A worker that stops reading is dropped once its unsent output
+passes `max_unsent_bytes` (its sessions close); one that disconnects or dies frees its sessions' slots at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from model.engine import Engine, EngineError, FrameOutput, SessionParams, Slot
+from model.engine_channel import (
+    Close,
+    Counters,
+    Failed,
+    Frames,
+    Hello,
+    MessageReader,
+    ModelInfo,
+    Output,
+    Params,
+    Reply,
+    Reserve,
+    Restart,
+    Start,
+    Stats,
+    StatsRequest,
+    Tick,
+    ToEngine,
+    Welcome,
+    WorkerCounters,
+    WorkerInfo,
+    encode,
+)
+from model.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 0.5
+
+
+class ChannelSource:
+    """A session's input frames as they arrive from its worker; the tick takes one each (FrameSource)."""
+
+    def __init__(self) -> None:
+        self._frames: deque[np.ndarray] = deque()
+
+    def push(self, frame: np.ndarray) -> None:
+        self._frames.append(frame)
+
+    def read_frame(self) -> np.ndarray | None:
+        try:
+            return self._frames.popleft()
+        except IndexError:
+            return None
+
+    def frames_ready(self) -> int:
+        return len(self._frames)
+
+
+@dataclass
+class HostSession:
+    slot: Slot
+    link: WorkerLink
+    source: ChannelSource = field(default_factory=ChannelSource)
+    offline: bool = False
+
+
+def session_params(params: Params) -> SessionParams:
+    s = params.sampling
+    sampling = SamplingParams(greedy=s.greedy, temp_text=s.temp_text, topk_text=s.topk_text,
+                              temp_audio=s.temp_audio, topk_audio=s.topk_audio, seed=s.seed)
+    return SessionParams(voice=params.voice, persona=params.persona, sampling=sampling, pacing=params.pacing)
+
+
+def _stats_dict(engine: Engine) -> dict:
+    stats = vars(engine.stats()).copy()
+    stats["tick_ms_buckets"] = [[le, n] for le, n in stats["tick_ms_buckets"]]
+    return stats
+
+
+class WorkerLink:
+    """One worker's connection: its sessions, its reader, and the outputs the engine thread gathers for it."""
+
+    def __init__(self, host: EngineHost, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.host = host
+        self.reader = MessageReader(reader, ToEngine)
+        self.writer = writer
+        self.worker = -1
+        self.pid = 0
+        self.counters: dict[str, dict[str, int]] = {}
+        self.sessions: dict[str, HostSession] = {}
+        self.outbox: list[Output] = []  # engine thread only
+        self.closed = False
+
+    # ---- asyncio thread ---------------------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        transport = self.writer.transport
+        if transport.get_write_buffer_size() > self.host.max_unsent_bytes:
+            log.error("worker %d (pid %d) does not read its outputs: dropping it", self.worker, self.pid)
+            self.drop()
+            return
+        self.writer.write(data)
+
+    def drop(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for session in list(self.sessions.values()):
+            session.slot.close()
+        self.sessions.clear()
+        self.writer.transport.abort()
+
+    async def serve(self) -> None:
+        try:
+            while (message := await self.reader.read()) is not None:
+                self.dispatch(message)
+        except (ConnectionError, OSError) as exc:
+            log.warning("worker %d channel error: %s", self.worker, exc)
+        finally:
+            if self.sessions:
+                log.warning("worker %d (pid %d) went away: freeing its %d sessions", self.worker, self.pid,
+                            len(self.sessions))
+            self.drop()
+            self.host.remove_link(self)
+
+    def dispatch(self, message: object) -> None:
+        if isinstance(message, Frames):
+            sessions = self.sessions
+            for sid, audio in zip(message.sids, message.audio):
+                session = sessions.get(sid)
+                if session is not None:
+                    session.source.push(np.frombuffer(audio, dtype=np.float32))
+        elif isinstance(message, Close):
+            session = self.sessions.pop(message.sid, None)
+            if session is not None:
+                session.slot.close()
+        elif isinstance(message, Hello):
+            self.worker, self.pid = message.worker, message.pid
+        elif isinstance(message, WorkerCounters):
+            self.counters = message.counters
+        else:
+            self.host.spawn(self.answer(message))
+
+    async def answer(self, message: object) -> None:
+        req = getattr(message, "req", -1)
+        try:
+            reply = await self.request(message)
+        except EngineError as exc:
+            reply = Reply(req=req, ok=False, code=exc.code, message=exc.message, cause=exc.cause)
+        except Exception as exc:  # a bug here must not take the channel down
+            log.exception("engine request failed")
+            reply = Reply(req=req, ok=False, code="internal_error", message=f"{type(exc).__name__}: {exc}")
+        self.send(encode(reply))
+
+    async def request(self, message: object) -> Reply:
+        engine = self.host.engine
+        if isinstance(message, Reserve):
+            slot = await engine.reserve_wait(message.timeout_s)
+            if self.closed:
+                slot.close()
+                raise EngineError("the worker went away", "session_closed")
+            self.sessions[slot.id] = HostSession(slot, self)
+            return Reply(req=message.req, ok=True, sid=slot.id, index=slot.index)
+        if isinstance(message, Start):
+            session = self._session(message.sid)
+            params = session_params(message.params)
+            session.offline = params.pacing == "input"
+            await session.slot.start(params, session.source, self._output_callback(session),
+                                     self._error_callback(session))
+            return Reply(req=message.req, ok=True, sid=message.sid)
+        if isinstance(message, Restart):
+            await self._session(message.sid).slot.restart()
+            return Reply(req=message.req, ok=True, sid=message.sid)
+        if isinstance(message, StatsRequest):
+            return Reply(req=message.req, ok=True, stats=self.host.stats_message())
+        raise EngineError(f"unknown request {type(message).__name__}", "bad_request")
+
+    def _session(self, sid: str) -> HostSession:
+        session = self.sessions.get(sid)
+        if session is None:
+            raise EngineError(f"no session {sid}", "session_closed")
+        return session
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+
+    def _output_callback(self, session: HostSession):
+        sid = session.slot.id
+
+        def on_output(frame: FrameOutput) -> None:
+            output = Output(sid, frame.index, frame.audio.astype(np.float32, copy=False).tobytes(), frame.text,
+                            frame.tokens.astype(np.int64, copy=False).tobytes())
+            if session.offline:  # stepped between ticks, as fast as its input comes: sent at once
+                counters = [Counters(sid, *self._counts(session))]
+                self.host.post(self, encode(Tick(0.0, [output], counters)))
+            else:
+                self.outbox.append(output)
+
+        return on_output
+
+    def _error_callback(self, session: HostSession):
+        sid = session.slot.id
+
+        def on_error(error: EngineError) -> None:
+            self.host.post(self, encode(Failed(sid, error.code, error.message, error.cause)))
+
+        return on_error
+
+    @staticmethod
+    def _counts(session: HostSession) -> tuple[int, int, int]:
+        s = session.slot.stats()
+        return s.frames_in, s.frames_out, s.underruns
+
+    def flush_tick(self, next_tick_at: float) -> None:
+        """After a tick: this worker's outputs and its realtime sessions' counters, in one message."""
+        outputs, self.outbox = self.outbox, []
+        counters = [Counters(sid, *self._counts(s)) for sid, s in list(self.sessions.items()) if not s.offline]
+        if outputs or counters:
+            self.host.post(self, encode(Tick(next_tick_at, outputs, counters)))
+
+
+class EngineHost:
+    """Serves `engine` on the Unix socket `path` until stopped. Run `serve()` on an asyncio loop."""
+
+    def __init__(self, engine: Engine, model: ModelInfo, path: str, note: str = "",
+                 max_unsent_bytes: int = 64 << 20) -> None:
+        self.engine = engine
+        self.model = model
+        self.path = path
+        self.note = note
+        self.max_unsent_bytes = max_unsent_bytes
+        self.links: set[WorkerLink] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._links_lock = threading.Lock()
+        engine.add_tick_listener(self._after_tick)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def post(self, link: WorkerLink, data: bytes) -> None:
+        """From the engine thread: have the asyncio thread write `data` to `link`."""
+        if self._loop is not None and not link.closed:
+            self._loop.call_soon_threadsafe(link.send, data)
+
+    def remove_link(self, link: WorkerLink) -> None:
+        with self._links_lock:
+            self.links.discard(link)
+
+    def _after_tick(self, record: object, next_tick_at: float) -> None:
+        with self._links_lock:
+            links = list(self.links)
+        for link in links:
+            if not link.closed:
+                link.flush_tick(next_tick_at)
+
+    def stats_message(self) -> Stats:
+        links = [link for link in list(self.links) if link.worker >= 0]
+        workers = {str(link.worker): WorkerInfo(link.pid, len(link.sessions), link.counters) for link in links}
+        return Stats(engine=_stats_dict(self.engine), workers=workers, next_tick_at=self.engine.next_tick_at)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = WorkerLink(self, reader, writer)
+        with self._links_lock:
+            self.links.add(link)
+        link.send(encode(Welcome(self.model, self.engine.max_sessions, os.getpid(), self.note,
+                                 self.engine.next_tick_at)))
+        await link.serve()
+
+    async def _push_stats(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_PERIOD_S)
+            if not self.links:
+                continue
+            data = encode(self.stats_message())
+            for link in list(self.links):
+                link.send(data)
+
+    async def serve(self, started: asyncio.Event | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        server = await asyncio.start_unix_server(self._accept, self.path, limit=1 << 20)
+        os.chmod(self.path, 0o600)
+        pusher = asyncio.ensure_future(self._push_stats())
+        log.info("engine process %d serving %d slots on its channel", os.getpid(), self.engine.max_sessions)
+        if started is not None:
+            started.set()
+        try:
+            async with server:
+                await server.serve_forever()
+        finally:
+            pusher.cancel()
+            for link in list(self.links):
+                link.drop()
+
