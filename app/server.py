@@ -29,6 +29,7 @@ from app.errors import http_error_body
 from app.realtime import capabilities, realtime_handler
 from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
 from app.twilio import twilio_handler
+from app.worker_routing import worker_socket
 from model.engine import Engine, EngineConfig, EngineError, EngineStats
 from model.engine_client import RemoteEngine
 from model.loading import PersonaPlex, load_model
@@ -268,6 +269,8 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None, engine
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
     await site.start()
+    if engine is not None:  # where the other workers forward requests for this one's calls (app/worker_routing.py)
+        await web.UnixSite(runner, worker_socket(Path(engine.path).parent, worker)).start()
     ctx = app[CONTEXT]
     if engine is None:
         for bound in site._server.sockets if site._server else ():  # type: ignore[union-attr]

@@ -33,7 +33,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +53,7 @@ from app.realtime import RealtimeSession
 from app.session_config import default_config
 from app.settings import Settings
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
+from app.worker_routing import call_owner, forward, new_call_id, worker_socket
 from media.jitter import FRAME, JitterStats
 from media.playout import PlayoutBuffer, PlayoutConfig
 from media.tracks import (
@@ -64,6 +64,7 @@ from media.tracks import (
     install_contained_encoder,
 )
 from model.engine import EngineError, FrameOutput, InvalidSessionParams, ResourceExhausted, Slot
+from model.engine_client import RemoteEngine
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class CallSession(RealtimeSession):
         super().__init__(request)
         self.offer_sdp = offer_sdp
         self.expects_channel = "m=application" in offer_sdp   # no channel offered: events have nowhere to go
-        self.call_id = f"rtc_{uuid.uuid4().hex[:24]}"
+        self.call_id = new_call_id(getattr(self.ctx.engine, "worker", None))
         self._slot = slot
         self.webrtc = config
         policy = RTCIceTransportPolicy.RELAY if config.relay_only else RTCIceTransportPolicy.ALL
@@ -539,16 +540,27 @@ def _find_call(request: web.Request) -> CallSession | web.Response:
     refused = refusal(request, settings.api_keys, settings.allowed_origins)
     if refused is not None:
         return refused
-    call = request.app[CALLS].get(request.match_info["call_id"])
+    call_id = request.match_info["call_id"]
+    call = request.app[CALLS].get(call_id)
     if call is None:
-        return _error(404, "bad_event", f"no live call {request.match_info['call_id']!r}")
+        return _error(404, "bad_event", f"no live call {call_id!r}")
     return call
+
+
+def _other_worker(request: web.Request) -> str | None:
+    """The private socket of the worker that holds this request's call, when that is another process."""
+    engine = request.app[CONTEXT].engine
+    owner = call_owner(request.match_info["call_id"])
+    if not isinstance(engine, RemoteEngine) or owner is None or owner == engine.worker:
+        return None
+    return worker_socket(Path(engine.path).parent, owner)
 
 
 async def hang_up(request: web.Request) -> web.Response:
     found = _find_call(request)
     if isinstance(found, web.Response):
-        return found
+        other = _other_worker(request) if found.status == 404 else None
+        return await forward(request, other) if other else found
     await found.close(CLOSE_NORMAL, "client_hangup")
     return web.Response(status=204)
 
@@ -556,7 +568,8 @@ async def hang_up(request: web.Request) -> web.Response:
 async def call_stats(request: web.Request) -> web.Response:
     found = _find_call(request)
     if isinstance(found, web.Response):
-        return found
+        other = _other_worker(request) if found.status == 404 else None
+        return await forward(request, other) if other else found
     return web.json_response(await found.stats())
 
 

@@ -92,14 +92,6 @@ class WorkerCounters(msgspec.Struct, tag=True):
 
 # ---- engine -> worker -------------------------------------------------------------------------------------------
 
-class Welcome(msgspec.Struct, tag=True):
-    model: ModelInfo
-    max_sessions: int
-    engine_pid: int
-    note: str
-    next_tick_at: float
-
-
 class Reply(msgspec.Struct, tag=True):
     req: int
     ok: bool
@@ -108,7 +100,7 @@ class Reply(msgspec.Struct, tag=True):
     code: str = ""
     message: str = ""
     cause: str = ""
-    stats: Stats | None = None
+    stats: Stats | None = None  # a StatsRequest's answer
 
 
 class Output(msgspec.Struct, array_like=True):
@@ -153,6 +145,14 @@ class Stats(msgspec.Struct, tag=True):
     engine: dict
     workers: dict[str, WorkerInfo]  # by worker number
     next_tick_at: float
+
+
+class Welcome(msgspec.Struct, tag=True):
+    model: ModelInfo
+    max_sessions: int
+    engine_pid: int
+    note: str
+    stats: Stats
 
 
 ToEngine = Hello | Reserve | Start | Restart | Close | Frames | StatsRequest | WorkerCounters

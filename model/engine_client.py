@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 OFFLINE_CREDIT = 4      # input-clocked frames sent ahead of the engine's consumption
 OFFLINE_POLL_S = 0.01   # how often input-clocked sources are checked for new frames
 TICK_S = 0.08
+STALLED_S = 2.0         # an engine whose last tick is older than this is down, whatever its process says
 ERRORS = {cls.code: cls for cls in (ResourceExhausted, InvalidSessionParams)}
 
 
@@ -198,8 +199,8 @@ class RemoteEngine:
         """Connected, and the engine ticked lately (a stuck engine process counts as down)."""
         if self._writer is None or self._stats is None:
             return False
-        last = self._stats.get("last_tick_at")
-        return last is None or time.monotonic() - last < 2.0
+        last = self._stats.get("last_tick_at") or 0.0  # 0: the engine thread started, its first tick is due
+        return last == 0.0 or time.monotonic() - last < STALLED_S
 
     @property
     def max_sessions(self) -> int:
@@ -294,16 +295,11 @@ class RemoteEngine:
         self.note = welcome.note
         self._writer = writer
         self.connects += 1
-        self._schedule_pump(welcome.next_tick_at)
-        asyncio.ensure_future(self._become_ready())
+        self._take_stats(welcome.stats)
+        self._connected.set()
+        self._schedule_pump(welcome.stats.next_tick_at)
         while (message := await messages.read()) is not None:
             self._dispatch(message)
-
-    async def _become_ready(self) -> None:
-        """Connected once the first stats arrive: they say whether the engine ticks."""
-        with contextlib.suppress(EngineError):
-            await self.fresh_stats()
-            self._connected.set()
 
     def _lost(self) -> None:
         if self._writer is None:

@@ -280,7 +280,7 @@ class EngineHost:
         with self._links_lock:
             self.links.add(link)
         link.send(encode(Welcome(self.model, self.engine.max_sessions, os.getpid(), self.note,
-                                 self.engine.next_tick_at)))
+                                 self.stats_message())))
         await link.serve()
 
     async def _push_stats(self) -> None:

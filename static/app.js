@@ -73,7 +73,9 @@ async function loadServerInfo() {
     const h = await res.json();
     const used = h.sessions_in_use ?? h.sessions?.in_use;
     const max = h.max_sessions ?? (h.sessions ? h.sessions.in_use + h.sessions.free : undefined);
-    const model = h.tiny ? "the built-in tiny test model (random weights: expect noise, not speech)" : h.model;
+    const model = h.tiny ? "the built-in tiny test model (random weights: expect noise, not speech)"
+      : h.random_weights ? `${h.model} (PersonaPlex-7B's shape with random weights, for sizing hardware: expect noise)`
+      : h.model;
     ui.serverInfo.textContent = used !== undefined && max !== undefined
       ? `Server: ${used} of ${max} conversations in use` + (model ? ` · model: ${model}` : "") : "";
   } catch { /* the footer is informative only */ }

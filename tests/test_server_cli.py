@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -15,11 +13,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from process_support import ROOT, cli_env, free_port
 
 from app.settings import DEFAULT_MODEL, parse_settings
 from model.audio import write_wav
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_flags_win_over_environment():
@@ -40,28 +37,16 @@ def test_kv_cache_choice_is_checked_for_flags_and_environment():
         parse_settings([], {"PERSONAPLEX_KV_CACHE": "fp9"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "PERSONAPLEX_MODEL")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 async def test_no_gpu_falls_back_to_tiny_loudly_and_exits_on_sigterm(tiny_checkpoint, tmp_path):
     if torch.cuda.is_available():
         return  # the fallback under test is the no-GPU one
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "tiny-checkpoint").symlink_to(tiny_checkpoint, target_is_directory=True)
-    port = _free_port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "app", "--port", str(port), "--cache-dir", str(cache), "--max-sessions", "1",
-        cwd=ROOT, env=_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        cwd=ROOT, env=cli_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         health = None
         deadline = time.monotonic() + 60
@@ -86,7 +71,7 @@ async def test_no_gpu_falls_back_to_tiny_loudly_and_exits_on_sigterm(tiny_checkp
 
 async def _bench(*args: str) -> dict:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.realtime_check", *args, cwd=ROOT, env=_env(),
+        sys.executable, "-m", "bench.realtime_check", *args, cwd=ROOT, env=cli_env(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert out, err.decode()

@@ -1,0 +1,226 @@
+"""The server as processes (`--workers N`): the doors in worker processes, the engine in its own, over real sockets.
+
+Sessions spread over both workers of the shared port; a worker killed outright frees its sessions' slots at once
+while the other worker's sessions miss no frame; the engine process killed outright ends every session with a clear
+`engine_stopped` error, /health says so, and the server serves again once the engine is back; a WebRTC call's
+routes answer from whichever worker a request lands on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+import pytest
+from process_support import free_port, health, start_cli, tiny_cache, wait_ready
+from server_support import until
+
+FRAME = 1920
+
+
+@dataclass
+class DuplexCaller:
+    """A realtime `/v1/duplex` session streaming a tone at the real-time pace, noting each output frame's index."""
+
+    url: str
+    frames: list[int] = field(default_factory=list)
+    error: dict | None = None
+    ended: bool = False
+    sent: int = 0
+
+    async def open(self) -> None:
+        # One connection each (new source port): the kernel may put it on either worker.
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        self.ws = await self.http.ws_connect(self.url.replace("http", "ws") + "/v1/duplex")
+        await self.ws.send_json({"type": "session.create", "session": {
+            "pacing": "realtime", "input": {"format": "pcm16", "rate": 24000},
+            "output": {"format": "pcm16", "rate": 24000}, "output_transport": "json"}})
+        await until(self.ws, "session.created", timeout=30)
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                self.ended = True
+                return
+            event = msg.json()
+            if event["type"] == "response.output_audio.delta":
+                self.frames.append(event["frame"])
+            elif event["type"] == "error" and self.error is None:
+                self.error = event["error"]
+
+    async def stream(self, seconds: float) -> None:
+        tone = (0.2 * np.sin(2 * np.pi * 220 * np.arange(FRAME) / 24000) * 32767).astype("<i2").tobytes()
+        start = time.monotonic()
+        while time.monotonic() - start < seconds and not self.ended:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.ws.send_bytes(tone)
+            self.sent += 1
+            await asyncio.sleep(max(0.0, start + self.sent * 0.08 - time.monotonic()))
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.ws.close()
+        self.reader.cancel()
+        await self.http.close()
+
+    def gaps(self) -> list[int]:
+        """Frame indices missing between the first and the last received."""
+        got = set(self.frames)
+        return [i for i in range(min(got), max(got) + 1) if i not in got] if got else []
+
+
+async def _server(tiny_checkpoint, tmp_path, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
+    port = free_port()
+    cache = tiny_cache(tiny_checkpoint, tmp_path / "cache")
+    proc = await start_cli("--model", "tiny", "--port", str(port), "--cache-dir", str(cache), *flags)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> str:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    return out.decode(errors="replace")
+
+
+def _workers(report: dict) -> dict[int, dict]:
+    return {p["worker"]: p for p in report["processes"] if p["role"] == "worker"}
+
+
+async def _spread(http: aiohttp.ClientSession, url: str, max_sessions: int) -> list[DuplexCaller]:
+    """Open sessions until both workers hold some (new connections land by the kernel's hash of their ports)."""
+    callers: list[DuplexCaller] = []
+    while len(callers) < max_sessions:
+        caller = DuplexCaller(url)
+        await caller.open()
+        callers.append(caller)
+        report = await health(http, url)
+        if len(callers) >= 4 and report and all(w["sessions"] > 0 for w in _workers(report).values()):
+            return callers
+    raise AssertionError(f"{max_sessions} sessions all landed on one worker: {report}")
+
+
+async def test_two_workers_share_sessions_and_one_dying_frees_only_its_own(tiny_checkpoint, tmp_path):
+    proc, url = await _server(tiny_checkpoint, tmp_path, "--workers", "2", "--max-sessions", "12")
+    try:
+        async with aiohttp.ClientSession() as http:
+            ready = await wait_ready(http, url, workers=2)
+            assert {p["role"] for p in ready["processes"]} == {"main", "engine", "worker"}
+            assert len(_workers(ready)) == 2
+            callers = await _spread(http, url, 12)
+            streams = [asyncio.ensure_future(c.stream(6.0)) for c in callers]
+            await asyncio.sleep(2.0)
+            report = await health(http, url)
+            victim = max(_workers(report).values(), key=lambda w: w["sessions"])
+            in_use, lost = report["sessions"]["in_use"], victim["sessions"]
+            assert in_use == len(callers)
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed_at = time.monotonic()
+            at_kill = {id(c): len(c.frames) for c in callers}
+            freed_after = None
+            while time.monotonic() - killed_at < 3.0:
+                report = await health(http, url)
+                if report and report["sessions"]["in_use"] == in_use - lost:
+                    freed_after = time.monotonic() - killed_at
+                    break
+                await asyncio.sleep(0.02)
+            assert freed_after is not None and freed_after <= 1.0, (freed_after, report)
+            await asyncio.gather(*streams)
+            await asyncio.sleep(0.5)
+            dropped = [c for c in callers if c.ended]
+            survivors = [c for c in callers if not c.ended]
+            assert len(dropped) == lost and survivors
+            for caller in survivors:  # every frame, the kill's moment included, reached its client, in order
+                assert caller.error is None, caller.error
+                assert caller.frames[0] == 0 and caller.gaps() == [] and caller.frames == sorted(caller.frames)
+                assert len(caller.frames) > at_kill[id(caller)] + 10
+            for caller in callers:
+                await caller.close()
+            # The supervisor starts the dead worker again; the server is whole.
+            deadline = time.monotonic() + 60
+            while len(_workers(report or {"processes": []})) < 2 or victim["pid"] in {
+                    w["pid"] for w in _workers(report).values()}:
+                assert time.monotonic() < deadline, report
+                await asyncio.sleep(0.3)
+                report = await health(http, url) or {"processes": []}
+    finally:
+        out = await _stop(proc)
+    assert proc.returncode == 0, out
+    assert "exited" in out and "starting it again" in out
+
+
+async def test_engine_process_dying_ends_sessions_cleanly_and_comes_back(tiny_checkpoint, tmp_path):
+    proc, url = await _server(tiny_checkpoint, tmp_path, "--workers", "1", "--max-sessions", "2")
+    try:
+        async with aiohttp.ClientSession() as http:
+            ready = await wait_ready(http, url)
+            engine = next(p for p in ready["processes"] if p["role"] == "engine")
+            caller = DuplexCaller(url)
+            await caller.open()
+            stream = asyncio.ensure_future(caller.stream(30.0))
+            while len(caller.frames) < 5:
+                await asyncio.sleep(0.05)
+            os.kill(engine["pid"], signal.SIGKILL)
+            await asyncio.wait_for(stream, 10)  # ends with the socket
+            code = caller.ws.close_code
+            assert caller.error is not None and caller.error["code"] == "engine_stopped", caller.error
+            assert code is not None and code != 1000
+            report = await health(http, url)
+            assert report is not None and report["ready"] is False
+            await caller.close()
+            back = await wait_ready(http, url, timeout_s=90)
+            assert next(p for p in back["processes"] if p["role"] == "engine")["pid"] != engine["pid"]
+            again = DuplexCaller(url)
+            await again.open()
+            await again.stream(1.0)
+            await asyncio.sleep(0.3)
+            assert again.frames and again.error is None
+            await again.close()
+    finally:
+        out = await _stop(proc)
+    assert proc.returncode == 0, out
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+async def test_call_routes_answer_from_any_worker(tiny_checkpoint, tmp_path, method):
+    aiortc = pytest.importorskip("aiortc")
+    proc, url = await _server(tiny_checkpoint, tmp_path, "--workers", "2", "--max-sessions", "2")
+    pc = aiortc.RTCPeerConnection()
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, url, workers=2)
+            pc.addTransceiver("audio", direction="sendrecv")
+            pc.createDataChannel("oai-events")
+            await pc.setLocalDescription(await pc.createOffer())
+            async with http.post(url + "/v1/realtime/calls", data=pc.localDescription.sdp,
+                                 headers={"Content-Type": "application/sdp"}) as r:
+                assert r.status == 201, await r.text()
+                location = r.headers["Location"]
+            call_id = location.rsplit("/", 1)[1]
+            assert call_id.startswith("rtc_w")
+            # Fresh connections spread over both workers: every one must find the call.
+            for _ in range(8):
+                report = await health(http, url)
+                assert report is not None
+                async with http.get(url + location, headers={"Connection": "close"}) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["call_id"] == call_id
+            if method == "DELETE":
+                async with http.delete(url + location, headers={"Connection": "close"}) as r:
+                    assert r.status == 204
+                deadline = time.monotonic() + 5
+                while (await health(http, url))["sessions"]["in_use"] != 0:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+    finally:
+        await pc.close()
+        out = await _stop(proc)
+    assert proc.returncode == 0, out
