@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import socket
-import sys
 from pathlib import Path
 
 import torch
@@ -95,12 +94,7 @@ def load_for(settings: Settings) -> tuple[PersonaPlex, str]:
 
 
 def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
-    """The engine for `model` as the settings ask (not started).
-
-    It also sets this process's GIL switch interval: a thread that wants the GIL waits up to that long for the one
-    holding it (the event loop, the channel), and the tick thread takes and gives it back several times a tick
-    (docs/benchmarks.md has the measurement)."""
-    sys.setswitchinterval(settings.gil_switch_ms / 1000.0)
+    """The engine for `model` as the settings ask (not started)."""
     fp8 = settings.kv_cache == "fp8"
     if fp8 and model.device.type != "cuda":
         logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)

@@ -50,8 +50,6 @@ class Settings:
     workers: int = -1                     # network processes beside the engine process; 0: all in one process;
                                           # -1: from the core count (default_workers)
     input_lead_ms: float = 8.0            # workers send each tick's input this long before the engine's deadline
-    gil_switch_ms: float = 0.5            # the engine's process: how long another thread may hold the GIL while the
-                                          # tick thread waits for it (Python's default is 5 ms)
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
@@ -104,9 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int,
                    help="worker processes for the network and media work, sharing the port, beside one engine process "
                         "that owns the GPU; 0 runs everything in one process (default: half the cores, 1 to 16)")
-    p.add_argument("--gil-switch-ms", type=float,
-                   help=f"GIL switch interval of the process that runs the engine (default {d.gil_switch_ms:g}; "
-                        "Python's own is 5)")
     p.add_argument("--input-lead-ms", type=float,
                    help=f"workers send each tick's input frames this long before its deadline (default "
                         f"{d.input_lead_ms:g})")
