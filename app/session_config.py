@@ -12,12 +12,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from model.engine import SamplingParams, SessionParams
-
 from app.audio import MODEL_RATE, parse_format
 from app.context import ServerContext
 from app.errors import ProtocolError
 from media.codecs import AudioFormat
+from model.engine import SamplingParams, SessionParams
 
 PACINGS = ("realtime", "input")
 SAMPLING_KEYS = ("greedy", "text_temperature", "text_topk", "audio_temperature", "audio_topk", "seed")
