@@ -492,8 +492,9 @@ class Engine:
             for session in live:
                 i = session.index
                 self._deliver(session, frames[i], emitted_rows[i], audio[i], finite[i])
-        for session in in_batch_first_halves:  # their encoder ran on no input this tick: it meets the first frame
-            runner.reset_mimi_row(session.index, decoder=False)  # fresh
+        # Their encoder ran on no input this tick: it meets the first frame fresh.
+        for session in in_batch_first_halves:
+            runner.reset_mimi_row(session.index, decoder=False)
             session.first_half_pending = False
         end = time.perf_counter()
         elapsed = (end - t0) * 1000.0
