@@ -348,8 +348,9 @@ class Engine:
                 session.first_half_pending = not session.offline
         if first is not None:
             self._deliver(session, *first)
-        if session.first_half_pending:  # in a gap before its first tick if one fits: then the tick neither waits
-            steps = self._first_half_step(session)  # nor skips its input
+        if session.first_half_pending:
+            # In a gap before its first tick if one fits: then the tick neither waits nor skips its input.
+            steps = self._first_half_step(session)
             self.scheduler.add_job(steps, lambda exc: None, next(steps), row)  # a job stands before its first step
 
     def _first_half_step(self, session: Session) -> Generator[str, None, bool]:

@@ -1,8 +1,9 @@
 """The slot table: one row of the batch per session, and one state machine per session.
 
-    reserved --start--> prefill --prompt in place--> live --close--> closed
-                           ^  \\                       |
-                           |   +--------restart--------+   (any but closed) --fail--> failed --close--> closed
+    reserved --start--> prefill --prompt in place--> live
+                           ^                           |
+                           +----------restart----------+
+    (any but closed, failed) --fail--> failed        (any but closed) --close--> closed
 
 A session is `reserved` by admission, in `prefill` while its start runs on the engine thread (a restart goes back
 there), `live` once the engine steps it, and leaves the table when `closed` or `failed`. Every change of state goes
