@@ -22,8 +22,8 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from model.engine import Engine
-    from model.engine_channel import ModelInfo
-    from model.engine_client import RemoteEngine
+    from model.engine.channel import ModelInfo
+    from model.engine.client import RemoteEngine
     from model.loading import PersonaPlex
 
 VOICE_SUFFIXES = (".pt", ".wav")

@@ -1,10 +1,10 @@
 """The server as processes: one engine process that owns the GPU, and N worker processes that share the port.
 
 `run(settings)` is `python -m app` with `--workers N` (N > 0). It binds the port (so that `--port 0` resolves once),
-starts the engine process (model, engine, and the channel's Unix socket, model/engine_host.py) and the workers
+starts the engine process (model, engine, and the channel's Unix socket, model/engine/process.py) and the workers
 (each an aiohttp server on its own SO_REUSEPORT socket of that port: the kernel spreads new connections over them;
 each holds its own sockets, WebRTC peers, codecs, jitter buffers and playout, and reaches the engine through
-model/engine_client.py). Then it watches them: a worker that dies is started again (its sessions' slots were freed
+model/engine/client.py). Then it watches them: a worker that dies is started again (its sessions' slots were freed
 by the engine when its channel closed); an engine process that dies is reported by every worker's /health, its
 sessions end with `engine_stopped`, and it is started again. SIGTERM or SIGINT stops the workers first (each tells
 its clients `session.closed` and closes them), then the engine.
@@ -68,7 +68,7 @@ def engine_main(settings: Settings, path: str) -> None:
     """The engine process: load the model, start the engine, serve it on the channel until SIGTERM."""
     _child_setup(settings, "engine")
     from app.server import build_engine, load_for
-    from model.engine_host import EngineHost
+    from model.engine.process import EngineHost
 
     model, note = load_for(settings)
     logger.info("%s", note)

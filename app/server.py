@@ -31,7 +31,7 @@ from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
 from app.twilio import twilio_handler
 from app.worker_routing import worker_socket
 from model.engine import Engine, EngineConfig, EngineError, EngineStats
-from model.engine_client import RemoteEngine
+from model.engine.client import RemoteEngine
 from model.loading import PersonaPlex, load_model
 from model.random_model import random_personaplex
 from model.tiny import write_tiny_checkpoint

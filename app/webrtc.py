@@ -64,7 +64,7 @@ from media.tracks import (
     install_contained_encoder,
 )
 from model.engine import EngineError, FrameOutput, InvalidSessionParams, ResourceExhausted, Slot
-from model.engine_client import RemoteEngine
+from model.engine.client import RemoteEngine
 
 logger = logging.getLogger(__name__)
 

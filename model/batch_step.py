@@ -6,8 +6,8 @@ of launches and no Python per session.
 
 The model half runs one call ahead of the input (model/step.py says why that is exact): a tick encodes the user's
 frame o, writes its codes, and runs the model half of call o + 1, which completes and decodes frame o. A session's
-first model half has no frame to wait for: `lead()` runs it on its own, or a tick runs it in the batch with the row
-taking no input (`takes_input`).
+first model half (its "first half") has no frame to wait for: `first_half()` runs it on its own, or a tick runs it
+in the batch with the row taking no input (`takes_input`).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class BatchStep:
     PARTS = ("encode", "temporal", "depformer", "decode")
 
     @torch.no_grad()
-    def lead(self) -> tuple[Tensor, Tensor, Tensor]:
+    def first_half(self) -> tuple[Tensor, Tensor, Tensor]:
         """A session's first model half and decode (no input): from then on it runs one call ahead."""
         if self.graphs is not None:
             for graph in self.graphs[1:]:

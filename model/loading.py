@@ -36,7 +36,7 @@ from model.config import (
     mimi_config_from_dict,
     read_json,
 )
-from model.engine_channel import ModelInfo
+from model.engine.channel import ModelInfo
 from model.lm import LM
 from model.mimi import Mimi, load_mimi
 from model.prompts import VoicePrompt, plan_voice

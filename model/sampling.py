@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from model.fused import fusable
+from model.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
 
@@ -80,31 +81,6 @@ def _choose(values: Tensor, ids: Tensor, greedy: Tensor, temperature: Tensor, to
     scores = scores.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     sampled = ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
     return torch.where(greedy | (temperature <= 0), ids[:, 0], sampled)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """A session's sampling settings; the defaults are the reference server's."""
-
-    greedy: bool = False
-    temp_text: float = 0.7
-    topk_text: int = 25
-    temp_audio: float = 0.8
-    topk_audio: int = 250
-    seed: int | None = None
-
-    def validate(self, max_top_k_text: int, max_top_k_audio: int) -> None:
-        """Raise ValueError naming the first bad field."""
-        checks = (
-            ("temp_text", 0.0 <= self.temp_text <= 10.0, "a temperature in [0, 10]"),
-            ("temp_audio", 0.0 <= self.temp_audio <= 10.0, "a temperature in [0, 10]"),
-            ("topk_text", 1 <= self.topk_text <= max_top_k_text, f"an integer in [1, {max_top_k_text}]"),
-            ("topk_audio", 1 <= self.topk_audio <= max_top_k_audio, f"an integer in [1, {max_top_k_audio}]"),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "a non-negative integer"),
-        )
-        for name, ok, what in checks:
-            if not ok:
-                raise ValueError(f"sampling '{name}' must be {what}, got {getattr(self, name)!r}")
 
 
 def seed_bits(seed: int) -> int:

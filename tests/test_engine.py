@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import itertools
 import threading
 import time
 import weakref
@@ -454,3 +455,30 @@ async def test_a_session_opens_even_when_no_gap_between_ticks_fits_its_steps(mak
     assert [out.index for out in await sink.wait_for(1)] == [0]
     assert len(live_sink.outputs) > before and not live_sink.errors
     assert engine.stats().late_ticks > 0
+
+
+async def test_tick_listeners_hear_each_tick_after_its_frames_with_the_next_deadline(make_engine):
+    """An engine process forwards each tick's frames as one batch: after a realtime tick's deliveries, on the
+    engine thread, a listener gets the tick's record and the monotonic deadline of the next tick; the stats say
+    when the engine last ticked."""
+    before = time.monotonic()
+    engine = make_engine()
+    slot, sink, heard = engine.reserve(), Collector(), []
+
+    def listener(record, next_tick_at):
+        heard.append((record, next_tick_at, engine.next_tick_at, threading.current_thread().name, len(sink.outputs)))
+
+    engine.add_tick_listener(listener)
+    await slot.start(SessionParams(voice="NATF2", sampling=GREEDY), QueueSource(speechlike(10, 1)), sink.on_output,
+                     sink.on_error)
+    await sink.wait_for(6)
+    slot.close()
+    calls = list(heard)
+    assert len(calls) >= 4
+    for k, (record, next_tick_at, current, thread, delivered) in enumerate(calls, start=1):
+        assert record.batch >= 1 and thread == "engine-tick" and next_tick_at == current
+        assert delivered >= k  # this tick's frame (and every earlier one) was handed out first
+    deadlines = [call[1] for call in calls]
+    tick_s = engine.config.tick_ms / 1000
+    assert all(b - a >= tick_s - 1e-9 for a, b in itertools.pairwise(deadlines))
+    assert before < engine.stats().last_tick_at <= time.monotonic()

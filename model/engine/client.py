@@ -35,7 +35,7 @@ from model.engine import (
     SessionParams,
     SlotStats,
 )
-from model.engine_channel import (
+from model.engine.channel import (
     Close,
     Failed,
     Frames,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from model.engine import Engine, EngineError, FrameOutput, SessionParams, Slot
-from model.engine_channel import (
+from model.engine.channel import (
     Close,
     Counters,
     Failed,

@@ -1,0 +1,133 @@
+"""What the engine's users see: session parameters, frame outputs, errors, the config and the stats records.
+
+No torch here: processes that never touch the model (the network workers) import these to speak to an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from model.sampling_params import SamplingParams
+
+__all__ = [
+    "SessionParams", "SamplingParams", "FrameOutput", "FrameSource", "EngineError", "ResourceExhausted",
+    "InvalidSessionParams", "SessionFailed", "EngineConfig", "EngineStats", "SlotStats", "TickRecord",
+]
+
+
+class EngineError(Exception):
+    """An engine failure with a protocol error code."""
+
+    code = "engine_error"
+
+    def __init__(self, message: str, code: str | None = None, cause: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.cause = cause or self.code  # where it came from, for the error counts
+
+
+class ResourceExhausted(EngineError):
+    code = "resource_exhausted"
+
+
+class InvalidSessionParams(EngineError):
+    code = "invalid_session_config"
+
+
+class SessionFailed(EngineError):
+    """The engine failed one conversation; `cause` says where (input, step, non_finite_output, output_callback)."""
+
+    code = "runtime_failed"
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message, cause=cause)
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    voice: str | None = None
+    persona: str = ""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    pacing: str = "realtime"
+
+
+@dataclass(frozen=True)
+class FrameOutput:
+    index: int  # 0-based conversation frame index
+    audio: np.ndarray  # float32 [1920] at 24 kHz
+    text: str  # this frame's text piece ("" for PAD/EPAD)
+    tokens: np.ndarray  # int64 [17]: text, 8 agent codes, 8 user codes
+
+
+class FrameSource(Protocol):
+    def read_frame(self) -> np.ndarray | None: ...
+
+    def frames_ready(self) -> int: ...
+
+
+@dataclass
+class EngineConfig:
+    max_sessions: int = 4
+    tick_ms: float = 80.0
+    cuda_graphs: bool = True
+    prefill_chunk: int = 128
+    prompt_cache_entries: int = 32
+    fp8_kv: bool = False  # e4m3 KV cache: half the memory and bytes read per tick, not bit-exact with bf16
+    fuse_kernels: bool = True  # on CUDA: torch.compile the elementwise helpers (model/fused.py)
+    # On CUDA, a cached prompt's copy may run while a tick is in flight if it ends within this share of the tick's
+    # recent shortest time from launch to outputs; above 1 it may hold up the tick's delivery (scheduler.py).
+    in_flight_copy_share: float = 0.9
+
+
+@dataclass
+class SlotStats:
+    frames_in: int = 0
+    frames_out: int = 0
+    underruns: int = 0
+    state: str = "reserved"  # reserved, prefill, live, closed or failed (slots.py)
+
+
+@dataclass
+class TickRecord:
+    """One realtime tick: its engine-thread ms, batch, lateness, device parts and host phases (EngineStats)."""
+
+    ms: float
+    batch: int
+    late: bool
+    parts_ms: dict[str, float]
+    host_ms: dict[str, float]
+
+
+@dataclass
+class EngineStats:
+    ticks: int
+    late_ticks: int
+    batch: int
+    tick_ms: float
+    tick_ms_p50: float
+    tick_ms_p99: float
+    parts_ms: dict[str, float]
+    # The last tick's host work outside the device step: "prepare" (batch, input upload, graph launches),
+    # "deliver" (from its outputs reaching the host to the last callback), and "leads" when the tick ran sessions'
+    # first halves before its batch (the external name of that phase).
+    host_ms: dict[str, float]
+    sessions_in_use: int
+    max_sessions: int
+    tick_ms_buckets: list[tuple[float, int]]
+    tick_ms_sum: float
+    errors: int  # conversations failed and loop passes that raised
+    errors_by_cause: dict[str, int]  # input, step, non_finite_output, output_callback, engine_stopped, loop
+    offline_frames: int
+    prompt_cache_hits: int
+    prompt_cache_misses: int
+    open_work_ms_last: float  # engine-thread time of the last session start (prompt prefill or cache copy)
+    # Recent ms of one session-start step, by kind (scheduler.STEP_KINDS; the first half's is named "lead"), once
+    # one ran.
+    open_step_ms: dict[str, float]
+    prompt_copies_in_flight: int  # cached prompts copied while a tick ran on the device
+    last_tick_at: float  # time.monotonic() of the last realtime tick's end (0.0 before the first): stalls show here

@@ -1,0 +1,592 @@
+"""The Engine: one thread owns the device and advances every live conversation per tick; this wires the parts.
+
+Every 80 ms (wall clock) the tick takes one 1920-sample frame from each live realtime session's source (silence,
+and an underrun counted, when the source has none), runs one batched step — Mimi encode, temporal transformer,
+depformer, Mimi decode — over the smallest padded batch that covers the live slots (runner.py), and hands each
+session its audio and text piece. The model runs one call ahead of the reference's order (token for token the
+same), so the frame a tick hands out is the one whose input it just took, not the one before: 80 ms less latency.
+Input-clocked sessions (offline files) are stepped on their own between ticks whenever a frame is ready. Admission,
+prompt prefill, restarts and closes run on the same thread between ticks, so the step never races with
+bookkeeping; the asyncio side only enqueues work and receives callbacks (on this thread).
+
+A session's start is a job of steps (its prompt planned, prefilled on a scratch row or copied from the prompt
+cache, prompt_cache.py), placed between ticks by scheduler.py. On CUDA a cached prompt's copy also runs while a
+tick is in flight on the device, queued behind it on its stream, so a cached open does not wait for a tick. A
+realtime session's open returns with its prompt in place; its first half (the first model half, which needs no
+input) follows as a one-row step in a gap, or, when a tick comes first, right before that tick's batch (its
+client's audio already waits) or in the batch (none does). An input-clocked session's is the last step of its open.
+Each session's state machine lives in slots.py; the counters in stats.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+
+import numpy as np
+import torch
+
+from model.batch_step import bucket
+from model.config import FRAME_SAMPLES
+from model.engine.api import (
+    EngineConfig,
+    EngineError,
+    EngineStats,
+    FrameOutput,
+    InvalidSessionParams,
+    ResourceExhausted,
+    SessionFailed,
+    SessionParams,
+    TickRecord,
+)
+from model.engine.prompt_cache import PromptCache
+from model.engine.runner import RowOutputs, Runner
+from model.engine.scheduler import Scheduler
+from model.engine.slots import Session, Slot, SlotTable
+from model.engine.stats import FIRST_HALF_HOST_PHASE, EngineCounters
+from model.loading import PersonaPlex
+from model.prompts import PromptPlan, persona_tokens, plan_prompt
+from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
+
+log = logging.getLogger(__name__)
+
+TickListener = Callable[[TickRecord, float], None]
+
+_collector_lock = threading.Lock()
+_collector_owners = 0
+
+
+def _collector_owned(running: bool) -> None:
+    """While an engine runs, its thread starts the garbage collector (_collect_garbage), not allocation counts:
+    an automatic collection falls inside a tick as often as not, and one of the older generations takes
+    milliseconds over a loaded server."""
+    global _collector_owners
+    with _collector_lock:
+        _collector_owners += 1 if running else -1
+        if _collector_owners > 0:
+            gc.disable()
+        else:
+            gc.enable()
+
+
+def _collect_garbage() -> None:
+    """What the automatic collector would do at this point, run right after a tick (the gap before the next is
+    ~55 ms at 64 full sessions): the youngest generation once its allocation count passes the threshold, an older
+    one when enough younger collections have passed."""
+    counts, thresholds = gc.get_count(), gc.get_threshold()
+    if counts[0] < thresholds[0]:
+        return
+    generation = 0
+    if counts[1] >= thresholds[1]:
+        generation = 2 if counts[2] >= thresholds[2] else 1
+    gc.collect(generation)
+
+
+class Engine:
+    """Slots, the tick thread, prompt prefill and its cache. See the module docstring."""
+
+    def __init__(self, model: PersonaPlex, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config or EngineConfig()
+        if self.config.max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.runner = Runner(model, self.config)
+        self.scheduler = Scheduler(self.config.tick_ms / 1000.0, self.config.in_flight_copy_share)
+        self.slots = SlotTable(self.config.max_sessions)
+        self.prompts = PromptCache(self.config.prompt_cache_entries)
+        self.counters = EngineCounters()
+        self._lock = self.slots.lock
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._pending: set[Callable[[BaseException | None], None]] = set()
+        self._tick_listeners: tuple[TickListener, ...] = ()
+
+    # ----- public, any thread ------------------------------------------------------------------------------
+
+    @property
+    def max_sessions(self) -> int:
+        return self.config.max_sessions
+
+    @property
+    def running(self) -> bool:
+        """Whether the tick thread is up (for health checks)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def next_tick_at(self) -> float:
+        """time.monotonic() of the next tick's deadline (0.0 before start())."""
+        return self.scheduler.deadline
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def lm_state(self):
+        return self.runner.lm_state
+
+    def sessions_in_use(self) -> int:
+        return self.slots.in_use()
+
+    def add_tick_listener(self, listener: TickListener) -> None:
+        """Call `listener(record, next_tick_at)` on the engine thread after every realtime tick that stepped a
+        session, once its frames are handed out: the tick's record and the monotonic deadline of the next tick."""
+        self._tick_listeners = (*self._tick_listeners, listener)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.scheduler.step_s["first_half"].append(self.runner.warm_up())
+        # A full garbage collection walks every live object with the GIL held: ~100 ms over a loaded model and
+        # server, which would stall a tick. What exists now lives while the engine runs, so take it out of the
+        # collector's view (after collecting what is already garbage); later collections walk only what sessions
+        # create. stop() hands it all back.
+        gc.collect()
+        gc.freeze()
+        _collector_owned(True)
+        self._running = True
+        self.scheduler.start_clock()
+        self._thread = threading.Thread(target=self._loop, name="engine-tick", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+            _collector_owned(False)
+            gc.unfreeze()
+        # Work queued for the thread will never run: answer everyone who waits on it.
+        stopped = EngineError("the engine stopped", "engine_stopped")
+        for done in list(self._pending):
+            done(stopped)
+        self.scheduler.jobs.clear()
+        for session in self.slots.held():
+            if session.live:
+                self._fail(session, EngineError("the engine stopped", "engine_stopped"))
+
+    def reserve(self) -> Slot:
+        return Slot(self, self.slots.reserve())
+
+    async def reserve_wait(self, timeout_s: float) -> Slot:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.reserve()
+            except ResourceExhausted:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.02)
+
+    def validate(self, params: SessionParams) -> None:
+        """Raise InvalidSessionParams for anything the session could not run with."""
+        try:
+            params.sampling.validate(MAX_TOP_K_TEXT, MAX_TOP_K_AUDIO)
+        except ValueError as exc:
+            raise InvalidSessionParams(str(exc)) from exc
+        if params.pacing not in ("realtime", "input"):
+            raise InvalidSessionParams(f"pacing must be 'realtime' or 'input', got {params.pacing!r}")
+        if params.voice is not None:
+            try:
+                self.model.resolve_voice(params.voice)
+            except ValueError as exc:
+                raise InvalidSessionParams(str(exc), "invalid_voice") from exc
+
+    async def start_session(self, session: Session) -> None:
+        """A session's start (or restart) on the engine thread; returns once it is live (slots.SessionHost)."""
+        await self.submit(lambda: self._start_steps(session), session.index)
+
+    async def submit(self, fn: Callable[[], Iterator[str] | None], row: int | None = None) -> None:
+        """Run `fn` (work on slot `row`) on the engine thread between ticks; its exception is raised here.
+
+        A generator function runs one step per gap between ticks, where the step fits before the next tick
+        (prompt prefill in chunks), so long work does not make ticks late. It yields the kind of its next step
+        (scheduler.STEP_KINDS) before each one, the first time before doing any work: steps are scheduled by the
+        recent duration of their kind.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def settle(exc: BaseException | None) -> None:
+            if future.done():
+                return
+            if exc is None:
+                future.set_result(None)
+            else:
+                future.set_exception(exc)
+
+        def done(exc: BaseException | None) -> None:
+            loop.call_soon_threadsafe(settle, exc)
+
+        def run() -> None:
+            try:
+                steps = fn()
+                kind = None if steps is None else next(steps)
+            except BaseException as exc:  # handed to the awaiting coroutine
+                done(exc)
+                return
+            if steps is None:
+                done(None)
+            else:
+                self.scheduler.add_job(steps, done, kind, row)
+
+        if self._thread is None:
+            raise EngineError("the engine is not running", "engine_stopped")
+        self._pending.add(done)
+        self._commands.put(run)
+        self._wake.set()
+        try:
+            await future
+        finally:
+            self._pending.discard(done)
+
+    def release(self, session: Session) -> None:
+        self.slots.move(session, "closed")
+
+    def stats(self) -> EngineStats:
+        return self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
+                                      self.scheduler.step_seconds())
+
+    def recent_ticks(self, count: int) -> list[TickRecord]:
+        """The last `count` realtime ticks (at most the last 2000), oldest first: for benchmarks, which read them
+        once after a run instead of polling stats() every tick beside the tick thread."""
+        return self.counters.recent(count)
+
+    def step_timings(self, n: int, iterations: int) -> list[dict[str, float]]:
+        """Run the batched step over rows [0, n) with every row active, before start(): per-part ms per run.
+
+        For benchmarks and warm-up; it advances those rows' state like real ticks would.
+        """
+        if self._thread is not None:
+            raise EngineError("step_timings runs only while the engine is stopped", "invalid_state")
+        runner = self.runner
+        n = bucket(n, self.max_sessions)
+        runner.active_np[:n] = runner.takes_input_np[:n] = True
+        runs = []
+        for _ in range(iterations):
+            self._run_batch(n, [])
+            runs.append(runner.parts_ms)
+        runner.active_np[:n] = runner.takes_input_np[:n] = False
+        return runs
+
+    def fill_context(self, rows: slice, frames: int) -> None:
+        """Mark `frames` past frames as present in the KV of `rows` (their values left as they are).
+
+        For benchmarks: attention then costs what a conversation of that length costs.
+        """
+        self.runner.fill_context(rows, frames)
+
+    # ----- engine thread: a session's start ----------------------------------------------------------------
+
+    def _start_steps(self, session: Session) -> Iterator[str]:
+        """A session's start, one step per gap between ticks: its prompt from the prompt cache ("copy"), or
+        planned ("plan") and prefilled, whole on the scratch row ("prefill") or, when longer than it, one eager
+        chunk per step on the row ("chunk"); then, for an input-clocked session, its first half ("first_half").
+
+        The open's work time (stats' open_work_ms_last) counts the time spent working, not the ticks in between.
+        """
+        if not self.slots.move(session, "prefill"):
+            raise EngineError("the session was closed", "session_closed")
+        runner, params, row = self.runner, session.params, session.index
+        key = self.prompts.key(params.voice, params.persona)
+        yield "copy" if key in self.prompts.prompts else "plan"
+        work = 0.0
+        segment = time.perf_counter()
+        cached = self.prompts.lookup(key)
+
+        def spent(since: float) -> float:
+            # A cached prompt's copy may run while a tick is in flight: waiting for the device would wait for the
+            # tick. Its time is then the host's, which is most of it (~130 small copies).
+            return time.perf_counter() - since if cached is not None else runner.sync_elapsed(since)
+
+        def next_step(kind: str) -> Iterator[str]:
+            nonlocal work, segment
+            work += spent(segment)
+            yield kind
+            segment = time.perf_counter()
+            if session.state != "prefill":
+                raise EngineError("the session was closed", "session_closed")
+
+        runner.reset_lm_row(row)
+        if cached is None:
+            plan = self._plan(params)
+            if runner.scratch.fits(plan.embeddings.shape[0]):
+                yield from next_step("prefill")
+                prompt = runner.prefill_on_scratch(plan)
+                self.prompts.prompts.put(key, prompt)
+                runner.copy_prompt(prompt, row)
+            else:  # longer than the scratch ring: eagerly on the row, one chunk per step
+                for chunk in runner.prompt_chunks(plan):
+                    yield from next_step("chunk")
+                    runner.prefill_chunk(chunk, row)
+                self.prompts.prompts.put(key, runner.finish_prompt(plan, row))
+        else:
+            runner.copy_prompt(cached, row)
+        runner.set_sampling(row, params.sampling, session.seed)
+        # Ticks between the prompt's steps ran Mimi over this (inactive) row: it starts fresh only now.
+        runner.reset_mimi_row(row)
+        # The first half needs no input (model/step.py); from then on every step completes the frame whose input it
+        # just received, instead of the one before. A realtime session's runs at its first tick at the latest
+        # (_realtime_tick), so the open returns once the prompt is in place; an input-clocked session's runs now.
+        first = None
+        if session.offline:
+            yield from next_step("first_half")
+            first = runner.first_half(row)
+        with self.counters.lock:
+            self.counters.open_ms = (work + spent(segment)) * 1000.0
+        with self._lock:
+            if self.slots.move(session, "live"):
+                session.out_index = 0
+                session.first_half_pending = not session.offline
+        if first is not None:
+            self._deliver(session, *first)
+        if session.first_half_pending:
+            # In a gap before its first tick if one fits: then the tick neither waits nor skips its input.
+            steps = self._first_half_step(session)
+            self.scheduler.add_job(steps, lambda exc: None, next(steps), row)  # a job stands before its first step
+
+    def _first_half_step(self, session: Session) -> Generator[str, None, bool]:
+        """A job of one step: the session's first half, unless its first tick ran it already (or the session
+        ended): then it returns False, and the no-op is not taken for a first half's duration."""
+        yield "first_half"
+        if not (session.first_half_pending and session.live):
+            return False
+        self._run_first_half(session)
+        return True
+
+    def _run_first_half(self, session: Session) -> None:
+        """A realtime session's first half as a one-row step; its frame goes out at once."""
+        try:
+            first = self.runner.first_half(session.index)
+        except Exception as exc:
+            log.exception("first model half failed")
+            self._fail(session, SessionFailed(f"step failed: {exc}", "step"))
+            return
+        session.first_half_pending = False
+        self._deliver(session, *first)
+
+    def _plan(self, params: SessionParams) -> PromptPlan:
+        voice = None if params.voice is None else self.prompts.voice(params.voice, self.model.load_voice)
+        return plan_prompt(self.model.lm, voice, persona_tokens(self.model.tokenizer, params.persona))
+
+    # ----- engine thread: the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while self._running:
+            try:
+                self._iterate()
+            except Exception:  # a bug must not stop every conversation: log it, count it, keep ticking
+                log.exception("engine loop error")
+                self.counters.count_error("loop")
+                time.sleep(0.001)
+
+    def _iterate(self) -> None:
+        """One pass of the loop: commands, then the tick when due, else a start's step, an offline frame or a wait."""
+        self._drain_commands()
+        scheduler = self.scheduler
+        now = time.monotonic()
+        if scheduler.tick_due(now):
+            record = self._realtime_tick(started_late=scheduler.started_late(now))
+            self.counters.last_tick_at = time.monotonic()
+            _collect_garbage()
+            next_tick_at = scheduler.tick_done(time.monotonic(), None if record is None else record.ms / 1000.0)
+            if record is not None:
+                for listener in self._tick_listeners:
+                    try:
+                        listener(record, next_tick_at)
+                    except Exception:
+                        log.exception("tick listener failed")
+                        self.counters.count_error("tick_listener")
+            return
+        if scheduler.jobs:
+            job = scheduler.job_to_run(now, realtime_live=bool(self.slots.live(offline=False)))
+            if job is not None:
+                scheduler.run_step(job)
+                return
+        if self._offline_step():
+            return
+        self._wake.wait(timeout=scheduler.wait_s(now, offline_live=bool(self.slots.live(offline=True))))
+        self._wake.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _audio_waiting(self, session: Session) -> bool:
+        """Whether the session's source has a frame ready (False, and the session failed, if it raised)."""
+        try:
+            return session.source.frames_ready() > 0
+        except Exception as exc:
+            self._fail(session, SessionFailed(f"input failed: {exc}", "input"))
+            return False
+
+    def _read_input(self, session: Session) -> bool:
+        """Put the session's next frame (or silence) into its host input row; False if the session failed."""
+        row = self.runner.pcm_np[session.index]
+        try:
+            frame = session.source.read_frame()
+            if frame is None:
+                row[:] = 0.0
+                session.stats.underruns += 1
+                return True
+            data = np.asarray(frame, dtype=np.float32)
+            if data.shape != (FRAME_SAMPLES,) or not np.isfinite(data).all():
+                raise ValueError(f"the input frame must be {FRAME_SAMPLES} finite samples")
+            row[:] = data
+            session.stats.frames_in += 1
+            return True
+        except Exception as exc:
+            self._fail(session, SessionFailed(f"input failed: {exc}", "input"))
+            return False
+
+    def _first_halves_before_tick(self, realtime: list[Session]) -> float:
+        """Run the first halves that the scheduler puts before this tick's batch; seconds spent."""
+        started = time.perf_counter()
+        chosen = self.scheduler.first_halves_before_tick([s for s in realtime if s.first_half_pending],
+                                                         self._audio_waiting)
+        for session in chosen:
+            self._run_first_half(session)
+        return time.perf_counter() - started if chosen else 0.0
+
+    def _realtime_tick(self, started_late: bool) -> TickRecord | None:
+        """One tick over the live realtime sessions; its record, or None when none was live."""
+        runner = self.runner
+        realtime = self.slots.live(offline=False)
+        first_halves_s = self._first_halves_before_tick(realtime)
+        live = [s for s in realtime if s.live and (s.first_half_pending or self._read_input(s))]
+        if not live:
+            with self.counters.lock:
+                self.counters.batch = 0
+            return None
+        t0 = time.perf_counter() - first_halves_s  # the tick's own one-row steps count in its time
+        n = bucket(max(s.index for s in live) + 1, self.max_sessions)
+        in_batch_first_halves = [s for s in live if s.first_half_pending]
+        runner.active_np[:n] = runner.takes_input_np[:n] = False
+        runner.active_np[[s.index for s in live]] = True
+        runner.takes_input_np[[s.index for s in live if not s.first_half_pending]] = True
+        offline_rows = [s.index for s in self.slots.live(offline=True) if s.index < n]
+        try:
+            frames, emitted, audio = self._run_batch(n, offline_rows)
+            runner.kv_extent[:n] += runner.active_np[:n]  # the rows that stepped wrote one slot each
+        except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
+            log.exception("tick failed")
+            for session in live:
+                self._fail(session, SessionFailed(f"step failed: {exc}", "step"))
+            return None
+        # One copy of the tick's outputs (the pinned buffers are the next tick's), handed out as row views; the
+        # per-row flags as Python lists, and the lock taken once for the tick rather than once per session.
+        frames, audio = frames.copy(), audio.copy()
+        finite, emitted_rows = np.isfinite(audio).all(axis=1).tolist(), emitted.tolist()
+        with self._lock:
+            for session in live:
+                i = session.index
+                self._deliver(session, frames[i], emitted_rows[i], audio[i], finite[i])
+        # Their encoder ran on no input this tick: it meets the first frame fresh.
+        for session in in_batch_first_halves:
+            runner.reset_mimi_row(session.index, decoder=False)
+            session.first_half_pending = False
+        end = time.perf_counter()
+        elapsed = (end - t0) * 1000.0
+        launched, returned = runner.step_marks
+        host_ms = {"prepare": (launched - t0 - first_halves_s) * 1000.0, "deliver": (end - returned) * 1000.0}
+        if first_halves_s:
+            host_ms[FIRST_HALF_HOST_PHASE] = first_halves_s * 1000.0
+        return self.counters.record_tick(elapsed, n, started_late or elapsed > self.config.tick_ms, runner.parts_ms,
+                                         host_ms)
+
+    def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runner's step over rows [0, n), serving cached prompts' copies while it is in flight."""
+        outputs = self.runner.run_batch(n, protected_rows, lambda launched: self._serve_in_flight(n, launched))
+        launched, returned = self.runner.step_marks
+        self.scheduler.record_in_flight(n, returned - launched)
+        return outputs
+
+    def _serve_in_flight(self, n: int, launched: float) -> None:
+        """While the tick over rows [0, n) runs on the device, copy cached prompts into their slots.
+
+        A copy is ~3 ms of host work (small launches) and a tick ~25 ms of device work, so an open that arrives
+        during a tick need not wait for it. The copies queue on the tick's stream, behind its writes to the
+        (inactive) row and behind its outputs, so they change nothing the tick computes; the scheduler places one
+        only where it ends before the tick's outputs are expected, so delivery is not held up.
+        """
+        until = self.scheduler.in_flight_until(n, launched)
+        if until is None:
+            return
+        active = self.runner.active_np
+        stepped = lambda row: row < n and bool(active[row])
+        while True:
+            self._drain_commands()
+            now = time.perf_counter()
+            job = self.scheduler.in_flight_copy(now, until, stepped)
+            if job is not None:
+                self.scheduler.run_step(job)
+                with self.counters.lock:
+                    self.counters.copies_in_flight += 1
+                continue
+            if now >= until or self.runner.outputs_landed():
+                return
+            self._wake.wait(timeout=until - now)
+            self._wake.clear()
+
+    def _deliver(self, session: Session, frame: np.ndarray, emitted: bool, audio: np.ndarray, finite: bool) -> None:
+        """Hand one session its frame (arrays it may keep). The lock makes close() wait for a callback in flight,
+        so none follows it."""
+        if not finite:
+            self._fail(session, SessionFailed("the model produced non-finite audio", "non_finite_output"))
+            return
+        if not emitted:
+            return
+        with self._lock:
+            if not (self.slots.holds(session) and session.live):
+                return
+            out = FrameOutput(index=session.out_index, audio=audio, text=self.model.text_piece(int(frame[0])),
+                              tokens=frame)
+            session.out_index += 1
+            session.stats.frames_out += 1
+            try:
+                session.on_output(out)
+            except Exception as exc:
+                self._fail(session, SessionFailed(f"output callback failed: {exc}", "output_callback"))
+
+    def _offline_step(self) -> bool:
+        """Step one input-clocked session that has a frame ready (round robin). True if one ran."""
+        ready = [s for s in self.slots.live(offline=True) if self._audio_waiting(s)]
+        if not ready:
+            return False
+        session = self.scheduler.next_offline(ready)
+        if not self._read_input(session):
+            return True
+        try:
+            outputs: RowOutputs = self.runner.row_step(session.index)
+        except Exception as exc:
+            log.exception("offline step failed")
+            self._fail(session, SessionFailed(f"step failed: {exc}", "step"))
+            return True
+        with self.counters.lock:
+            self.counters.offline_frames += 1
+        self._deliver(session, *outputs)
+        return True
+
+    def _fail(self, session: Session, error: EngineError) -> None:
+        with self._lock:
+            if not self.slots.move(session, "failed"):
+                return
+            self.counters.count_error(error.cause)
+            callback = session.on_error
+        if callback is not None:
+            try:
+                callback(error)
+            except Exception:
+                log.exception("on_error callback failed")

@@ -1,0 +1,297 @@
+"""The device side of the engine, the only part that touches it: the batch buffers and their pinned host twins,
+the batched step per padded batch size and the one-row steps (CUDA graphs when enabled), warm-up, prompt prefill
+and copies into a row, row resets, and the event that says a tick's outputs reached the host.
+
+Inputs and outputs move once per tick through pinned host memory; the host writes per-row inputs into numpy
+views of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from model import fused
+from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, prefill_chunks
+from model.config import FRAME_SAMPLES, SAMPLE_RATE
+from model.engine.api import EngineConfig
+from model.engine.prompt_cache import CachedPrompt
+from model.lm import LMState
+from model.loading import PersonaPlex
+from model.prompt_prefill import PromptPrefill
+from model.prompts import PromptPlan, finish_prompt
+from model.sampling import SamplingParams, row_sampling
+from model.step import StepConstants
+
+log = logging.getLogger(__name__)
+
+# One row's outputs on the host: its token frame [17], whether it emitted, its audio [1920], whether that is finite.
+RowOutputs = tuple[np.ndarray, bool, np.ndarray, bool]
+
+
+def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> RowOutputs:
+    """A one-row step's outputs on the host, copies of the step's buffers."""
+    samples = audio[0].float().to("cpu", copy=True).numpy()
+    return frame[0].to("cpu", copy=True).numpy(), bool(emitted[0]), samples, bool(np.isfinite(samples).all())
+
+
+class Runner:
+    """Device state of `max_sessions` rows and the steps over them."""
+
+    def __init__(self, model: PersonaPlex, config: EngineConfig):
+        self.model, self.config = model, config
+        B = self.rows = config.max_sessions
+        self.device = model.device
+        if self.device.type == "cuda":
+            # Mimi runs in fp32: TF32 puts its GEMMs on tensor cores, as cuDNN already does for its convolutions.
+            torch.backends.cuda.matmul.allow_tf32 = True
+        if config.fuse_kernels and self.device.type == "cuda":
+            if fused.available():
+                fused.enable()
+            else:
+                log.warning("Triton is not installed: running without fused kernels (slower ticks)")
+        lm = model.lm
+        self.lm_state = lm.init_state(B, self.device, fp8_kv=config.fp8_kv)
+        self.scratch = PromptPrefill(lm, self.device, config.fp8_kv)
+        model.text_piece(0)  # builds the token-text table now, not in the first tick
+        self.mimi_state = model.mimi.init_state(B, self.device)
+        self.const = StepConstants.make(lm, self.device)
+        self.text_sampling, self.audio_sampling = row_sampling([SamplingParams(greedy=True)] * B, [0] * B, self.device)
+        self.pcm_in = torch.zeros(B, FRAME_SAMPLES, device=self.device)
+        self.active = torch.zeros(B, dtype=torch.bool, device=self.device)
+        self.takes_input = torch.zeros(B, dtype=torch.bool, device=self.device)
+        pin = self.device.type == "cuda"
+        self._pcm_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
+        self._active_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
+        self._takes_input_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
+        self._frames_host = torch.zeros(B, lm.cfg.num_rows, dtype=torch.long, pin_memory=pin)
+        self._emitted_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
+        self._audio_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
+        # numpy views of the pinned inputs: per-slot writes from numpy cost a fraction of torch's per-op overhead.
+        self.pcm_np, self.active_np = self._pcm_host.numpy(), self._active_host.numpy()
+        self.takes_input_np = self._takes_input_host.numpy()
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self._steps: dict[int, BatchStep] = {}
+        self._row_steps: dict[int, BatchStep] = {}
+        self._timer = PartTimer(self.device)
+        self.parts_ms: dict[str, float] = {}  # the last batch step's device parts
+        self.step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
+        # Per row, an upper bound on the KV slots written since its last reset, so that resetting a row needs no
+        # read of its position from the device (which would wait for a tick in flight).
+        self.kv_extent = np.zeros(B, dtype=np.int64)
+        self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    @property
+    def graphs(self) -> bool:
+        return self.device.type == "cuda" and self.config.cuda_graphs
+
+    @property
+    def runs_in_flight(self) -> bool:
+        """Whether a tick's device work runs while the host does other things (CUDA)."""
+        return self._outputs_ready is not None
+
+    def buffers(self) -> BatchBuffers:
+        return BatchBuffers(self.lm_state, self.mimi_state, self.text_sampling, self.audio_sampling, self.pcm_in,
+                            self.active, self.takes_input)
+
+    # ----- warm-up ------------------------------------------------------------------------------------------
+
+    def warm_up(self) -> float:
+        """Capture the graphs, compile what a session's start compiles, and pay a first half's first-use costs;
+        the seconds of a warm first half, for the schedule."""
+        if self.graphs:
+            # Each bucket's convolution shapes are fixed, so cuDNN may time its algorithms once, before capture.
+            # Only here: eager convolutions of arbitrary length (a .wav voice) would time every new length.
+            with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=True):
+                for n in sorted({bucket(i, self.rows) for i in range(1, self.rows + 1)}):
+                    self._batch_step(n)
+                # One row's step, graphed per row: a session's first half, and input-clocked frames.
+                # Eager, one row of the full model is ~80-100 ms of launches, more than a gap between ticks.
+                for row in range(self.rows):
+                    self._row_step(row)
+            self.scratch.capture(self.graph_pool)
+        if fused.enabled():
+            self._warm_prefill()
+        return self._warm_first_half()
+
+    def _warm_prefill(self) -> None:
+        """Compile the fused helpers for the shapes of a session's start now, not in the first open (seconds, seen
+        as 2.1 s of engine work in the first cold open on the H200): prefill chunks, and a .wav voice's one-shot
+        Mimi encode (two lengths, so the compiled code is the one for any length)."""
+        lm = self.model.lm
+        with torch.no_grad():
+            for frames in (self.config.prefill_chunk, 2):
+                x = torch.zeros(frames, lm.cfg.dim, device=self.device, dtype=lm.text_linear.weight.dtype)
+                lm.prefill(x, self.lm_state, 0)
+            lm.reset_row(self.lm_state, 0)
+        noise = 0.05 * np.random.default_rng(0).standard_normal(2 * SAMPLE_RATE).astype(np.float32)
+        for seconds in (1.0, 1.5):
+            self.model.encode_wav_voice(noise[: int(seconds * SAMPLE_RATE)], SAMPLE_RATE)
+
+    def _warm_first_half(self) -> float:
+        for _ in range(2):
+            started = time.perf_counter()
+            self.first_half(0)
+            elapsed = time.perf_counter() - started  # the second run's is kept: the first pays first-use costs
+            self.active[0] = False
+            self.reset_lm_row(0)
+            self.reset_mimi_row(0)
+        return elapsed
+
+    # ----- steps --------------------------------------------------------------------------------------------
+
+    def run_batch(self, n: int, protected_rows: list[int], while_in_flight: Callable[[float], None] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One step over rows [0, n) with the inputs and flags the host wrote; `protected_rows` (input-clocked
+        sessions) keep their Mimi state. On CUDA, `while_in_flight(launched)` runs once the step is queued and
+        before its outputs are waited for. Frames, emitted flags and audio of the rows, views of pinned memory
+        the next step overwrites."""
+        step = self._batch_step(n)
+        saved = [(r, self.mimi_state.encoder.rows(slice(r, r + 1)).clone(),
+                  self.mimi_state.decoder.rows(slice(r, r + 1)).clone()) for r in protected_rows]
+        self.pcm_in[:n].copy_(self._pcm_host[:n], non_blocking=True)
+        self.active[:n].copy_(self._active_host[:n], non_blocking=True)
+        self.takes_input[:n].copy_(self._takes_input_host[:n], non_blocking=True)
+        self._timer.start()
+        frame, emitted, audio = step.run(self._timer)
+        for r, enc, dec in saved:
+            self.mimi_state.encoder.rows(slice(r, r + 1)).copy_(enc)
+            self.mimi_state.decoder.rows(slice(r, r + 1)).copy_(dec)
+        # Outputs come back in one transfer wait per tick, through pinned buffers.
+        self._frames_host[:n].copy_(frame, non_blocking=True)
+        self._emitted_host[:n].copy_(emitted, non_blocking=True)
+        self._audio_host[:n].copy_(audio, non_blocking=True)
+        launched = time.perf_counter()
+        if self._outputs_ready is not None:
+            self._outputs_ready.record()
+            if while_in_flight is not None:
+                while_in_flight(launched)
+            self._outputs_ready.synchronize()  # not the stream: work queued in flight waits behind the outputs
+        returned = time.perf_counter()
+        self.parts_ms = self._timer.parts_ms()
+        self.step_marks = (launched, returned)
+        return self._frames_host[:n].numpy(), self._emitted_host[:n].numpy(), self._audio_host[:n].numpy()
+
+    def outputs_landed(self) -> bool:
+        """Whether the step in flight has its outputs on the host."""
+        return self._outputs_ready.query()
+
+    def first_half(self, row: int) -> RowOutputs:
+        """A session's first model half (and its decode) as a one-row step; its outputs on the host."""
+        self.active[row] = True
+        self.kv_extent[row] += 1
+        return _row_to_host(*self._row_step(row).first_half())
+
+    def row_step(self, row: int) -> RowOutputs:
+        """One input-clocked frame of `row`, its input already in the host row: stepped alone, between ticks."""
+        # The row's active flag and input go straight into the device buffers; the next realtime tick rewrites
+        # both for its own rows.
+        self.pcm_in[row].copy_(self._pcm_host[row])
+        self.active[row] = self.takes_input[row] = True
+        self.kv_extent[row] += 1
+        return _row_to_host(*self._row_step(row).run(PartTimer(self.device)))
+
+    def _batch_step(self, n: int) -> BatchStep:
+        step = self._steps.get(n)
+        if step is None:
+            pool = self.graph_pool if self.graphs else None
+            step = self._steps[n] = BatchStep(self.model, self.buffers(), self.const, slice(0, n), graph_pool=pool)
+        return step
+
+    def _row_step(self, row: int) -> BatchStep:
+        """The step over one row: a session's first half, and input-clocked sessions between ticks."""
+        step = self._row_steps.get(row)
+        if step is None:
+            pool = self.graph_pool if self.graphs else None
+            # Every row's step has the shapes of the first's: one warm-up run is enough after it.
+            step = self._row_steps[row] = BatchStep(self.model, self.buffers(), self.const, slice(row, row + 1),
+                                                    graph_pool=pool, warmups=1 if self._row_steps else 2)
+        return step
+
+    # ----- a row's state ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_lm_row(self, row: int) -> None:
+        self.model.lm.reset_row(self.lm_state, row, used=int(self.kv_extent[row]))
+        self.kv_extent[row] = 0
+
+    def reset_mimi_row(self, row: int, decoder: bool = True) -> None:
+        state = self.mimi_state.rows(slice(row, row + 1))
+        fresh = torch.ones(1, dtype=torch.bool, device=self.device)
+        state.encoder.reset_rows(fresh)
+        if decoder:
+            state.decoder.reset_rows(fresh)
+
+    def set_sampling(self, row: int, sampling: SamplingParams, seed: int) -> None:
+        self.text_sampling.set_row(row, sampling.greedy, sampling.temp_text, sampling.topk_text, seed)
+        self.audio_sampling.set_row(row, sampling.greedy, sampling.temp_audio, sampling.topk_audio, seed)
+
+    def sync_elapsed(self, since: float) -> float:
+        """Seconds since `since` (perf_counter) once the device has finished what was queued."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - since
+
+    def fill_context(self, rows: slice, frames: int) -> None:
+        """Mark `frames` past frames as present in the KV of `rows` (their values left as they are)."""
+        state, context = self.lm_state, self.model.config.context
+        held = min(frames, context)
+        positions = torch.arange(frames - held, frames, device=self.device)
+        kpos = torch.full((context,), -1, dtype=torch.long, device=self.device)
+        kpos[positions % context] = positions
+        state.kpos[rows] = kpos
+        state.pos[rows] = frames
+        state.offset[rows] = frames + 1
+        np.maximum(self.kv_extent[rows], held, out=self.kv_extent[rows])
+
+    # ----- prompts ------------------------------------------------------------------------------------------
+
+    def prompt_chunks(self, plan: PromptPlan) -> list[Tensor]:
+        """The prompt as the pieces `prefill_chunk` prefills on a row, one per step (longer than the scratch)."""
+        return prefill_chunks(plan.embeddings, self.config.prefill_chunk)
+
+    @torch.no_grad()
+    def prefill_on_scratch(self, plan: PromptPlan) -> CachedPrompt:
+        """The whole prompt on the scratch row (replayed CUDA graphs, model/prompt_prefill.py); its effect."""
+        self.scratch.run(plan.embeddings)
+        finish_prompt(self.model.lm, self.scratch.state, 0, plan)
+        return self._prompt_of(self.scratch.state, 0)
+
+    @torch.no_grad()
+    def prefill_chunk(self, chunk: Tensor, row: int) -> None:
+        self.model.lm.prefill(chunk, self.lm_state, row)
+        self.kv_extent[row] += chunk.shape[0]
+
+    @torch.no_grad()
+    def finish_prompt(self, plan: PromptPlan, row: int) -> CachedPrompt:
+        """After the last chunk on `row`: the prompt's last frames, and its effect."""
+        finish_prompt(self.model.lm, self.lm_state, row, plan)
+        return self._prompt_of(self.lm_state, row)
+
+    @torch.no_grad()
+    def copy_prompt(self, cached: CachedPrompt, row: int) -> None:
+        state = self.lm_state
+        filled = cached.kpos.shape[0]
+        for tensor, saved in zip(state.kv.tensors(), cached.kv):
+            tensor[:, row, :, :filled] = saved
+        state.kpos[row, :filled] = cached.kpos
+        # fill_, not `x[row] = int`: that copies a host scalar, which waits for the stream (a tick in flight).
+        state.pos[row].fill_(cached.pos)
+        state.ring[row] = cached.ring
+        state.offset[row].fill_(cached.offset)
+        state.forced[row] = cached.forced
+        self.kv_extent[row] = max(int(self.kv_extent[row]), filled)
+
+    def _prompt_of(self, state: LMState, row: int) -> CachedPrompt:
+        """The prompt that `row` of `state` holds (a fresh row after its prefill)."""
+        filled = int(min(int(state.pos[row]), self.model.config.context))
+        return CachedPrompt(
+            kv=[t[:, row, :, :filled].clone() for t in state.kv.tensors()],
+            kpos=state.kpos[row, :filled].clone(), pos=int(state.pos[row]), ring=state.ring[row].clone(),
+            offset=int(state.offset[row]), forced=state.forced[row].clone(),
+        )

@@ -1,0 +1,157 @@
+"""The slot table: one row of the batch per session, and one state machine per session.
+
+    reserved --start--> prefill --prompt in place--> live
+                           ^                           |
+                           +----------restart----------+
+    (any but closed, failed) --fail--> failed        (any but closed) --close--> closed
+
+A session is `reserved` by admission, in `prefill` while its start runs on the engine thread (a restart goes back
+there), `live` once the engine steps it, and leaves the table when `closed` or `failed`. Every change of state goes
+through SlotTable.move, which refuses what the machine does not allow; callers decide whether a refusal is an error.
+
+No torch here: `Slot`, the asyncio side's handle, reaches its engine through the narrow `SessionHost` interface.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from model.engine.api import (
+    EngineError,
+    FrameOutput,
+    FrameSource,
+    ResourceExhausted,
+    SessionParams,
+    SlotStats,
+)
+
+# The states each state may move to.
+MOVES: dict[str, frozenset[str]] = {
+    "reserved": frozenset({"prefill", "closed", "failed"}),
+    "prefill": frozenset({"prefill", "live", "closed", "failed"}),  # a restart may follow a start still running
+    "live": frozenset({"prefill", "closed", "failed"}),
+    "failed": frozenset({"closed"}),
+    "closed": frozenset(),
+}
+ENDED = ("closed", "failed")
+
+
+@dataclass
+class Session:
+    """Engine-side record of the session in one slot."""
+
+    index: int
+    id: str
+    stats: SlotStats = field(default_factory=SlotStats)
+    params: SessionParams | None = None
+    source: FrameSource | None = None
+    on_output: Callable[[FrameOutput], None] | None = None
+    on_error: Callable[[EngineError], None] | None = None
+    seed: int = 0
+    out_index: int = 0
+    first_half_pending: bool = False  # a realtime session's first half is still to run, in or before its first tick
+
+    @property
+    def state(self) -> str:
+        return self.stats.state
+
+    @property
+    def live(self) -> bool:
+        return self.stats.state == "live"
+
+    @property
+    def offline(self) -> bool:
+        return self.params is not None and self.params.pacing == "input"
+
+
+class SlotTable:
+    """Which session holds each row. `lock` (reentrant) also guards what other threads read of a session while
+    the engine thread hands out its frames: close() waits for a callback in flight, so none follows it."""
+
+    def __init__(self, size: int):
+        self.lock = threading.RLock()
+        self._rows: list[Session | None] = [None] * size
+
+    def reserve(self) -> Session:
+        with self.lock:
+            for i, held in enumerate(self._rows):
+                if held is None:
+                    session = self._rows[i] = Session(index=i, id=f"slot-{uuid.uuid4().hex[:12]}")
+                    return session
+        raise ResourceExhausted(f"duplex_session_capacity_exhausted: limit={len(self._rows)}")
+
+    def move(self, session: Session, state: str) -> bool:
+        """Move `session` to `state` if its machine allows it (False, and nothing changes, if not). An ended
+        session leaves its row."""
+        with self.lock:
+            if state not in MOVES[session.state]:
+                return False
+            session.stats.state = state
+            if state in ENDED and self._rows[session.index] is session:
+                self._rows[session.index] = None
+            return True
+
+    def holds(self, session: Session) -> bool:
+        return self._rows[session.index] is session
+
+    def held(self) -> list[Session]:
+        with self.lock:
+            return [s for s in self._rows if s is not None]
+
+    def in_use(self) -> int:
+        with self.lock:
+            return sum(held is not None for held in self._rows)
+
+    def live(self, offline: bool) -> list[Session]:
+        """The live sessions of one pacing (input-clocked or realtime), in row order."""
+        with self.lock:
+            return [s for s in self._rows if s is not None and s.live and s.offline == offline]
+
+
+class SessionHost(Protocol):
+    """What a Slot needs of its engine."""
+
+    def validate(self, params: SessionParams) -> None: ...
+
+    async def start_session(self, session: Session) -> None: ...
+
+    def release(self, session: Session) -> None: ...
+
+
+class Slot:
+    """The asyncio side's handle on one reserved slot."""
+
+    def __init__(self, host: SessionHost, session: Session):
+        self._host = host
+        self._session = session
+        self.id = session.id
+        self.index = session.index
+
+    async def start(self, params: SessionParams, source: FrameSource, on_output: Callable[[FrameOutput], None],
+                    on_error: Callable[[EngineError], None]) -> None:
+        """Validate, run the voice + persona prompt between ticks, and go live."""
+        self._host.validate(params)
+        session = self._session
+        if session.state != "reserved":
+            raise EngineError(f"slot {self.id} is {session.state}, not reserved", "invalid_state")
+        session.params, session.source, session.on_output, session.on_error = params, source, on_output, on_error
+        seed = params.sampling.seed
+        session.seed = seed if seed is not None else secrets.randbits(63)
+        await self._host.start_session(session)
+
+    async def restart(self) -> None:
+        """A fresh context with the same parameters; output indices restart at 0."""
+        if self._session.params is None:
+            raise EngineError("session not started", "invalid_state")
+        await self._host.start_session(self._session)
+
+    def close(self) -> None:
+        self._host.release(self._session)
+
+    def stats(self) -> SlotStats:
+        return SlotStats(**vars(self._session.stats))

@@ -1,0 +1,79 @@
+"""The engine's counters: tick records and their histogram, errors by cause, offline frames, open work; and the
+EngineStats snapshot other threads read. Its own lock: the engine thread writes, anyone reads."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import statistics
+import threading
+from collections import Counter, deque
+
+import numpy as np
+
+from model.engine.api import EngineStats, TickRecord
+
+TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0, 160.0)
+TICK_RECORDS = 2000
+# The names metrics and benchmarks know the first half by: its session-start step kind, and its host phase.
+FIRST_HALF_STEP_LABEL = "lead"
+FIRST_HALF_HOST_PHASE = "leads"
+
+
+class EngineCounters:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.records: deque[TickRecord] = deque(maxlen=TICK_RECORDS)
+        self.buckets = [0] * (len(TICK_MS_BUCKETS) + 1)
+        self.ticks = self.late = self.batch = 0
+        self.tick_ms_sum = 0.0
+        self.last_tick_at = 0.0
+        self.errors: Counter[str] = Counter()  # by cause
+        self.offline_frames = 0
+        self.open_ms = 0.0
+        self.copies_in_flight = 0
+
+    def record_tick(self, ms: float, batch: int, late: bool, parts_ms: dict[str, float],
+                    host_ms: dict[str, float]) -> TickRecord:
+        record = TickRecord(ms, batch, late, parts_ms, host_ms)
+        with self.lock:
+            self.ticks += 1
+            self.late += int(late)
+            self.batch = batch
+            self.records.append(record)
+            self.tick_ms_sum += ms
+            self.buckets[bisect.bisect_left(TICK_MS_BUCKETS, ms)] += 1
+        return record
+
+    def count_error(self, cause: str) -> None:
+        with self.lock:
+            self.errors[cause] += 1
+
+    def recent(self, count: int) -> list[TickRecord]:
+        with self.lock:
+            records = list(self.records)
+        return records[max(len(records) - count, 0) :]
+
+    def snapshot(self, sessions_in_use: int, max_sessions: int, cache_hits: int, cache_misses: int,
+                 step_seconds: dict[str, list[float]]) -> EngineStats:
+        # Copied under the lock, summarised outside it.
+        with self.lock:
+            ms = [record.ms for record in self.records]
+            last = self.records[-1] if self.records else None
+            counts = list(self.buckets)
+            stats = EngineStats(
+                ticks=self.ticks, late_ticks=self.late, batch=self.batch, tick_ms=last.ms if last else 0.0,
+                tick_ms_p50=0.0, tick_ms_p99=0.0, parts_ms=dict(last.parts_ms) if last else {},
+                host_ms=dict(last.host_ms) if last else {}, sessions_in_use=sessions_in_use,
+                max_sessions=max_sessions, tick_ms_buckets=[], tick_ms_sum=self.tick_ms_sum,
+                errors=sum(self.errors.values()), errors_by_cause=dict(self.errors),
+                offline_frames=self.offline_frames, prompt_cache_hits=cache_hits, prompt_cache_misses=cache_misses,
+                open_work_ms_last=self.open_ms, open_step_ms={}, prompt_copies_in_flight=self.copies_in_flight,
+                last_tick_at=self.last_tick_at,
+            )
+        if ms:
+            stats.tick_ms_p50, stats.tick_ms_p99 = (float(v) for v in np.percentile(ms, [50, 99]))
+        stats.tick_ms_buckets = list(zip((*TICK_MS_BUCKETS, float("inf")), itertools.accumulate(counts)))
+        stats.open_step_ms = {FIRST_HALF_STEP_LABEL if kind == "first_half" else kind: 1000.0 * statistics.median(runs)
+                              for kind, runs in step_seconds.items()}
+        return stats

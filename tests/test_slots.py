@@ -1,0 +1,85 @@
+"""The slot table's state machine per session: reserved -> prefill -> live -> closed / failed, and restarts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model.engine.api import ResourceExhausted
+from model.engine.slots import MOVES, SlotTable
+
+STATES = tuple(MOVES)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_session_goes_from_reserved_through_prefill_to_live_and_closed():
+    table = SlotTable(2)
+    session = table.reserve()
+    assert session.state == "reserved" and table.in_use() == 1 and table.holds(session)
+    assert not table.move(session, "live")  # no session goes live without its prompt
+    assert table.move(session, "prefill") and table.move(session, "live")
+    assert session.live and table.live(offline=False) == [session] and table.live(offline=True) == []
+    assert table.move(session, "prefill")  # a restart
+    assert table.live(offline=False) == []
+    assert table.move(session, "live") and table.move(session, "closed")
+    assert not table.holds(session) and table.in_use() == 0
+
+
+@pytest.mark.parametrize("ended", ["closed", "failed"])
+def test_an_ended_session_leaves_its_row_and_never_comes_back(ended):
+    table = SlotTable(1)
+    session = table.reserve()
+    assert table.move(session, "prefill") and table.move(session, "live") and table.move(session, ended)
+    assert table.in_use() == 0 and not table.holds(session)
+    assert not any(table.move(session, state) for state in ("reserved", "prefill", "live", "failed"))
+    assert session.state == ended
+    again = table.reserve()  # the row is free for the next session
+    assert again.index == session.index and again.id != session.id and again.state == "reserved"
+
+
+def test_a_failed_session_can_still_be_closed_once():
+    table = SlotTable(1)
+    session = table.reserve()
+    assert table.move(session, "failed") and table.move(session, "closed")
+    assert not table.move(session, "closed") and not table.move(session, "failed")
+    assert session.state == "closed"
+
+
+def test_a_closed_session_does_not_free_the_row_of_the_next_one():
+    table = SlotTable(1)
+    first = table.reserve()
+    assert table.move(first, "closed")
+    second = table.reserve()
+    table.move(first, "failed")  # refused: `first` ended already
+    assert table.holds(second) and table.in_use() == 1
+
+
+def test_every_refused_move_changes_nothing():
+    table = SlotTable(len(STATES) ** 2)
+    for state in STATES:
+        for target in STATES:
+            session = table.reserve()
+            path = {"reserved": [], "prefill": ["prefill"], "live": ["prefill", "live"], "failed": ["failed"],
+                    "closed": ["closed"]}[state]
+            assert all(table.move(session, step) for step in path) and session.state == state
+            held = table.holds(session)
+            assert table.move(session, target) == (target in MOVES[state])
+            if target not in MOVES[state]:
+                assert session.state == state and table.holds(session) == held
+
+
+def test_a_full_table_refuses_with_its_limit():
+    table = SlotTable(2)
+    table.reserve(), table.reserve()
+    with pytest.raises(ResourceExhausted, match="limit=2"):
+        table.reserve()
+
+
+def test_the_api_and_the_slot_handle_import_no_torch():
+    """Worker processes import them without the model."""
+    code = "import sys, model.engine, model.engine.api, model.engine.slots; assert 'torch' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
