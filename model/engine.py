@@ -49,7 +49,7 @@ from model.config import FRAME_SAMPLES, SAMPLE_RATE
 from model.lm import LMState
 from model.loading import PersonaPlex
 from model.prompt_prefill import PromptPrefill
-from model.prompts import PromptPlan, VoicePrompt, finish_prompt, persona_tokens, plan_prompt
+from model.prompts import PromptPlan, VoicePrompt, finish_prompt, persona_text, persona_tokens, plan_prompt
 from model.sampling import SamplingParams, row_sampling
 from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, StepConstants
 
@@ -597,7 +597,7 @@ class Engine:
                 raise EngineError("the session was closed", "session_closed")
             rt.stats.state = "prefill"
         params, row = rt.params, rt.index
-        key = (params.voice, params.persona.strip())
+        key = (params.voice, persona_text(params.persona))
         yield "copy" if key in self._prompt_cache else "plan"
         work = 0.0
         segment = time.perf_counter()
