@@ -152,6 +152,20 @@ async def test_a_recycled_slot_keeps_no_key_or_value_of_its_last_session(make_en
     assert all(not tensor[:, slot.index, :, written:].any() for tensor in state.kv.tensors())
 
 
+async def test_prompt_cache_keys_on_the_persona_text_the_model_sees(make_engine):
+    """'' plays only the spacers and a whitespace persona is '<system>  <system>' (as the reference wraps it): two
+    prompts; '   ' and '\n' are the same text, so the second is a cache hit."""
+    engine = make_engine()
+    frames = speechlike(6, 4)
+    outputs = []
+    for persona in ("", "   ", "\n"):
+        params = SessionParams(persona=persona, sampling=GREEDY, pacing="input")
+        outputs.append((await run_session(engine, params, frames, 6))[1])
+    stats = engine.stats()
+    assert (stats.prompt_cache_misses, stats.prompt_cache_hits) == (2, 1)
+    assert same(outputs[1], outputs[2]) and not same(outputs[0], outputs[1])
+
+
 async def test_batch_invariance_with_sessions_opened_at_different_ticks(make_engine):
     """A realtime session's tokens do not depend on a second session that joins mid-way."""
     frames = speechlike(14, 2)
