@@ -737,7 +737,10 @@ class Engine:
         if params.voice is not None:
             voice = self._voice_cache.get(params.voice)
             if voice is None:
-                voice = self.model.load_voice(params.voice)
+                try:
+                    voice = self.model.load_voice(params.voice)
+                except ValueError as exc:  # a file that resolves but does not load (unreadable, too short)
+                    raise InvalidSessionParams(str(exc), "invalid_voice") from exc
                 self._voice_cache[params.voice] = voice
                 while len(self._voice_cache) > 64:
                     self._voice_cache.popitem(last=False)

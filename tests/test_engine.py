@@ -166,6 +166,24 @@ async def test_prompt_cache_keys_on_the_persona_text_the_model_sees(make_engine)
     assert same(outputs[1], outputs[2]) and not same(outputs[0], outputs[1])
 
 
+async def test_a_voice_file_too_short_to_measure_is_an_invalid_voice(make_engine, tmp_path):
+    """The reference's loudness meter needs one 400 ms block; a shorter `.wav` is refused at the start, and the
+    slot serves the next session."""
+    from model.audio import write_wav
+
+    wav = tmp_path / "short.wav"
+    write_wav(wav, np.full(7200, 0.1, np.float32), 24000)
+    engine = make_engine(max_sessions=1)
+    slot = engine.reserve()
+    with pytest.raises(InvalidSessionParams, match="short.wav: not usable as a voice") as info:
+        await slot.start(SessionParams(voice=str(wav), sampling=GREEDY), QueueSource(), Collector().on_output,
+                         Collector().on_error)
+    assert info.value.code == "invalid_voice"
+    slot.close()
+    _, outputs = await run_session(engine, PARAMS, speechlike(3, 1), 4)
+    assert len(outputs) == 4
+
+
 async def test_batch_invariance_with_sessions_opened_at_different_ticks(make_engine):
     """A realtime session's tokens do not depend on a second session that joins mid-way."""
     frames = speechlike(14, 2)
