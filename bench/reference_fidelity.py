@@ -49,8 +49,8 @@ CASES = (
 )
 
 
-def prepare(work: Path, seconds: float, mimi_context: int) -> None:
-    """The tiny checkpoint, the user input (16 kHz) and the voices: 2.5 s at 24 kHz, 3 s at 16 kHz, a `.pt`.
+def prepare(work: Path, seconds: float, input_rate: int, mimi_context: int) -> None:
+    """The tiny checkpoint, the user input (at `input_rate`) and the voices: 2.5 s at 24 kHz, 3 s at 16 kHz, a `.pt`.
 
     The fork's ring KV sees context - 1 keys once full, ours context (spec/model.md §1 item 10; docs/fidelity.md):
     the real Mimi's window is 250 steps (10 s), the tiny one's 16 (0.64 s), which would end parity after 7 frames.
@@ -68,8 +68,7 @@ def prepare(work: Path, seconds: float, mimi_context: int) -> None:
     voice = synthetic_voice(11, 2.5)
     write_wav(work / "voice24k.wav", voice, SAMPLE_RATE)
     write_wav(work / "voice16k.wav", resample(synthetic_voice(12, 3.0), SAMPLE_RATE, 16000), 16000)
-    user = resample(synthetic_voice(13, seconds) * 0.5, SAMPLE_RATE, 16000)
-    write_wav(work / "user16k.wav", user, 16000)
+    write_wav(work / "user.wav", resample(synthetic_voice(13, seconds) * 0.5, SAMPLE_RATE, input_rate), input_rate)
     load_model(str(ckpt)).save_voice(work / "voice24k.wav", work / "voice24k.pt")
 
 
@@ -78,7 +77,7 @@ def run_ours(work: Path, case: Case, root: Path) -> np.ndarray:
     out.mkdir()
     voice = case.voice if case.voice == "none" else str(work / case.voice)
     done = subprocess.run(
-        [sys.executable, "-m", "model.generate", "--model", str(work / "ckpt"), "--input", str(work / "user16k.wav"),
+        [sys.executable, "-m", "model.generate", "--model", str(work / "ckpt"), "--input", str(work / "user.wav"),
          "--output", str(out / "out.wav"), "--tokens-out", str(out / "tokens.npy"), "--voice", voice,
          "--persona", case.persona, "--greedy", "--device", "cpu", "--dtype", "float32"],
         cwd=root, capture_output=True, text=True, timeout=600)
@@ -144,7 +143,7 @@ def fork_case(work: Path, case: Case) -> None:
         LMGen._step_text_prompt_core = lambda self: iter(()) if self.text_prompt_tokens is None else text_core(self)
     with torch.no_grad():
         offline.run_inference(
-            input_wav=str(work / "user16k.wav"), output_wav="out.wav", output_text="out.json", text_prompt=case.persona,
+            input_wav=str(work / "user.wav"), output_wav="out.wav", output_text="out.json", text_prompt=case.persona,
             voice_prompt_path=str(work / case.voice), tokenizer_path=str(ckpt / TOKENIZER_NAME),
             moshi_weight=str(ckpt / MOSHI_NAME), mimi_weight=str(ckpt / MIMI_NAME), hf_repo="local", device="cpu",
             seed=42424242, temp_audio=0.8, temp_text=0.7, topk_audio=250, topk_text=25, greedy=True,
@@ -169,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fork-deps", type=Path, help="folder with the fork's --no-deps pins (sphn<0.2)")
     p.add_argument("--ours", type=Path, default=ROOT, help="checkout whose model.generate runs (default: this one)")
     p.add_argument("--seconds", type=float, default=3.2, help="user input length (40 frames by default)")
+    p.add_argument("--input-rate", type=int, default=16000, help="the user input wav's sample rate")
     p.add_argument("--mimi-context", type=int, default=250, help="the tiny Mimi's attention window, in 25 Hz steps")
     p.add_argument("--cases", nargs="*", default=[c.name for c in CASES])
     p.add_argument("--in-fork", help=argparse.SUPPRESS)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--fork must name the fork's moshi/ folder (with moshi/offline.py inside)")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        prepare(work, args.seconds, args.mimi_context)
+        prepare(work, args.seconds, args.input_rate, args.mimi_context)
         for case in CASES:
             if case.name in args.cases:
                 ours = run_ours(work, case, args.ours.resolve())
