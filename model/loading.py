@@ -237,13 +237,21 @@ class PersonaPlex:
 
     @torch.no_grad()
     def encode_wav_voice(self, samples: np.ndarray, rate: int) -> torch.Tensor:
-        """Mimi codes [N, 8] of a voice recording, normalised to -24 LUFS as the reference does."""
+        """Mimi codes [N, 8] of a voice recording: resampled to 24 kHz, then normalised to -24 LUFS, as the
+        reference does (at least 0.4 s, one loudness block, or ValueError)."""
         audio = normalize_loudness(resample(samples, rate, SAMPLE_RATE), SAMPLE_RATE)
         frames = -(-audio.size // FRAME_SAMPLES)
         audio = np.pad(audio, (0, frames * FRAME_SAMPLES - audio.size))
         # One forward over the whole recording: equal to streaming it frame by frame from a fresh state.
         pcm = torch.from_numpy(audio).to(self.device).view(1, frames * FRAME_SAMPLES)
         return self.mimi.encode(pcm)[0].T.cpu()
+
+    def _wav_voice_codes(self, path: Path) -> torch.Tensor:
+        samples, rate = read_wav(path)
+        try:
+            return self.encode_wav_voice(samples, rate)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not usable as a voice ({exc})") from exc
 
     def resolve_voice(self, voice: str) -> Path:
         """A bundled name ('NATF2' or 'NATF2.pt') or a path to a `.pt` / `.wav` file."""
@@ -260,8 +268,7 @@ class PersonaPlex:
         """A replayable VoicePrompt (`.pt`) or Mimi codes [N, 8] (`.wav`)."""
         path = self.resolve_voice(voice)
         if path.suffix == ".wav":
-            samples, rate = read_wav(path)
-            return self.encode_wav_voice(samples, rate)
+            return self._wav_voice_codes(path)
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
@@ -270,8 +277,7 @@ class PersonaPlex:
 
     def save_voice(self, wav: Path, out: Path) -> VoicePrompt:
         """Make a bundled-style `.pt` from a `.wav` voice."""
-        samples, rate = read_wav(wav)
-        voice = plan_voice(self.lm, self.encode_wav_voice(samples, rate))
+        voice = plan_voice(self.lm, self._wav_voice_codes(wav))
         torch.save(voice.to_reference(), out)
         return voice
 

@@ -56,13 +56,20 @@ class PromptPlan:
     offset: int
 
 
-def persona_tokens(tokenizer, persona: str) -> list[int]:
+def persona_text(persona: str) -> str:
+    """The text prompt as the reference builds it: '' for no persona, else stripped and wrapped in `<system>` tags
+    (unless already wrapped). A whitespace-only persona is a persona: it becomes '<system>  <system>'."""
+    if not persona:
+        return ""
     text = persona.strip()
-    if not text:
-        return []
-    if not (text.startswith("<system>") and text.endswith("<system>")):
-        text = "<system> " + text + " <system>"
-    return list(tokenizer.encode(text))
+    if text.startswith("<system>") and text.endswith("<system>"):
+        return text
+    return f"<system> {text} <system>"
+
+
+def persona_tokens(tokenizer, persona: str) -> list[int]:
+    text = persona_text(persona)
+    return list(tokenizer.encode(text)) if text else []
 
 
 def forced_frame(cfg: LMConfig, text: int, agent: tuple[int, ...] | list[int]) -> list[int]:
@@ -106,12 +113,6 @@ def simulate_ring(cfg: LMConfig, initial: Tensor, ring: Tensor, offset: int, fra
     return torch.from_numpy(columns), torch.from_numpy(cells), offset
 
 
-def fresh_ring(lm: LM) -> Tensor:
-    ring = torch.zeros(lm.cfg.num_rows, RING_SIZE, dtype=torch.long)
-    ring[:, 0] = lm.initial_column()
-    return ring
-
-
 @torch.no_grad()
 def plan_prompt(lm: LM, voice: VoicePrompt | Tensor | None, persona: list[int]) -> PromptPlan:
     """Plan a session prompt for a fresh row. `voice` is a VoicePrompt, Mimi codes [N, 8] from a wav, or None."""
@@ -122,9 +123,7 @@ def plan_prompt(lm: LM, voice: VoicePrompt | Tensor | None, persona: list[int]) 
         ring, offset = voice.ring.clone(), voice.frames
         head = [voice.embeddings.to(device=device, dtype=lm.text_linear.weight.dtype)]
         frames = prompt_frames(cfg, None, persona)
-    elif voice is None and not persona:
-        return PromptPlan(torch.zeros(0, cfg.dim, device=device), fresh_ring(lm), 1)
-    else:
+    else:  # no voice and no persona still play both spacers, as the reference does
         ring, offset, head = torch.zeros(cfg.num_rows, RING_SIZE, dtype=torch.long), 0, []
         frames = prompt_frames(cfg, voice, persona)
     columns, ring, offset = simulate_ring(cfg, initial, ring, offset, frames)
@@ -158,7 +157,6 @@ def finish_prompt(lm: LM, state: LMState, row: int, plan: PromptPlan) -> None:
     device = state.ring.device
     state.ring[row] = plan.ring.to(device)
     state.offset[row] = plan.offset
-    if plan.embeddings.shape[0]:
-        # The last prompt frame's delayed codes sit in the next call's target column, as the reference's
-        # `provided` mask keeps them: the first conversation call must not resample them.
-        state.forced[row] = lm.delays(device) > 0
+    # The last prompt frame's delayed codes sit in the next call's target column, as the reference's
+    # `provided` mask keeps them: the first conversation call must not resample them.
+    state.forced[row] = lm.delays(device) > 0

@@ -153,6 +153,38 @@ async def test_a_recycled_slot_keeps_no_key_or_value_of_its_last_session(make_en
     assert all(not tensor[:, slot.index, :, written:].any() for tensor in state.kv.tensors())
 
 
+async def test_prompt_cache_keys_on_the_persona_text_the_model_sees(make_engine):
+    """'' plays only the spacers and a whitespace persona is '<system>  <system>' (as the reference wraps it): two
+    prompts; '   ' and '\n' are the same text, so the second is a cache hit."""
+    engine = make_engine()
+    frames = speechlike(6, 4)
+    outputs = []
+    for persona in ("", "   ", "\n"):
+        params = SessionParams(persona=persona, sampling=GREEDY, pacing="input")
+        outputs.append((await run_session(engine, params, frames, 6))[1])
+    stats = engine.stats()
+    assert (stats.prompt_cache_misses, stats.prompt_cache_hits) == (2, 1)
+    assert same(outputs[1], outputs[2]) and not same(outputs[0], outputs[1])
+
+
+async def test_a_voice_file_too_short_to_measure_is_an_invalid_voice(make_engine, tmp_path):
+    """The reference's loudness meter needs one 400 ms block; a shorter `.wav` is refused at the start, and the
+    slot serves the next session."""
+    from model.audio import write_wav
+
+    wav = tmp_path / "short.wav"
+    write_wav(wav, np.full(7200, 0.1, np.float32), 24000)
+    engine = make_engine(max_sessions=1)
+    slot = engine.reserve()
+    with pytest.raises(InvalidSessionParams, match="short.wav: not usable as a voice") as info:
+        await slot.start(SessionParams(voice=str(wav), sampling=GREEDY), QueueSource(), Collector().on_output,
+                         Collector().on_error)
+    assert info.value.code == "invalid_voice"
+    slot.close()
+    _, outputs = await run_session(engine, PARAMS, speechlike(3, 1), 4)
+    assert len(outputs) == 4
+
+
 async def test_batch_invariance_with_sessions_opened_at_different_ticks(make_engine):
     """A realtime session's tokens do not depend on a second session that joins mid-way."""
     frames = speechlike(14, 2)
@@ -275,7 +307,7 @@ async def test_input_clocked_runs_faster_than_realtime_beside_a_realtime_session
     started = time.monotonic()
     await off_slot.start(SessionParams(sampling=GREEDY, pacing="input"), QueueSource(speechlike(frames, 2)),
                          off_sink.on_output, off_sink.on_error)
-    await off_sink.wait_for(frames - 1)  # no prompt: a fresh row's first call emits nothing
+    await off_sink.wait_for(frames)
     elapsed = time.monotonic() - started
     realtime_during = len(rt_sink.outputs)
     # Real time would need frames * 80 ms; the realtime session kept its own pace meanwhile.

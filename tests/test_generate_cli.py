@@ -106,10 +106,9 @@ def test_seeded_sampling_is_reproducible(tiny, speech, input_frames, tmp_path):
 
 
 def test_prompt_phases(tiny, speech, input_frames, model, tmp_path):
+    # No voice and no persona: the two spacers still play, as in the reference.
     bare = run_cli(tiny, speech, tmp_path / "bare", "--greedy", "--voice", "none")
-    # No prompt: a fresh row's first call emits nothing.
-    assert bare.tokens.shape == (input_frames - 1, 17)
-    assert bare.audio.size == (input_frames - 1) * FRAME_SAMPLES
+    assert bare.audio.size == input_frames * FRAME_SAMPLES
 
     both = run_cli(tiny, speech, tmp_path / "both", "--greedy", "--voice", "NATM1", "--persona", PERSONA)
     # The other prompt shapes in-process, through the function the CLI runs.
@@ -118,11 +117,11 @@ def test_prompt_phases(tiny, speech, input_frames, model, tmp_path):
     greedy = SamplingParams(greedy=True)
     voice = generate(model, samples, "NATM1", "", greedy, seed=0).tokens
     persona = generate(model, samples, None, PERSONA, greedy, seed=0).tokens
-    for tokens in (both.tokens, voice, persona):
+    for tokens in (both.tokens, voice, persona, bare.tokens):
         assert tokens.shape == (input_frames, 17)
         assert tokens[0].tolist() == [TEXT_PAD, *SILENCE_TOKENS, *SINE_TOKENS]
     # Each prompt reaches the model: each leads to a different conversation.
-    agents = [t[1:, :9] for t in (both.tokens, voice, persona)] + [bare.tokens[:, :9]]
+    agents = [t[1:, :9] for t in (both.tokens, voice, persona, bare.tokens)]
     for i in range(len(agents)):
         for j in range(i + 1, len(agents)):
             assert not np.array_equal(agents[i], agents[j]), (i, j)

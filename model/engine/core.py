@@ -374,7 +374,12 @@ class Engine:
         self._deliver(session, *first)
 
     def _plan(self, params: SessionParams) -> PromptPlan:
-        voice = None if params.voice is None else self.prompts.voice(params.voice, self.model.load_voice)
+        voice = None
+        if params.voice is not None:
+            try:
+                voice = self.prompts.voice(params.voice, self.model.load_voice)
+            except ValueError as exc:  # a file that resolves but does not load (unreadable, too short)
+                raise InvalidSessionParams(str(exc), "invalid_voice") from exc
         return plan_prompt(self.model.lm, voice, persona_tokens(self.model.tokenizer, params.persona))
 
     # ----- engine thread: the loop -------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from model.prompts import persona_text
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -63,7 +65,7 @@ class PromptCache:
 
     @staticmethod
     def key(voice: str | None, persona: str) -> tuple:
-        return (voice, persona.strip())
+        return (voice, persona_text(persona))
 
     def lookup(self, key: tuple) -> CachedPrompt | None:
         """The cached prompt, counted as a hit (and made the newest) or a miss."""
