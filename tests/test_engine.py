@@ -285,8 +285,10 @@ async def test_underrun_feeds_silence_and_is_counted(make_engine):
     await sink.wait_for(6)
     stats = slot.stats()
     assert stats.frames_in == 2
-    assert stats.underruns >= 4
     assert stats.frames_out >= 6
+    # Every frame out after the first half's took an input frame or counted an underrun (the tick that runs a
+    # first half in its batch takes neither).
+    assert stats.underruns >= stats.frames_out - stats.frames_in - 2
     # The session keeps running on silence (its timeline advances with the clock) and recovers when input arrives.
     source.push(speechlike(1, 6)[0])
     deadline = time.monotonic() + 5
