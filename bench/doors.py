@@ -39,6 +39,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import numpy as np
 
+from media.codecs import AudioFormat
 from model.audio import read_wav, resample
 
 FRAME = 1920
@@ -48,6 +49,7 @@ AUDIO_DELTAS = ("response.output_audio.delta", "response.audio.delta")
 TWILIO_RATE = 8000
 TWILIO_CHUNK = 160          # 20 ms of μ-law at 8 kHz
 ULAW_SILENCE = 0xFF         # μ-law of 0.0
+OPUS_SILENCE_PEAK = 1e-3    # Opus gives digital silence back at about 3e-5 peak, never exactly 0
 TEXT = ("Hello, I would like to book a table for two tonight, around eight if possible. "
         "Do you have anything by the window? My friend is vegetarian, is that a problem?")
 
@@ -255,12 +257,42 @@ async def _first_json(ws: aiohttp.ClientWebSocketResponse, timeout: float = 30.0
 
 
 class WebSocketDoor(DoorClient):
-    """A door over one WebSocket: PCM16 24 kHz pieces unless the door says otherwise; `close()` sends the door's
-    goodbye, waits for the reader to see the socket end, and closes."""
+    """A door over one WebSocket: `read()` hands each message to `on_event` / `on_binary`; PCM16 24 kHz pieces
+    unless the door says otherwise; `close()` sends the door's goodbye, lets the reader see the end, and closes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ws: aiohttp.ClientWebSocketResponse | None = None
+        self.closed: dict[str, Any] | None = None
+        self._out_bytes = 0
+
+    async def connect(self, http: aiohttp.ClientSession, path: str) -> aiohttp.ClientWebSocketResponse:
+        self.open_began = time.monotonic()
+        self.ws = await http.ws_connect(self.ws_url(path), headers=self.headers, max_msg_size=0)
+        return self.ws
+
+    def went_live(self) -> None:
+        self.live_at = time.monotonic()
+        self.reader = asyncio.ensure_future(self.read())
+
+    async def read(self) -> None:
+        assert self.ws is not None
+        async for msg in self.ws:
+            if msg.type is aiohttp.WSMsgType.BINARY:
+                self.on_binary(msg.data)
+            elif msg.type is aiohttp.WSMsgType.TEXT:
+                self.on_event(json.loads(msg.data))
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("type") == "error":
+            self.errors.append(event)
+        elif event.get("type") == "session.closed":
+            self.closed = event
+
+    def on_binary(self, data: bytes) -> None:
+        """PCM16 24 kHz output."""
+        self._out_bytes += len(data)
+        self.heard(time.monotonic(), self._out_bytes / (2 * RATE), len(data) / (2 * RATE))
 
     def goodbye(self) -> dict[str, Any]:
         return {"type": "session.close"}
@@ -293,12 +325,9 @@ class RealtimeClient(WebSocketDoor):
         self.response_ids: list[str] = []
         self.audio: list[bytes] = []
         self.bad_deltas: list[str] = []
-        self.closed: dict[str, Any] | None = None
-        self._out_bytes = 0
 
     async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
-        self.open_began = time.monotonic()
-        ws = self.ws = await http.ws_connect(self.ws_url(self.path), headers=self.headers, max_msg_size=0)
+        ws = await self.connect(http, self.path)
         first = await _first_json(ws)
         if first.get("type") != "session.created":
             await ws.close()
@@ -311,25 +340,17 @@ class RealtimeClient(WebSocketDoor):
         updated = await _first_json(ws)
         if updated.get("type") != "session.updated":
             self.errors.append(updated)
-        self.live_at = time.monotonic()
-        self.reader = asyncio.ensure_future(self.read())
+        self.went_live()
         return None
 
-    async def read(self) -> None:
-        assert self.ws is not None
-        async for msg in self.ws:
-            if msg.type is not aiohttp.WSMsgType.TEXT:
-                continue
-            event = json.loads(msg.data)
-            kind = event.get("type")
-            if kind == "error":
-                self.errors.append(event)
-            elif kind == "response.created":
-                self.response_ids.append(event["response_id"])
-            elif kind in AUDIO_DELTAS:
-                self._on_delta(event)
-            elif kind == "session.closed":
-                self.closed = event
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "response.created":
+            self.response_ids.append(event["response_id"])
+        elif kind in AUDIO_DELTAS:
+            self._on_delta(event)
+        else:
+            super().on_event(event)
 
     def _on_delta(self, event: dict[str, Any]) -> None:
         try:
@@ -343,8 +364,7 @@ class RealtimeClient(WebSocketDoor):
             self.bad_deltas.append("no response_id")
         if self.keep_audio:
             self.audio.append(data)
-        self._out_bytes += len(data)
-        self.heard(time.monotonic(), self._out_bytes / (2 * RATE), len(data) / (2 * RATE))
+        self.on_binary(data)
 
     async def send_piece(self, piece: bytes) -> None:
         assert self.ws is not None
@@ -363,14 +383,8 @@ class DuplexClient(WebSocketDoor):
 
     door = "duplex"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.closed: dict[str, Any] | None = None
-        self._out_bytes = 0
-
     async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
-        self.open_began = time.monotonic()
-        ws = self.ws = await http.ws_connect(self.ws_url("/v1/duplex"), headers=self.headers, max_msg_size=0)
+        ws = await self.connect(http, "/v1/duplex")
         fmt = {"format": "pcm16", "rate": RATE}
         await ws.send_json({"type": "session.create", "session": {"persona": self.persona, "input": fmt,
                                                                   "output": fmt}})
@@ -379,22 +393,8 @@ class DuplexClient(WebSocketDoor):
             await ws.close()
             return created
         self.session_id = created["session"].get("id")
-        self.live_at = time.monotonic()
-        self.reader = asyncio.ensure_future(self.read())
+        self.went_live()
         return None
-
-    async def read(self) -> None:
-        assert self.ws is not None
-        async for msg in self.ws:
-            if msg.type is aiohttp.WSMsgType.BINARY:
-                self._out_bytes += len(msg.data)
-                self.heard(time.monotonic(), self._out_bytes / (2 * RATE), len(msg.data) / (2 * RATE))
-            elif msg.type is aiohttp.WSMsgType.TEXT:
-                event = json.loads(msg.data)
-                if event.get("type") == "error":
-                    self.errors.append(event)
-                elif event.get("type") == "session.closed":
-                    self.closed = event
 
     async def send_piece(self, piece: bytes) -> None:
         assert self.ws is not None
@@ -411,37 +411,28 @@ class TwilioClient(WebSocketDoor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stream_sid = f"MZ{uuid.uuid4().hex}"
-        self._out_bytes = 0
 
     async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
-        self.open_began = time.monotonic()
-        ws = self.ws = await http.ws_connect(self.ws_url("/v1/twilio"), headers=self.headers, max_msg_size=0)
+        ws = await self.connect(http, "/v1/twilio")
         await ws.send_json({"event": "connected", "protocol": "Call", "version": "1.0.0"})
         await ws.send_json({"event": "start", "streamSid": self.stream_sid, "start": {
             "streamSid": self.stream_sid, "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": TWILIO_RATE,
                                                           "channels": 1},
             "customParameters": {"persona": self.persona}}})
         self.session_id = self.stream_sid
-        self.live_at = time.monotonic()      # the bridge learns of a refusal only from an `error` that follows
-        self.reader = asyncio.ensure_future(self.read())
+        self.went_live()     # a bridge learns of a refusal only from the `error` that follows
         return None
 
-    async def read(self) -> None:
-        assert self.ws is not None
-        async for msg in self.ws:
-            if msg.type is not aiohttp.WSMsgType.TEXT:
-                continue
-            event = json.loads(msg.data)
-            if event.get("event") == "media":
-                data = base64.b64decode(event["media"]["payload"])
-                self._out_bytes += len(data)
-                silent = data.count(ULAW_SILENCE) == len(data)
-                self.heard(time.monotonic(), self._out_bytes / TWILIO_RATE, len(data) / TWILIO_RATE, silent)
-            elif event.get("type") == "error":
-                self.errors.append(event)
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") != "media":
+            super().on_event(event)
+            return
+        data = base64.b64decode(event["media"]["payload"])
+        self._out_bytes += len(data)
+        silent = data.count(ULAW_SILENCE) == len(data)
+        self.heard(time.monotonic(), self._out_bytes / TWILIO_RATE, len(data) / TWILIO_RATE, silent)
 
     def pieces(self, audio: np.ndarray) -> list[bytes]:
-        from media.codecs import AudioFormat
         ulaw = AudioFormat("pcmu", TWILIO_RATE).encode(np.clip(resample(audio, RATE, TWILIO_RATE), -1, 1))
         return [ulaw[i:i + TWILIO_CHUNK] for i in range(0, len(ulaw) - TWILIO_CHUNK + 1, TWILIO_CHUNK)]
 
@@ -491,7 +482,7 @@ class WebRTCClient(DoorClient):
 
     async def stream(self, audio: np.ndarray, t0: float) -> None:
         """The track speaks by itself from the connect on; this just lets `audio`'s length of it go by."""
-        self.first_send = self.live_at
+        self.first_send = self.call.connected_at if self.call else None
         await asyncio.sleep(max(0.0, t0 + audio.size / RATE - time.monotonic()))
 
     async def wait_output(self, drain_s: float, timeout_s: float = 0.0, max_missing: int = 0) -> None:
@@ -503,13 +494,14 @@ class WebRTCClient(DoorClient):
         self.stats = await self.server_stats()
 
     def _take_recording(self) -> None:
-        """The recorded packets (arrival, pts, samples) into the shared timeline; digital silence is playout fill."""
+        """The recorded packets (arrival, pts, samples) into the shared timeline; silence is playout fill."""
         self.received = Received()
         self.model_s = self.silence_after_first_s = 0.0
         self.first_audio_at = None
         chunks = sorted(self.call.recording.chunks, key=lambda c: c[2]) if self.call else []
         for pts, samples, arrived in chunks:
-            self.heard(arrived, (pts + samples.size) / RATE, samples.size / RATE, silent=not np.any(samples))
+            silent = not samples.size or float(np.abs(samples).max()) < OPUS_SILENCE_PEAK
+            self.heard(arrived, (pts + samples.size) / RATE, samples.size / RATE, silent)
 
     async def server_stats(self) -> dict[str, Any] | None:
         if self.call is None or not self.call.location:

@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from webrtc_support import ensure_ice_host_address
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,3 +41,35 @@ async def test_realtime_check_opens_more_than_100_sessions(start_server):
     assert len({s["session_id"] for s in sessions}) == 110
     bad = [s for s in sessions if not (s["errors"] == 0 and s["frames_in"] == 10 and s["frames_out"] > 0)]
     assert not bad, (len(bad), json.dumps(bad[:2]))
+
+
+async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
+    ensure_ice_host_address()
+    server = await start_server(max_sessions=5)
+    out = tmp_path / "e2e.jsonl"
+    report = await run_driver("bench.e2e", "--url", server.url, "--sessions", "4", "--seconds", "3", "--procs", "2",
+                              "--mix", "realtime=1,webrtc=1,twilio=1,duplex=1", "--extra-open",
+                              "--server-pids", str(os.getpid()), "--out", str(out))
+    assert json.loads(out.read_text().splitlines()[-1]) == report
+    assert report["summary"]["live"] == 4 and report["summary"]["no_audio"] == 0, report["summary"]
+    sessions = report["per_session"]
+    assert sorted(s["door"] for s in sessions) == ["duplex", "realtime", "twilio", "webrtc"]
+    for s in sessions:
+        assert s["session_id"] and s["frames_in"] > 0 and s["frames_out"] > 0, s
+        assert s["rtf"] is not None and s["first_audio_ms"] > 0 and s["missing_frames"] >= 0, s
+        assert s["output_lateness_ms"]["p99"] >= s["output_lateness_ms"]["p50"] >= 0, s
+    webrtc = next(s for s in sessions if s["door"] == "webrtc")
+    assert webrtc["server"]["input_added_ms"]["p50"] is not None
+    assert webrtc["server"]["output_added_ms"]["p50"] is not None
+    for door, summary in report["doors"].items():
+        assert summary["live"] == 1 and summary["first_audio_ms"]["p99"] > 0, (door, summary)
+        assert summary["rtf_min"] is not None and summary["lateness_p99_ms_max"] is not None, (door, summary)
+    assert report["doors"]["webrtc"]["server_added_ms"]["output_p50_mean"] is not None
+    extra = report["extra_open"]
+    assert extra["live_before"] == 4 and extra["first_audio_ms"] > 0, extra
+    srv = report["server"]
+    assert srv["ticks"] > 0 and srv["late_ticks"] >= 0 and srv["tick_run_ms"]["p99_ms"] > 0, srv
+    assert [p["pid"] for p in srv["processes"]] == [os.getpid()] and srv["processes"][0]["cpu_pct"] > 0
+    procs = report["driver"]["procs"]
+    assert len(procs) == 2 and all(p["sessions"] == 2 and p["cpu_pct"] is not None for p in procs)
+    assert len({p["pid"] for p in procs} | {os.getpid()}) == 3
