@@ -122,13 +122,13 @@ async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0:
     try:
         refused = await client.open(http)
         if refused is not None:
-            return {"door": p.door, "name": client.name, "refused": refused.get("error", refused)}
+            return {"index": p.index, "door": p.door, "name": client.name, "refused": refused.get("error", refused)}
         await client.stream(audio, time.monotonic())
         await client.wait_output(job.drain_s)
-        await client.close()
-    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError) as e:
-        return {"door": p.door, "name": client.name, "failed": repr(e), **client.report()}
-    return client.report()
+        await asyncio.wait_for(client.close(), 15)
+    except Exception as e:   # one broken session is a finding of the run, not the end of it
+        return {"index": p.index, **client.report(), "failed": repr(e)}
+    return {"index": p.index, **client.report()}
 
 
 def rusage_cpu_s() -> float:
@@ -321,7 +321,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         after = await server_snapshot(http, args.url, pids)
     for proc in procs:
         proc.join(10)
-    reports = sorted((r for d in done for r in d["reports"]), key=lambda r: int(re.sub(r"\D", "", r["name"])))
+    reports = sorted((r for d in done for r in d["reports"]), key=lambda r: r["index"])
     by_door = {door: summarize([r for r in reports if r["door"] == door]) for door in args.mix}
     return {
         "bench": "e2e", "url": args.url, "sessions": args.sessions, "mix": args.mix, "seconds": args.seconds,
