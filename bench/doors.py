@@ -25,7 +25,6 @@ import base64
 import binascii
 import json
 import math
-import os
 import shutil
 import subprocess
 import tempfile
@@ -94,15 +93,6 @@ def quantiles(values: list[float] | np.ndarray) -> dict[str, float]:
         return {"p50": 0.0, "p99": 0.0, "max": 0.0}
     return {"p50": round(float(np.percentile(a, 50)), 2), "p99": round(float(np.percentile(a, 99)), 2),
             "max": round(float(a.max()), 2)}
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process on this machine, or None when it is not here."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -205,10 +195,11 @@ class DoorClient:
             return math.ceil(self.silence_after_first_s / FRAME_S - 1e-6)
         return max(0, self.frames_in - self.frames_out)
 
-    async def stream(self, audio: np.ndarray, t0: float) -> None:
-        """One piece per grid point t0 + k * send_period_s; a piece due late is sent late (no catch-up)."""
+    async def stream(self, audio: np.ndarray, t0: float, pace: float = 1.0) -> None:
+        """One piece per grid point t0 + k * send_period_s / pace (1.0: real time); a piece due late is sent late
+        (no catch-up)."""
         for k, piece in enumerate(self.pieces(audio)):
-            due = t0 + k * self.send_period_s
+            due = t0 + k * self.send_period_s / pace
             delay = due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -480,20 +471,20 @@ class WebRTCClient(DoorClient):
     def location_id(self) -> str | None:
         return self.call.location.rsplit("/", 1)[-1] if self.call and self.call.location else None
 
-    async def stream(self, audio: np.ndarray, t0: float) -> None:
-        """The track speaks by itself from the connect on; this just lets `audio`'s length of it go by."""
+    async def stream(self, audio: np.ndarray, t0: float, pace: float = 1.0) -> None:
+        """The track speaks by itself, in real time, from the connect on; this just lets `audio`'s length go by."""
         self.first_send = self.call.connected_at if self.call else None
         await asyncio.sleep(max(0.0, t0 + audio.size / RATE - time.monotonic()))
 
     async def wait_output(self, drain_s: float, timeout_s: float = 0.0, max_missing: int = 0) -> None:
         self.sent_s = self.call.source.sent_s if self.call else 0.0
         await asyncio.sleep(drain_s)
-        self._take_recording()
+        self.take_recording()
         self.frames_at_end = self.frames_out
         self.missing_at_end = self.missing_now()
         self.stats = await self.server_stats()
 
-    def _take_recording(self) -> None:
+    def take_recording(self) -> None:
         """The recorded packets (arrival, pts, samples) into the shared timeline; silence is playout fill."""
         self.received = Received()
         self.model_s = self.silence_after_first_s = 0.0

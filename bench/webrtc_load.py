@@ -38,7 +38,8 @@ import aiohttp
 import numpy as np
 
 from app.webrtc_client import RealtimeCall
-from bench.doors import FRAME, RATE, client_session, cpu_seconds, peer_report, speech
+from bench.doors import FRAME, RATE, client_session, peer_report, speech
+from bench.server_probe import cpu_seconds
 
 
 async def cpu_pct(pid: int | None, seconds: float) -> float | None:

@@ -73,3 +73,28 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     procs = report["driver"]["procs"]
     assert len(procs) == 2 and all(p["sessions"] == 2 and p["cpu_pct"] is not None for p in procs)
     assert len({p["pid"] for p in procs} | {os.getpid()}) == 3
+
+
+async def test_soak_churn_over_every_door_leaks_nothing(start_server):
+    """A CI-sized soak: every door, every behaviour (vanishing mid-frame, too fast, too slow, never reading,
+    hostile) for a minute on a server with fewer slots than client loops."""
+    ensure_ice_host_address()
+    server = await start_server(max_sessions=4)
+    report = await run_driver("bench.soak", "--url", server.url, "--seconds", "60", "--clients", "5",
+                              "--warmup-s", "15", "--max-life-s", "8", "--server-pids", str(os.getpid()))
+    assert report["leaked_slots"] == 0, report
+    assert report["failures"] == {}, report["failures"]
+    sessions = report["sessions"]
+    assert sessions["served"] > 0 and sessions["started"] == sessions["opened"] + sessions["refused"], sessions
+    doors = {key.split("/")[0] for key in report["by_door_behaviour"]}
+    behaviours = {key.split("/")[1] for key in report["by_door_behaviour"]}
+    assert doors == {"realtime", "webrtc", "twilio", "duplex"}, doors
+    assert behaviours == {"normal", "vanish", "fast", "slow", "nonreader", "hostile"}, behaviours
+    # Issue 14 item 1 is open: 1000-deep nesting ends a session with internal_error (and a Twilio call whose start
+    # then fails counts runtime_failed to a client already gone). Tighten to [] once it is fixed.
+    open_defects = {"internal_error", "runtime_failed"}
+    assert set(report["unexplained_errors"]) <= open_defects, json.dumps(report["by_door_behaviour"])
+    (proc,) = report["processes"]
+    assert proc["pid"] == os.getpid() and proc["fds"]["end"] <= proc["fds"]["start"] + 2, proc
+    assert proc["rss_mb"]["end"] <= 1.1 * proc["rss_mb"]["warm"], proc
+    assert report["server"]["ticks"] > 0
