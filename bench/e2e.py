@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import resource
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -258,11 +259,27 @@ def emit(report: dict[str, Any], out: Path | None) -> None:
             f.write(line + "\n")
 
 
+def add_common(p: argparse.ArgumentParser) -> None:
+    """The flags every whole-server driver takes: where, which doors, what to say, which processes, where to save."""
+    p.add_argument("--url", required=True, help="the server's base URL, http://host:port")
+    p.add_argument("--mix", type=parse_mix, default=parse_mix(DEFAULT_MIX), help=f"door=weight,... ({DEFAULT_MIX})")
+    p.add_argument("--wav", type=Path, help="speech to send (default: espeak-ng, else a synthetic voice)")
+    p.add_argument("--server-pids", type=int, nargs="*", default=[], help="server processes on this machine")
+    p.add_argument("--out", type=Path, help="append the JSON line to this file")
+
+
+def cli(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]],
+        argv: list[str] | None) -> int:
+    args = parser.parse_args(argv)
+    args.url = args.url.rstrip("/")
+    emit(asyncio.run(run(args)), args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", required=True, help="the server's base URL, http://host:port")
+    add_common(p)
     p.add_argument("--sessions", type=int, default=4)
-    p.add_argument("--mix", type=parse_mix, default=parse_mix(DEFAULT_MIX), help=f"door=weight,... ({DEFAULT_MIX})")
     p.add_argument("--seconds", type=float, default=20.0, help="audio each session streams")
     p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     p.add_argument("--open", choices=("burst", "steady"), default="burst")
@@ -273,18 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-seconds", type=float, default=3.0)
     p.add_argument("--extra-settle-s", type=float, default=1.0, help="wait after all are live before the extra open")
     p.add_argument("--drain-s", type=float, default=1.0, help="after the last send, before counting what came")
-    p.add_argument("--wav", type=Path, help="speech to send (default: espeak-ng, else a synthetic voice)")
     p.add_argument("--api-key")
-    p.add_argument("--server-pids", type=int, nargs="*", default=[], help="server processes on this machine (CPU)")
-    p.add_argument("--out", type=Path, help="append the JSON line to this file")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.url = args.url.rstrip("/")
-    emit(asyncio.run(drive(args)), args.out)
-    return 0
+    return cli(build_parser(), drive, argv)
 
 
 if __name__ == "__main__":

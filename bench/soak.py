@@ -32,14 +32,13 @@ import struct
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
 
 from bench.doors import DOORS, RATE, DoorClient, WebRTCClient, WebSocketDoor, client_session, speech
-from bench.e2e import DEFAULT_MIX, PERSONA, emit, parse_mix
+from bench.e2e import PERSONA, add_common, cli
 from bench.server_probe import open_fds, rss_mb, server_report, server_snapshot
 
 BEHAVIOURS = "normal=0.4,vanish=0.15,fast=0.1,slow=0.1,nonreader=0.1,hostile=0.15"
@@ -263,10 +262,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", required=True, help="the server's base URL, http://host:port")
+    add_common(p)
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--clients", type=int, default=6, help="client loops at once")
-    p.add_argument("--mix", type=parse_mix, default=parse_mix(DEFAULT_MIX), help=f"door=weight,... ({DEFAULT_MIX})")
     p.add_argument("--behaviours", type=parse_weights, default=parse_weights(BEHAVIOURS), help=BEHAVIOURS)
     p.add_argument("--min-life-s", type=float, default=1.0)
     p.add_argument("--max-life-s", type=float, default=12.0)
@@ -275,17 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settle-s", type=float, default=10.0, help="how long freed slots may take after the last client")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="the server's message size bound")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wav", type=Path)
-    p.add_argument("--server-pids", type=int, nargs="*", default=[])
-    p.add_argument("--out", type=Path, help="append the JSON line to this file")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.url = args.url.rstrip("/")
-    emit(asyncio.run(soak(args)), args.out)
-    return 0
+    return cli(build_parser(), soak, argv)
 
 
 if __name__ == "__main__":
