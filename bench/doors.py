@@ -123,10 +123,11 @@ class Received:
 
 class DoorClient:
     """One session through one door. `await open(http)` (None, or the refusal), `await stream(audio, t0)`,
-    `await drain(s)`, `await close()`, then `report()`."""
+    `await wait_output(drain_s)`, `await close()`, then `report()`."""
 
     door: ClassVar[str]
     send_period_s: ClassVar[float] = FRAME_S
+    clocked_output: ClassVar[bool] = False     # the server plays out on its clock, silence filling what is missing
 
     def __init__(self, name: str, base_url: str, headers: dict[str, str] | None = None,
                  persona: str = "You are a wise and friendly teacher.") -> None:
@@ -191,7 +192,7 @@ class DoorClient:
         return int(self.model_s / FRAME_S + 1e-6)
 
     def missing_now(self) -> int:
-        if self.send_period_s < FRAME_S:   # a paced door: its gaps are playout silence
+        if self.clocked_output:
             return math.ceil(self.silence_after_first_s / FRAME_S - 1e-6)
         return max(0, self.frames_in - self.frames_out)
 
@@ -398,6 +399,7 @@ class TwilioClient(WebSocketDoor):
 
     door = "twilio"
     send_period_s = TWILIO_CHUNK / TWILIO_RATE
+    clocked_output = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -443,6 +445,7 @@ class WebRTCClient(DoorClient):
 
     door = "webrtc"
     send_period_s = 0.02
+    clocked_output = True
 
     def __init__(self, *args: Any, audio: np.ndarray | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

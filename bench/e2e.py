@@ -31,6 +31,7 @@ import os
 import resource
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -204,6 +205,7 @@ async def extra_open(http: aiohttp.ClientSession, args: argparse.Namespace, audi
 async def drive(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     audio = speech(args.wav, max(args.seconds, 8.0))
+    args.procs = max(1, min(args.procs, args.sessions))
     sessions = plan(args)
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -216,8 +218,9 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         procs.append(proc)
         conns.append(parent)
     loop = asyncio.get_running_loop()
+    waiters = ThreadPoolExecutor(max_workers=args.procs)     # one blocking `recv` per client process
     for conn in conns:
-        await loop.run_in_executor(None, conn.recv)          # imported and ready
+        await loop.run_in_executor(waiters, conn.recv)       # imported and ready
     pids = {pid: "given" for pid in args.server_pids}
     main_c0 = rusage_cpu_s()
     async with client_session() as http:
@@ -225,13 +228,14 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.monotonic() + 0.5
         for conn in conns:
             conn.send(t0)
-        results = [loop.run_in_executor(None, conn.recv) for conn in conns]
+        results = [loop.run_in_executor(waiters, conn.recv) for conn in conns]
         extra = None
         if args.extra_open:
             extra = await extra_open(http, args, audio, headers, t0, sessions[-1].open_at_s)
         done = await asyncio.gather(*results)
         wall = time.monotonic() - t0
         after = await server_snapshot(http, args.url, pids)
+    waiters.shutdown()
     for proc in procs:
         proc.join(10)
     reports = sorted((r for d in done for r in d["reports"]), key=lambda r: r["index"])
