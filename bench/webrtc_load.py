@@ -24,11 +24,9 @@ import base64
 import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,31 +38,8 @@ import aiohttp
 import numpy as np
 
 from app.webrtc_client import RealtimeCall
-from model.audio import read_wav, resample
-
-RATE = 24000
-FRAME = 1920
-TEXT = ("Hello, I would like to book a table for two tonight, around eight if possible. "
-        "Do you have anything by the window? My friend is vegetarian, is that a problem?")
-
-
-def speech(wav: str | None) -> np.ndarray:
-    """24 kHz mono float32: the given wav, else espeak-ng, else a synthetic voice."""
-    path = Path(wav) if wav else None
-    with tempfile.TemporaryDirectory() as tmp:
-        if path is None and shutil.which("espeak-ng"):
-            path = Path(tmp) / "speech.wav"
-            subprocess.run(["espeak-ng", "-w", str(path), TEXT], check=True, capture_output=True)
-        if path is None:
-            from model.tiny import synthetic_voice
-            return synthetic_voice(0, 8.0)
-        samples, rate = read_wav(path)
-    return resample(samples, rate, RATE)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+from bench.doors import FRAME, RATE, client_session, peer_report, speech
+from bench.server_probe import cpu_seconds
 
 
 async def cpu_pct(pid: int | None, seconds: float) -> float | None:
@@ -73,7 +48,8 @@ async def cpu_pct(pid: int | None, seconds: float) -> float | None:
         return None
     c0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.sleep(seconds)
-    return round(100.0 * (cpu_seconds(pid) - c0) / (time.monotonic() - t0), 2)
+    c1 = cpu_seconds(pid)
+    return None if c0 is None or c1 is None else round(100.0 * (c1 - c0) / (time.monotonic() - t0), 2)
 
 
 async def health(url: str) -> dict[str, Any]:
@@ -103,32 +79,12 @@ async def wait_ready(url: str, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"{url} was not ready within {timeout_s:.0f} s")
 
 
-async def call_stats(call: RealtimeCall) -> dict[str, Any]:
+async def call_report(call: RealtimeCall) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {call.api_key}"} if call.api_key else {}
     async with aiohttp.ClientSession() as http, http.get(call.location, headers=headers) as res:
-        return await res.json()
-
-
-def peer_report(call: RealtimeCall, st: dict[str, Any]) -> dict[str, Any]:
-    jb, out, rtp = st.get("input") or {}, st.get("output") or {}, st.get("rtp") or {}
-    return {
-        "call_id": st.get("call_id"),
-        "input_added_ms": st["latency_ms"]["input_added"],
-        "output_added_ms": st["latency_ms"]["output_added"],
-        "input_underruns": jb.get("underruns"),
-        "output_underruns": out.get("underruns"),
-        "concealed_ms": round(jb.get("concealed_ms", 0.0), 1),
-        "late_drops": jb.get("late_drops"),
-        "overrun_drops_ms": jb.get("overrun_drops_ms"),
-        "input_target_ms": jb.get("target_ms"),
-        "playout_prebuffer_ms": out.get("prebuffer_ms"),
-        "packets_received": rtp.get("packets_received"),
-        "packets_lost": rtp.get("packets_lost"),
-        "send_stalls": out.get("stalls"),
-        "encode_failures": out.get("encode_failures"),
-        "received_audio_s": round(len(call.recording.audio()) / RATE, 2),
-        "transcript_chars": len(call.transcript()),
-    }
+        st = await res.json()
+    return {**peer_report(st), "received_audio_s": round(len(call.recording.audio()) / RATE, 2),
+            "transcript_chars": len(call.transcript())}
 
 
 async def run_webrtc(url: str, audio: np.ndarray, peers: int, seconds: float, warmup_s: float, pid: int | None,
@@ -143,7 +99,7 @@ async def run_webrtc(url: str, audio: np.ndarray, peers: int, seconds: float, wa
         await asyncio.sleep(warmup_s)
         cpu = await cpu_pct(pid, seconds)
         engine = (await health(url)).get("tick", {})
-        reports = [peer_report(c, await call_stats(c)) for c in live]
+        reports = [await call_report(c) for c in live]
     finally:
         await asyncio.gather(*(c.hang_up() for c in live), return_exceptions=True)
         await asyncio.gather(*(c.close() for c in calls if c not in live), return_exceptions=True)
@@ -172,7 +128,7 @@ async def run_ws(url: str, audio: np.ndarray, sessions: int, seconds: float, war
             await ws.send_json({"type": "session.close"})
             reader.cancel()
 
-    async with aiohttp.ClientSession() as http:
+    async with client_session() as http:
         tasks = [asyncio.ensure_future(session(http, k * 7680)) for k in range(sessions)]
         await asyncio.sleep(warmup_s)
         cpu = await cpu_pct(pid, seconds)

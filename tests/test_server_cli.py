@@ -99,7 +99,7 @@ async def test_realtime_check_load_mode(start_server):
     assert report["sessions_admitted"] == 2 and report["refused"][0]["code"] == "resource_exhausted"
     for s in report["per_session"]:
         assert s["errors"] == 0 and s["response_ids"] == 1 and s["frames_in"] == 25
-        assert s["missing_frames"] <= 4 and s["server_stream_rtf"] is not None
+        assert s["missing_frames"] <= 4 and s["rtf"] is not None
 
 
 def test_every_error_code_is_documented():

@@ -1,0 +1,306 @@
+"""End-to-end load: many sessions over every door at once, spread over several client processes; one JSON line.
+
+    python -m bench.e2e --url http://127.0.0.1:8000 --sessions 144 --seconds 60 --procs 8 \\
+        --mix realtime=0.4,webrtc=0.3,twilio=0.2,duplex=0.1 --open burst --burst-s 2 --extra-open \\
+        --out docs/bench/h200_e2e.jsonl
+
+Sessions are dealt to the doors by `--mix` (largest remainder), interleaved so that every part of the opening
+wave mixes them, and dealt round-robin to `--procs` processes, each one asyncio loop (`bench.doors` clients). Opens:
+`--open burst` spreads them evenly over `--burst-s`; `--open steady` opens one every `--interval-ms`. Each session
+streams `--seconds` of speech (a wav, else espeak-ng, else a synthetic voice; each session starts at another point of
+it) paced in real time from its own open, reads everything, waits `--drain-s`, and closes. `--extra-open`: once the
+server counts every session live, one more (`--extra-door`) opens and its first audio is timed (the "one open while
+N are live" figure; the server needs a free slot for it).
+
+Reported: per session (`bench.doors`: real-time factor of the received stream, missing frames, output lateness
+p50/p99, first audio after the open began; WebRTC adds the call's server-added latency), per door and overall
+summaries (worst RTF, most missing frames, worst lateness p99, first audio p50/p99); the server's ticks, late ticks
+and tick quantiles (`/health`'s recent window, and from the `/metrics` tick histogram over the run), underruns and
+errors by code over the run (`/metrics` before and after); CPU % of each server process (`/health`'s `processes`
+and `--server-pids`, read from /proc, so on this machine only) and of the driver's own processes. `--out FILE`
+appends the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import resource
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from bench.doors import DOORS, RATE, DoorClient, WebRTCClient, client_session, quantiles, speech
+from bench.server_probe import server_report, server_snapshot
+
+DEFAULT_MIX = "realtime=0.4,webrtc=0.3,twilio=0.2,duplex=0.1"
+PERSONA = "You are a helpful assistant at a restaurant."
+
+
+@dataclass
+class Planned:
+    """One session of the run: its door, which process drives it, and when it opens (s after the common start)."""
+
+    index: int
+    door: str
+    proc: int
+    open_at_s: float
+
+
+@dataclass
+class ProcJob:
+    url: str
+    headers: dict[str, str]
+    sessions: list[Planned]
+    audio: np.ndarray
+    seconds: float
+    drain_s: float
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        door, _, weight = part.partition("=")
+        door = door.strip()
+        if door not in DOORS:
+            raise argparse.ArgumentTypeError(f"unknown door {door!r} (doors: {', '.join(DOORS)})")
+        mix[door] = float(weight)
+    if sum(mix.values()) <= 0 or min(mix.values()) < 0:
+        raise argparse.ArgumentTypeError("mix weights must be >= 0 and not all 0")
+    return mix
+
+
+def deal_doors(mix: dict[str, float], n: int) -> list[str]:
+    """`n` doors in the mix's proportions (largest remainder), interleaved by smooth weighted round-robin."""
+    total = sum(mix.values())
+    exact = {d: n * w / total for d, w in mix.items()}
+    counts = {d: int(x) for d, x in exact.items()}
+    for d in sorted(exact, key=lambda d: exact[d] - counts[d], reverse=True)[:n - sum(counts.values())]:
+        counts[d] += 1
+    credit = dict.fromkeys(counts, 0.0)
+    left = dict(counts)
+    order: list[str] = []
+    for _ in range(n):
+        for d in credit:
+            credit[d] += counts[d] if left[d] else 0
+        pick = max((d for d in credit if left[d]), key=lambda d: credit[d])
+        credit[pick] -= n
+        left[pick] -= 1
+        order.append(pick)
+    return order
+
+
+def plan(args: argparse.Namespace) -> list[Planned]:
+    doors = deal_doors(args.mix, args.sessions)
+    if args.open == "burst":
+        offsets = [i * args.burst_s / args.sessions for i in range(args.sessions)]
+    else:
+        offsets = [i * args.interval_ms / 1000.0 for i in range(args.sessions)]
+    return [Planned(i, d, i % args.procs, t) for i, (d, t) in enumerate(zip(doors, offsets))]
+
+
+def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: np.ndarray) -> DoorClient:
+    if door == "webrtc":
+        return WebRTCClient(name, url, headers, PERSONA, audio=audio)
+    return DOORS[door](name, url, headers, PERSONA)
+
+
+async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0: float) -> dict[str, Any]:
+    """Open at its time, stream, drain, close; its report (or why it has none)."""
+    await asyncio.sleep(max(0.0, t0 + p.open_at_s - time.monotonic()))
+    audio = np.roll(job.audio, p.index * RATE // 3)[: int(job.seconds * RATE) // 1920 * 1920]
+    client = make_client(p.door, f"{p.door}{p.index}", job.url, job.headers, audio)
+    try:
+        refused = await client.open(http)
+        if refused is not None:
+            return {"index": p.index, "door": p.door, "name": client.name, "refused": refused.get("error", refused)}
+        await client.stream(audio, time.monotonic())
+        await client.wait_output(job.drain_s)
+        await asyncio.wait_for(client.close(), 15)
+    except Exception as e:   # one broken session is a finding of the run, not the end of it
+        return {"index": p.index, **client.report(), "failed": repr(e)}
+    return {"index": p.index, **client.report()}
+
+
+def rusage_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def run_proc(job: ProcJob, t0: float) -> dict[str, Any]:
+    c0, w0 = rusage_cpu_s(), time.monotonic()
+    async with client_session() as http:
+        reports = await asyncio.gather(*(run_session(http, job, p, t0) for p in job.sessions))
+    wall = time.monotonic() - w0
+    return {"pid": os.getpid(), "sessions": len(job.sessions), "wall_s": round(wall, 2),
+            "cpu_pct": round(100.0 * (rusage_cpu_s() - c0) / wall, 1), "reports": reports}
+
+
+def proc_main(conn: Connection, job: ProcJob) -> None:
+    """A client process: say it is ready, take the common start time, run its sessions, send back the reports."""
+    conn.send("ready")
+    t0 = conn.recv()
+    conn.send(asyncio.run(run_proc(job, t0)))
+    conn.close()
+
+
+# ---- summaries --------------------------------------------------------------------------------------------------
+
+def _mean(values: list[float]) -> float | None:
+    return round(float(np.mean(values)), 2) if values else None
+
+
+def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    live = [r for r in reports if "refused" not in r and "failed" not in r]
+    rtfs = [r["rtf"] for r in live if r["rtf"] is not None]
+    firsts = [r["first_audio_ms"] for r in live if r["first_audio_ms"] is not None]
+    out: dict[str, Any] = {
+        "sessions": len(reports), "live": len(live),
+        "refused": sum("refused" in r for r in reports), "failed": sum("failed" in r for r in reports),
+        "no_audio": sum(r["first_audio_ms"] is None for r in live),
+        "rtf_min": min(rtfs) if rtfs else None,
+        "missing_frames_max": max((r["missing_frames"] for r in live), default=None),
+        "lateness_p99_ms_max": max((r["output_lateness_ms"]["p99"] for r in live), default=None),
+        "lateness_p50_ms_max": max((r["output_lateness_ms"]["p50"] for r in live), default=None),
+        "first_audio_ms": quantiles(firsts) if firsts else None,
+        "errors": sum(r.get("errors", 0) for r in live),
+    }
+    servers = [r["server"] for r in live if "server" in r]
+    if servers:
+        out["server_added_ms"] = {f"{side}_{stat}_mean": _mean([s[f"{side}_added_ms"][stat] for s in servers
+                                                                if s[f"{side}_added_ms"][stat] is not None])
+                                  for side in ("input", "output") for stat in ("p50", "p95")}
+    return out
+
+
+async def extra_open(http: aiohttp.ClientSession, args: argparse.Namespace, audio: np.ndarray,
+                     headers: dict[str, str], t0: float, last_open_s: float) -> dict[str, Any]:
+    """Once the server counts every session live, one more opens; its report, with how many were live."""
+    deadline = t0 + last_open_s + 30.0
+    await asyncio.sleep(max(0.0, t0 + last_open_s - time.monotonic()))
+    in_use = 0
+    while time.monotonic() < deadline:
+        async with http.get(args.url + "/health") as res:
+            in_use = (await res.json()).get("sessions", {}).get("in_use", 0)
+        if in_use >= args.sessions:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(args.extra_settle_s)
+    seconds = min(args.extra_seconds, args.seconds)
+    job = ProcJob(args.url, headers, [], audio, seconds, args.drain_s)
+    report = await run_session(http, job, Planned(args.sessions, args.extra_door, -1, 0.0), time.monotonic())
+    return {"live_before": in_use, **report}
+
+
+async def drive(args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    audio = speech(args.wav, max(args.seconds, 8.0))
+    args.procs = max(1, min(args.procs, args.sessions))
+    sessions = plan(args)
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for k in range(args.procs):
+        mine = [p for p in sessions if p.proc == k]
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=proc_main, args=(child, ProcJob(args.url, headers, mine, audio, args.seconds,
+                                                                   args.drain_s)), daemon=True)
+        proc.start()
+        procs.append(proc)
+        conns.append(parent)
+    loop = asyncio.get_running_loop()
+    waiters = ThreadPoolExecutor(max_workers=args.procs)     # one blocking `recv` per client process
+    for conn in conns:
+        await loop.run_in_executor(waiters, conn.recv)       # imported and ready
+    pids = {pid: "given" for pid in args.server_pids}
+    main_c0 = rusage_cpu_s()
+    async with client_session() as http:
+        before = await server_snapshot(http, args.url, pids)
+        t0 = time.monotonic() + 0.5
+        for conn in conns:
+            conn.send(t0)
+        results = [loop.run_in_executor(waiters, conn.recv) for conn in conns]
+        extra = None
+        if args.extra_open:
+            extra = await extra_open(http, args, audio, headers, t0, sessions[-1].open_at_s)
+        done = await asyncio.gather(*results)
+        wall = time.monotonic() - t0
+        after = await server_snapshot(http, args.url, pids)
+    waiters.shutdown()
+    for proc in procs:
+        proc.join(10)
+    reports = sorted((r for d in done for r in d["reports"]), key=lambda r: r["index"])
+    by_door = {door: summarize([r for r in reports if r["door"] == door]) for door in args.mix}
+    return {
+        "bench": "e2e", "url": args.url, "sessions": args.sessions, "mix": args.mix, "seconds": args.seconds,
+        "open": args.open, **({"burst_s": args.burst_s} if args.open == "burst" else {"interval_ms": args.interval_ms}),
+        "procs": args.procs, "wall_s": round(wall, 2), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "summary": summarize(reports), "doors": by_door,
+        "extra_open": extra,
+        "server": server_report(before, after, pids),
+        "driver": {"main_cpu_pct": round(100.0 * (rusage_cpu_s() - main_c0) / wall, 1),
+                   "procs": [{k: d[k] for k in ("pid", "sessions", "wall_s", "cpu_pct")} for d in done]},
+        "per_session": reports,
+    }
+
+
+def emit(report: dict[str, Any], out: Path | None) -> None:
+    """Print the run's JSON line; with `out`, append it there too."""
+    line = json.dumps(report)
+    print(line, flush=True)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write(line + "\n")
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """The flags every whole-server driver takes: where, which doors, what to say, which processes, where to save."""
+    p.add_argument("--url", required=True, help="the server's base URL, http://host:port")
+    p.add_argument("--mix", type=parse_mix, default=parse_mix(DEFAULT_MIX), help=f"door=weight,... ({DEFAULT_MIX})")
+    p.add_argument("--wav", type=Path, help="speech to send (default: espeak-ng, else a synthetic voice)")
+    p.add_argument("--server-pids", type=int, nargs="*", default=[], help="server processes on this machine")
+    p.add_argument("--out", type=Path, help="append the JSON line to this file")
+
+
+def cli(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]],
+        argv: list[str] | None) -> int:
+    args = parser.parse_args(argv)
+    args.url = args.url.rstrip("/")
+    emit(asyncio.run(run(args)), args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(p)
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=20.0, help="audio each session streams")
+    p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    p.add_argument("--open", choices=("burst", "steady"), default="burst")
+    p.add_argument("--burst-s", type=float, default=2.0, help="burst: every open within this")
+    p.add_argument("--interval-ms", type=float, default=250.0, help="steady: one open every this")
+    p.add_argument("--extra-open", action="store_true", help="once all are live, time one more open's first audio")
+    p.add_argument("--extra-door", choices=sorted(DOORS), default="realtime")
+    p.add_argument("--extra-seconds", type=float, default=3.0)
+    p.add_argument("--extra-settle-s", type=float, default=1.0, help="wait after all are live before the extra open")
+    p.add_argument("--drain-s", type=float, default=1.0, help="after the last send, before counting what came")
+    p.add_argument("--api-key")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(build_parser(), drive, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

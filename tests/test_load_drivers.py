@@ -1,0 +1,100 @@
+"""The load drivers against the tiny in-process server: past aiohttp's default 100-connection cap, and `bench/e2e.py`
+end to end over every door. These runs check what the drivers report, not how fast the server is."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from webrtc_support import ensure_ice_host_address
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def run_driver(*args: str, timeout_s: float = 240.0) -> dict:
+    """Run `python -m <args>` beside the in-process server; its last JSON line (a hang fails, it is not waited out)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", *args, cwd=ROOT, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.communicate()
+        raise AssertionError(f"{args[0]} did not finish within {timeout_s:.0f} s") from None
+    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+    assert lines, err.decode()[-3000:]
+    return json.loads(lines[-1])
+
+
+async def test_realtime_check_opens_more_than_100_sessions(start_server):
+    """110 sessions through one driver process: every one is admitted and hears the model (the default aiohttp
+    connector stopped the 101st `ws_connect` for ever)."""
+    server = await start_server(max_sessions=110, first_message_timeout_s=60.0)
+    report = await run_driver("bench.realtime_check", "--url", server.ws(""), "--sessions", "110",
+                              "--seconds", "0.8", "--drain-s", "6")
+    assert report["sessions_admitted"] == 110 and report["refused"] == [], report.get("refused")
+    sessions = report["per_session"]
+    assert len({s["session_id"] for s in sessions}) == 110
+    bad = [s for s in sessions if not (s["errors"] == 0 and s["frames_in"] == 10 and s["frames_out"] > 0)]
+    assert not bad, (len(bad), json.dumps(bad[:2]))
+
+
+async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
+    ensure_ice_host_address()
+    server = await start_server(max_sessions=5)
+    out = tmp_path / "e2e.jsonl"
+    report = await run_driver("bench.e2e", "--url", server.url, "--sessions", "4", "--seconds", "3", "--procs", "2",
+                              "--mix", "realtime=1,webrtc=1,twilio=1,duplex=1", "--extra-open",
+                              "--server-pids", str(os.getpid()), "--out", str(out))
+    assert json.loads(out.read_text().splitlines()[-1]) == report
+    assert report["summary"]["live"] == 4 and report["summary"]["no_audio"] == 0, report["summary"]
+    sessions = report["per_session"]
+    assert sorted(s["door"] for s in sessions) == ["duplex", "realtime", "twilio", "webrtc"]
+    for s in sessions:
+        assert s["session_id"] and s["frames_in"] > 0 and s["frames_out"] > 0, s
+        assert s["rtf"] is not None and s["first_audio_ms"] > 0 and s["missing_frames"] >= 0, s
+        assert s["output_lateness_ms"]["p99"] >= s["output_lateness_ms"]["p50"] >= 0, s
+    webrtc = next(s for s in sessions if s["door"] == "webrtc")
+    assert webrtc["server"]["input_added_ms"]["p50"] is not None
+    assert webrtc["server"]["output_added_ms"]["p50"] is not None
+    for door, summary in report["doors"].items():
+        assert summary["live"] == 1 and summary["first_audio_ms"]["p99"] > 0, (door, summary)
+        assert summary["rtf_min"] is not None and summary["lateness_p99_ms_max"] is not None, (door, summary)
+    assert report["doors"]["webrtc"]["server_added_ms"]["output_p50_mean"] is not None
+    extra = report["extra_open"]
+    assert extra["live_before"] == 4 and extra["first_audio_ms"] > 0, extra
+    srv = report["server"]
+    assert srv["ticks"] > 0 and srv["late_ticks"] >= 0 and srv["tick_run_ms"]["p99_ms"] > 0, srv
+    assert [p["pid"] for p in srv["processes"]] == [os.getpid()] and srv["processes"][0]["cpu_pct"] > 0
+    procs = report["driver"]["procs"]
+    assert len(procs) == 2 and all(p["sessions"] == 2 and p["cpu_pct"] is not None for p in procs)
+    assert len({p["pid"] for p in procs} | {os.getpid()}) == 3
+
+
+async def test_soak_churn_over_every_door_leaks_nothing(start_server):
+    """A CI-sized soak: every door, every behaviour (vanishing mid-frame, too fast, too slow, never reading,
+    hostile) for a minute on a server with fewer slots than client loops."""
+    ensure_ice_host_address()
+    server = await start_server(max_sessions=4)
+    report = await run_driver("bench.soak", "--url", server.url, "--seconds", "60", "--clients", "5",
+                              "--warmup-s", "15", "--max-life-s", "8", "--server-pids", str(os.getpid()))
+    assert report["leaked_slots"] == 0, report
+    assert report["failures"] == {}, report["failures"]
+    sessions = report["sessions"]
+    assert sessions["served"] > 0 and sessions["started"] == sessions["opened"] + sessions["refused"], sessions
+    doors = {key.split("/")[0] for key in report["by_door_behaviour"]}
+    behaviours = {key.split("/")[1] for key in report["by_door_behaviour"]}
+    assert doors == {"realtime", "webrtc", "twilio", "duplex"}, doors
+    assert behaviours == {"normal", "vanish", "fast", "slow", "nonreader", "hostile"}, behaviours
+    # Issue 14 item 1 is open: 1000-deep nesting ends a session with internal_error (and a Twilio call whose start
+    # then fails counts runtime_failed to a client already gone). Tighten to [] once it is fixed.
+    open_defects = {"internal_error", "runtime_failed"}
+    assert set(report["unexplained_errors"]) <= open_defects, json.dumps(report["by_door_behaviour"])
+    (proc,) = report["processes"]
+    assert proc["pid"] == os.getpid() and proc["fds"]["end"] <= proc["fds"]["start"] + 2, proc
+    assert proc["rss_mb"]["end"] <= 1.1 * proc["rss_mb"]["warm"], proc
+    assert report["server"]["ticks"] > 0
