@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+_QUANTILES = {"p50": "0.5", "p99": "0.99", "max": "1"}
 _KEY_JOIN = "\t"  # joins a rejection's route and code into one key of a snapshot
 
 
@@ -146,6 +147,11 @@ class Metrics:
         family("personaplex_engine_open_work_last_ms", "gauge",
                "Engine-thread time of the last session start (its prompt; an input-clocked one's first model half).",
                [("", {}, s.open_work_ms_last)])
+        family("personaplex_engine_session_start_ms", "gauge",
+               "Recent session starts: from the request to the session live, and to its first frame (quantiles).",
+               [("", {"until": until, "quantile": _QUANTILES[q]}, v)
+                for until, values in (("live", s.start_ms), ("first_frame", s.first_frame_ms))
+                for q, v in values.items()])
         family("personaplex_engine_open_step_ms", "gauge",
                "Recent duration of one session-start step, by kind; a step runs where it fits between ticks.",
                (("", {"kind": k}, v) for k, v in sorted(s.open_step_ms.items())))

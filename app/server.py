@@ -194,6 +194,7 @@ async def health(request: web.Request) -> web.Response:
                      "max": s.max_sessions},
         "tick": {"ticks": s.ticks, "late_ticks": s.late_ticks, "batch": s.batch, "last_ms": s.tick_ms,
                  "p50_ms": s.tick_ms_p50, "p99_ms": s.tick_ms_p99},
+        "session_start_ms": {"live": s.start_ms, "first_frame": s.first_frame_ms},
         "processes": processes(ctx),
     }, status=200 if ready else 503)
 

@@ -275,6 +275,8 @@ async def test_a_realtime_session_counts_no_underrun_before_its_first_half(make_
     assert [out.index for out in outputs] == [0, 1, 2, 3]
     assert slot.stats().frames_in == 3
     slot.close()
+    starts = engine.stats()  # the start's request to live, and to the first frame, as quantiles over recent starts
+    assert 0 < starts.start_ms["p50"] <= starts.first_frame_ms["p50"] == starts.first_frame_ms["max"]
 
 
 async def test_underrun_feeds_silence_and_is_counted(make_engine):

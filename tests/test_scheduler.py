@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from model.engine.scheduler import FIRST_HALVES_BEFORE_TICK, JOB_MAX_WAIT_S, STEP_KINDS, Job, Scheduler
+from model.engine.scheduler import JOB_MAX_WAIT_S, STEP_KINDS, Job, Scheduler
 
 TICK_S = 0.08
 
@@ -184,7 +184,7 @@ def test_a_step_that_raises_ends_its_job_with_the_error(scheduler, clock):
     assert isinstance(done[0], ValueError) and not scheduler.jobs
 
 
-def test_first_halves_before_a_tick_are_those_whose_audio_waits_at_most_a_few(scheduler):
+def test_first_halves_before_a_tick_are_those_whose_audio_waits_at_most_a_few(clock):
     asked: list[str] = []
 
     def audio_waiting(name: str) -> bool:
@@ -192,9 +192,15 @@ def test_first_halves_before_a_tick_are_those_whose_audio_waits_at_most_a_few(sc
         return name.endswith("+audio")
 
     pending = ["a", "b+audio", "c", "d+audio", "e+audio", "f+audio"]
+    scheduler = Scheduler(TICK_S, first_halves_before_tick=2, clock=clock, timer=clock)
     chosen = scheduler.first_halves_before_tick(pending, audio_waiting)
-    assert chosen == ["b+audio", "d+audio", "e+audio"][:FIRST_HALVES_BEFORE_TICK]
+    assert chosen == ["b+audio", "d+audio"]
     assert asked == pending[: pending.index(chosen[-1]) + 1]  # nobody is asked once the tick has its share
+
+
+def test_no_first_half_runs_before_a_tick_by_default(scheduler):
+    """By default every first half the gaps did not fit rides in the tick's batch: opens never lengthen a tick."""
+    assert scheduler.first_halves_before_tick(["a+audio", "b+audio"], lambda name: True) == []
 
 
 def test_a_cached_copy_runs_in_flight_where_it_ends_before_the_outputs(scheduler, clock):

@@ -96,7 +96,8 @@ class Engine:
         if self.config.max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self.runner = Runner(model, self.config)
-        self.scheduler = Scheduler(self.config.tick_ms / 1000.0, self.config.in_flight_copy_share)
+        self.scheduler = Scheduler(self.config.tick_ms / 1000.0, self.config.in_flight_copy_share,
+                                   self.config.first_halves_before_tick)
         self.slots = SlotTable(self.config.max_sessions)
         self.prompts = PromptCache(self.config.prompt_cache_entries)
         self.counters = EngineCounters()
@@ -202,6 +203,7 @@ class Engine:
 
     async def start_session(self, session: Session) -> None:
         """A session's start (or restart) on the engine thread; returns once it is live (slots.SessionHost)."""
+        session.start_requested_at = time.monotonic()
         await self.submit(lambda: self._start_steps(session), session.index)
 
     async def submit(self, fn: Callable[[], Iterator[str] | None], row: int | None = None) -> None:
@@ -346,6 +348,7 @@ class Engine:
             if self.slots.move(session, "live"):
                 session.out_index = 0
                 session.first_half_pending = not session.offline
+                self.counters.record_start(time.monotonic() - session.start_requested_at)
         if first is not None:
             self._deliver(session, *first)
         if session.first_half_pending:
@@ -558,6 +561,8 @@ class Engine:
                 return
             out = FrameOutput(index=session.out_index, audio=audio, text=self.model.text_piece(int(frame[0])),
                               tokens=frame)
+            if session.out_index == 0:
+                self.counters.record_first_frame(time.monotonic() - session.start_requested_at)
             session.out_index += 1
             session.stats.frames_out += 1
             try:

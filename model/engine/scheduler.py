@@ -21,8 +21,6 @@ from typing import TypeVar
 # A session start's step that never fits between ticks (ticks longer than planned, a slow first run) runs anyway,
 # at the start of a gap, once it has waited this long: at worst one late tick, never an open that waits forever.
 JOB_MAX_WAIT_S = 0.5
-# Realtime sessions whose first half may run as a one-row step right before a tick (first_halves_before_tick).
-FIRST_HALVES_BEFORE_TICK = 2
 # A session start's steps, and a first guess at each one's seconds until it has run: "plan" (voice and text to
 # prompt embeddings), "prefill" (the whole prompt on the scratch row, model/prompt_prefill.py), "chunk" (one piece
 # of a prompt too long for it, eager), "copy" (a cached prompt into the slot), "first_half" (the session's first
@@ -50,10 +48,11 @@ class Job:
 class Scheduler:
     """The tick deadline, the queue of session-start jobs, and the recent durations that place their steps."""
 
-    def __init__(self, tick_s: float, in_flight_copy_share: float = 0.9,
+    def __init__(self, tick_s: float, in_flight_copy_share: float = 0.9, first_halves_before_tick: int = 0,
                  clock: Callable[[], float] = time.monotonic, timer: Callable[[], float] = time.perf_counter):
         self.tick_s = tick_s
         self.in_flight_copy_share = in_flight_copy_share
+        self.first_halves_before_tick_max = first_halves_before_tick
         self.clock, self.timer = clock, timer
         self.deadline = 0.0  # clock time of the next tick (start_clock)
         self.last_tick_s = 0.0  # the last realtime tick's duration, for the gap it leaves
@@ -157,15 +156,15 @@ class Scheduler:
 
     # ----- around a tick ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def first_halves_before_tick(pending: list[T], audio_waiting: Callable[[T], bool]) -> list[T]:
+    def first_halves_before_tick(self, pending: list[T], audio_waiting: Callable[[T], bool]) -> list[T]:
         """Of the realtime sessions whose first half is still to run (in slot order), those whose client audio
-        already waits, at most FIRST_HALVES_BEFORE_TICK: each runs as a one-row step before the tick's batch, so
-        the tick takes their first frame (the tick starts that much later). The others' first halves run in the
-        batch, which takes no input from them: free, and no later for a client whose first frame has not come."""
+        already waits, at most `first_halves_before_tick` (EngineConfig, 0 by default): each runs as a one-row step
+        before the tick's batch, so the tick takes their first frame (the tick starts that much later). The others'
+        first halves run in the batch, which takes no input from them: free, and no later for a client whose first
+        frame has not come."""
         chosen: list[T] = []
         for session in pending:
-            if len(chosen) == FIRST_HALVES_BEFORE_TICK:
+            if len(chosen) >= self.first_halves_before_tick_max:
                 break
             if audio_waiting(session):
                 chosen.append(session)

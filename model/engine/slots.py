@@ -55,6 +55,7 @@ class Session:
     seed: int = 0
     out_index: int = 0
     first_half_pending: bool = False  # a realtime session's first half is still to run, in or before its first tick
+    start_requested_at: float = 0.0  # time.monotonic() of the last start's (or restart's) request
 
     @property
     def state(self) -> str:

@@ -15,6 +15,7 @@ from model.engine.api import EngineStats, TickRecord
 
 TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0, 160.0)
 TICK_RECORDS = 2000
+START_RECORDS = 500
 # The names metrics and benchmarks know the first half by: its session-start step kind, and its host phase.
 FIRST_HALF_STEP_LABEL = "lead"
 FIRST_HALF_HOST_PHASE = "leads"
@@ -32,6 +33,16 @@ class EngineCounters:
         self.offline_frames = 0
         self.open_ms = 0.0
         self.copies_in_flight = 0
+        self.start_s: deque[float] = deque(maxlen=START_RECORDS)
+        self.first_frame_s: deque[float] = deque(maxlen=START_RECORDS)
+
+    def record_start(self, seconds: float) -> None:
+        with self.lock:
+            self.start_s.append(seconds)
+
+    def record_first_frame(self, seconds: float) -> None:
+        with self.lock:
+            self.first_frame_s.append(seconds)
 
     def record_tick(self, ms: float, batch: int, late: bool, parts_ms: dict[str, float],
                     host_ms: dict[str, float]) -> TickRecord:
@@ -59,6 +70,7 @@ class EngineCounters:
         # Copied under the lock, summarised outside it.
         with self.lock:
             ms = [record.ms for record in self.records]
+            starts, first_frames = list(self.start_s), list(self.first_frame_s)
             last = self.records[-1] if self.records else None
             counts = list(self.buckets)
             stats = EngineStats(
@@ -73,7 +85,15 @@ class EngineCounters:
             )
         if ms:
             stats.tick_ms_p50, stats.tick_ms_p99 = (float(v) for v in np.percentile(ms, [50, 99]))
+        stats.start_ms, stats.first_frame_ms = _quantiles_ms(starts), _quantiles_ms(first_frames)
         stats.tick_ms_buckets = list(zip((*TICK_MS_BUCKETS, float("inf")), itertools.accumulate(counts)))
         stats.open_step_ms = {FIRST_HALF_STEP_LABEL if kind == "first_half" else kind: 1000.0 * statistics.median(runs)
                               for kind, runs in step_seconds.items()}
         return stats
+
+
+def _quantiles_ms(seconds: list[float]) -> dict[str, float]:
+    if not seconds:
+        return {}
+    p50, p99 = np.percentile(seconds, [50, 99])
+    return {"p50": 1000.0 * float(p50), "p99": 1000.0 * float(p99), "max": 1000.0 * max(seconds)}
