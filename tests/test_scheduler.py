@@ -184,7 +184,7 @@ def test_a_step_that_raises_ends_its_job_with_the_error(scheduler, clock):
     assert isinstance(done[0], ValueError) and not scheduler.jobs
 
 
-def test_first_halves_before_a_tick_are_those_whose_audio_waits_at_most_a_few(clock):
+def test_first_halves_before_a_tick_are_those_whose_audio_waits_as_many_as_the_budget_fits(scheduler):
     asked: list[str] = []
 
     def audio_waiting(name: str) -> bool:
@@ -192,14 +192,18 @@ def test_first_halves_before_a_tick_are_those_whose_audio_waits_at_most_a_few(cl
         return name.endswith("+audio")
 
     pending = ["a", "b+audio", "c", "d+audio", "e+audio", "f+audio"]
-    scheduler = Scheduler(TICK_S, first_halves_before_tick=2, clock=clock, timer=clock)
+    scheduler.step_s["first_half"].append(0.008)  # 12 ms budgeted each
+    scheduler.last_tick_s = 0.015  # 40 ms budget (half the tick) - 15 ms: room for two
     chosen = scheduler.first_halves_before_tick(pending, audio_waiting)
     assert chosen == ["b+audio", "d+audio"]
     assert asked == pending[: pending.index(chosen[-1]) + 1]  # nobody is asked once the tick has its share
 
 
-def test_no_first_half_runs_before_a_tick_by_default(scheduler):
-    """By default every first half the gaps did not fit rides in the tick's batch: opens never lengthen a tick."""
+def test_no_first_half_runs_before_a_tick_that_is_already_long(scheduler):
+    """At full load (a 46 ms tick) every first half the gaps did not fit rides in the batch: opens do not
+    lengthen the tick."""
+    scheduler.step_s["first_half"].append(0.008)
+    scheduler.last_tick_s = 0.046
     assert scheduler.first_halves_before_tick(["a+audio", "b+audio"], lambda name: True) == []
 
 

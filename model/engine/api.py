@@ -82,12 +82,12 @@ class EngineConfig:
     # On CUDA, a cached prompt's copy may run while a tick is in flight if it ends within this share of the tick's
     # recent shortest time from launch to outputs; above 1 it may hold up the tick's delivery (scheduler.py).
     in_flight_copy_share: float = 0.9
-    # Realtime sessions whose client audio already waits may run their first half as a one-row step right before a
-    # tick (at most this many a tick), so that tick takes their first frame; each makes that tick ~8 ms longer on
-    # the H200, and in a burst of opens every tick pays it (tick p99 2.3x p50 at 96 sessions). At 0 a first half
-    # the gaps cannot fit runs in the tick's batch: free, and the session's input starts one frame later, a backlog
-    # its jitter buffer drains in the client's next silence.
-    first_halves_before_tick: int = 0
+    # A realtime session whose client audio already waits when its first tick comes runs its first half as a
+    # one-row step right before that tick, so the tick takes its first frame; in the batch instead (free) its input
+    # starts one frame later, an 80 ms backlog its jitter buffer keeps until the client's next silence. Each one
+    # before a tick makes that tick ~8 ms longer on the H200, so only as many run as keep the tick (its recent
+    # duration plus theirs) within this share of the tick period; in a burst of opens at full load that is none.
+    first_half_tick_budget: float = 0.5
 
 
 @dataclass

@@ -97,7 +97,7 @@ class Engine:
             raise ValueError("max_sessions must be >= 1")
         self.runner = Runner(model, self.config)
         self.scheduler = Scheduler(self.config.tick_ms / 1000.0, self.config.in_flight_copy_share,
-                                   self.config.first_halves_before_tick)
+                                   self.config.first_half_tick_budget)
         self.slots = SlotTable(self.config.max_sessions)
         self.prompts = PromptCache(self.config.prompt_cache_entries)
         self.counters = EngineCounters()

@@ -48,11 +48,11 @@ class Job:
 class Scheduler:
     """The tick deadline, the queue of session-start jobs, and the recent durations that place their steps."""
 
-    def __init__(self, tick_s: float, in_flight_copy_share: float = 0.9, first_halves_before_tick: int = 0,
+    def __init__(self, tick_s: float, in_flight_copy_share: float = 0.9, first_half_tick_budget: float = 0.5,
                  clock: Callable[[], float] = time.monotonic, timer: Callable[[], float] = time.perf_counter):
         self.tick_s = tick_s
         self.in_flight_copy_share = in_flight_copy_share
-        self.first_halves_before_tick_max = first_halves_before_tick
+        self.first_half_tick_budget = first_half_tick_budget
         self.clock, self.timer = clock, timer
         self.deadline = 0.0  # clock time of the next tick (start_clock)
         self.last_tick_s = 0.0  # the last realtime tick's duration, for the gap it leaves
@@ -158,13 +158,15 @@ class Scheduler:
 
     def first_halves_before_tick(self, pending: list[T], audio_waiting: Callable[[T], bool]) -> list[T]:
         """Of the realtime sessions whose first half is still to run (in slot order), those whose client audio
-        already waits, at most `first_halves_before_tick` (EngineConfig, 0 by default): each runs as a one-row step
-        before the tick's batch, so the tick takes their first frame (the tick starts that much later). The others'
-        first halves run in the batch, which takes no input from them: free, and no later for a client whose first
-        frame has not come."""
+        already waits, as many as fit the budget: the last tick's duration plus 1.5 times the recent first half's
+        for each stays within `first_half_tick_budget` of the tick period. Each runs as a one-row step before the
+        tick's batch, so the tick takes its first frame. The others' first halves run in the batch, which takes no
+        input from them: free, and no later for a client whose first frame has not come."""
+        room = self.first_half_tick_budget * self.tick_s - self.last_tick_s
+        cost = 1.5 * self.estimate("first_half")
         chosen: list[T] = []
         for session in pending:
-            if len(chosen) >= self.first_halves_before_tick_max:
+            if room < cost * (len(chosen) + 1):
                 break
             if audio_waiting(session):
                 chosen.append(session)
