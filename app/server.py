@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from app.auth import key_ok
+from app.auth import RedactingAccessLogger, key_ok
 from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
 from app.errors import http_error_body
@@ -201,7 +201,7 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None) -> web.A
 async def serve(settings: Settings) -> None:
     """Run until cancelled (SIGINT/SIGTERM through `python -m app`)."""
     app = create_app(settings)
-    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s)
+    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s, access_log_class=RedactingAccessLogger)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()

@@ -46,6 +46,8 @@ class Settings:
     max_input_backlog_s: float = 30.0     # input-paced sessions: audio queued ahead of the engine before backpressure
     max_output_backlog_s: float = 20.0    # output queued for a client that does not read before the socket closes
     shutdown_timeout_s: float = 5.0
+    max_output_bytes: int = 8 << 20       # output bytes queued for a client that does not read before the socket closes
+    max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
@@ -94,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-backlog-s", type=float)
     p.add_argument("--max-output-backlog-s", type=float)
     p.add_argument("--shutdown-timeout-s", type=float)
+    p.add_argument("--max-output-bytes", type=int, help=f"unread output per session (default {d.max_output_bytes})")
+    p.add_argument("--max-connections-per-ip", type=int,
+                   help=f"open connections per client address, 0 = no limit (default {d.max_connections_per_ip})")
     return p
 
 

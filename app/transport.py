@@ -1,11 +1,17 @@
 """The WebSocket plumbing the three dialects share: auth before upgrade, admission, a bounded receive loop, one writer.
 
-`WsSession.handle()` runs a connection: refuse a bad key or Origin with HTTP 401/403 (no slot taken), upgrade,
+`WsSession.handle()` runs a connection: refuse a bad key or Origin with HTTP 401/403 and an address over
+`max_connections_per_ip` with HTTP 429 (no slot taken), upgrade,
 then read messages with a first-message timeout and a read-idle timeout, a size bound (close 1009), and a token
 bucket against floods (`rate_limited`, close 1008 when sustained). JSON text frames are parsed and handed to
-`on_event`; a `ProtocolError` raised there becomes one `error` event and the session goes on. Output goes through
-one queue and one writer task, so events keep their order; a client that stops reading is closed (1008) once
-`max_output_backlog_s` of audio is queued. A disconnect closes the conversation (frees the slot) at once.
+`on_event`; a `ProtocolError` raised there becomes one `error` event and the session goes on. Client JSON goes
+through `app.wire` (depth and non-finite numbers refused with `invalid_json`), and everything sent is strict JSON.
+
+Output has one bounded path per session: every byte queued for the client (audio, transcript, errors, acks, Twilio
+media and marks) waits in one queue drained by one writer task, so events keep their order. When the oldest queued
+message has waited `max_output_backlog_s`, or more than `max_output_bytes` are queued, the session ends at once:
+the queue is dropped (its memory freed), the slot freed, `error output_backpressure` and close 1008 are tried for a
+bounded time and the connection is then dropped. A disconnect closes the conversation (frees the slot) at once.
 
 Close codes: 1000 normal, 1001 server shutdown, 1008 policy (flood, first-message timeout, unread output),
 1009 message too big, 1011 engine failure, 1013 no free slot.
@@ -15,17 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from app.auth import refusal, response_subprotocols
+from app.auth import refusal, response_subprotocols, too_many_connections
 from app.context import CONTEXT, ServerContext
 from app.conversation import Conversation, InputPolicy
 from app.errors import ProtocolError, error_event, new_event_id
+from app.wire import WireError, dumps, parse_object
 from model.engine import ResourceExhausted, Slot
 
 logger = logging.getLogger(__name__)
@@ -37,8 +44,7 @@ CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL = 1011
 CLOSE_TRY_LATER = 1013
 CLOSE_WAIT_S = 5.0  # for the close handshake, after which the connection is dropped
-
-_AUDIO = object()   # marks queue items that count towards the output backlog
+FLUSH_WAIT_S = 2.0  # for the queued output to drain when a session closes
 
 
 class TokenBucket:
@@ -78,10 +84,14 @@ class WsSession:
         )
         self.conversation: Conversation | None = None
         self.idle_timeout_s = self.settings.idle_timeout_s
-        self._out: asyncio.Queue[tuple[object, str | bytes] | None] = asyncio.Queue()
-        self._audio_queued = 0
-        self._audio_bound = max(1, int(self.settings.max_output_backlog_s / 0.08))
+        self._out: deque[tuple[float, str | bytes]] = deque()   # (queued at, message), oldest first
+        self._out_bytes = 0
+        self._out_ready = asyncio.Event()
+        self._out_done = False               # the writer ends once the queue is empty
         self._writer: asyncio.Task[None] | None = None
+        self._close_wait_s = CLOSE_WAIT_S
+        self._flush_wait_s = FLUSH_WAIT_S
+        self._address: str | None = None     # counted in ctx.addresses while the connection is open
         self._closing: tuple[int, str] | None = None  # (code, reason) once a close has begun
         self._bucket = TokenBucket(self.settings.max_events_per_s, 2 * self.settings.max_events_per_s)
         self._dropped = 0
@@ -118,6 +128,29 @@ class WsSession:
             self.ctx.metrics.rejections[(self.route, "unauthorized" if refused.status == 401 else
                                          "origin_not_allowed")] += 1
             return refused
+        limited = self.take_address()
+        if limited is not None:
+            return limited
+        try:
+            return await self._serve()
+        finally:
+            self.release_address()
+
+    def take_address(self) -> web.Response | None:
+        """Count this connection against its address; the HTTP 429 when the address is at its limit."""
+        limit = self.settings.max_connections_per_ip
+        self._address = self.ctx.addresses.take(self.request, limit)
+        if self._address is None:
+            self.ctx.metrics.rejections[(self.route, "too_many_connections")] += 1
+            return too_many_connections(limit)
+        return None
+
+    def release_address(self) -> None:
+        address, self._address = self._address, None
+        if address is not None:
+            self.ctx.addresses.release(address)
+
+    async def _serve(self) -> web.StreamResponse:
         if not self.ctx.ready:
             return web.json_response({"error": {"type": "server_error", "code": "engine_stopped",
                                                 "message": "the server is starting or shutting down"}}, status=503)
@@ -208,12 +241,9 @@ class WsSession:
 
     async def _dispatch_text(self, text: str) -> None:
         try:
-            event = json.loads(text)
-        except ValueError as e:
-            await self.send_error(ProtocolError("invalid_json", f"not JSON: {e}"))
-            return
-        if not isinstance(event, dict):
-            await self.send_error(ProtocolError("invalid_json", "an event must be a JSON object"))
+            event = parse_object(text)
+        except WireError as e:
+            await self.send_error(ProtocolError("invalid_json", str(e)))
             return
         event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
         if not isinstance(event.get(self.type_key), str):
@@ -263,30 +293,40 @@ class WsSession:
             return
         if "event_id" not in event and self.type_key == "type":
             event = {"type": event["type"], "event_id": new_event_id(), **event}
-        self._out.put_nowait((None, json.dumps(event, separators=(",", ":"))))
+        self.enqueue(dumps(event))
 
     def send_audio_nowait(self, payload: dict[str, Any] | bytes) -> None:
-        """Queue one frame's audio (a JSON event or a binary frame); counts towards the unread-output bound."""
-        if self.closed:
-            return
-        if self._audio_queued >= self._audio_bound:
-            self.spawn(self._output_overflow())
-            return
-        self._audio_queued += 1
+        """Queue one frame's audio (a JSON event or a binary frame)."""
         if isinstance(payload, bytes):
-            self._out.put_nowait((_AUDIO, payload))
-            return
-        if "event_id" not in payload and self.type_key == "type":
-            payload = {"type": payload["type"], "event_id": new_event_id(), **payload}
-        self._out.put_nowait((_AUDIO, json.dumps(payload, separators=(",", ":"))))
+            if not self.closed:
+                self.enqueue(payload)
+        else:
+            self.send_nowait(payload)
 
-    async def _output_overflow(self) -> None:
-        if self.closed:
+    def enqueue(self, message: str | bytes) -> None:
+        """The one way out: past the session's output bound (time or bytes) the session ends instead."""
+        now = time.monotonic()
+        if self._out and (now - self._out[0][0] > self.settings.max_output_backlog_s
+                          or self._out_bytes + len(message) > self.settings.max_output_bytes):
+            self._output_overflow()
             return
+        self._out.append((now, message))
+        self._out_bytes += len(message)
+        self._out_ready.set()
+
+    def _output_overflow(self) -> None:
+        """The client does not read: free the slot and the queue now, then tell it and close (bounded)."""
         self.ctx.metrics.errors["output_backpressure"] += 1
-        message = f"more than {self.settings.max_output_backlog_s:g} s of output unread; closing"
-        self._out.put_nowait((None, json.dumps(error_event("output_backpressure", message))))
-        await self.close(CLOSE_POLICY, "output_backpressure")
+        self._closing = (CLOSE_POLICY, "output_backpressure")
+        if self.conversation is not None:
+            self.conversation.close()
+        self._out.clear()
+        self._out_bytes = 0
+        message = (f"output unread for more than {self.settings.max_output_backlog_s:g} s or "
+                   f"{self.settings.max_output_bytes} bytes; closing")
+        self._out.append((time.monotonic(), dumps(error_event("output_backpressure", message))))
+        self._out_ready.set()
+        self.spawn(self._finish_close(CLOSE_POLICY, "output_backpressure"))
 
     async def send(self, event: dict[str, Any]) -> None:
         self.send_nowait(event)
@@ -298,14 +338,24 @@ class WsSession:
     async def send_error(self, err: ProtocolError, event_id: str | None = None) -> None:
         self.send_error_nowait(err, event_id)
 
+    async def _next_message(self) -> str | bytes | None:
+        """The oldest queued message (left queued, so its age counts until it is sent), or None at the end."""
+        while not self._out:
+            if self._out_done:
+                return None
+            self._out_ready.clear()
+            await self._out_ready.wait()
+        return self._out[0][1]
+
+    def _sent(self) -> None:
+        if self._out:
+            self._out_bytes -= len(self._out.popleft()[1])
+
     async def _write_loop(self) -> None:
         while True:
-            item = await self._out.get()
-            if item is None:
+            data = await self._next_message()
+            if data is None:
                 return
-            kind, data = item
-            if kind is _AUDIO:
-                self._audio_queued -= 1
             try:
                 if isinstance(data, bytes):
                     await self.ws.send_bytes(data)
@@ -313,17 +363,21 @@ class WsSession:
                     await self.ws.send_str(data)
             except (ConnectionError, RuntimeError):
                 return
+            self._sent()
 
     async def _stop_writer(self) -> None:
-        """Flush what is queued, then end the writer."""
+        """Flush what is queued (for a bounded time), then end the writer."""
         writer, self._writer = self._writer, None
+        self._out_done = True
+        self._out_ready.set()
         if writer is None:
             return
-        self._out.put_nowait(None)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
+            await asyncio.wait_for(asyncio.shield(writer), timeout=self._flush_wait_s)
         if not writer.done():
             writer.cancel()
+        self._out.clear()
+        self._out_bytes = 0
 
     # ---- closing ---------------------------------------------------------------------------------------------
 
@@ -338,6 +392,9 @@ class WsSession:
         self._closing = (code, reason)
         if self.conversation is not None:
             self.conversation.close()
+        await self._finish_close(code, reason)
+
+    async def _finish_close(self, code: int, reason: str) -> None:
         await self._stop_writer()
         await self._close_socket(code, reason)
 
@@ -347,16 +404,28 @@ class WsSession:
         if self.ws.closed or not self.ws.prepared:  # a WebRTC call has no socket of its own
             return
         try:
-            await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()[:120]), CLOSE_WAIT_S)
+            await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()[:120]), self._close_wait_s)
         except asyncio.TimeoutError:
-            transport = self.request.transport
-            if transport is not None:
-                transport.abort()
+            self.abort()
         except Exception:  # the connection broke: nothing left to close
             logger.debug("%s: close on a broken connection", self.route, exc_info=True)
 
+    def abort(self) -> None:
+        """Drop the connection without a handshake (a client that does not read cannot take one)."""
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+
     async def shutdown(self) -> None:
-        await self.close(CLOSE_GOING_AWAY, "server_shutdown")
+        """`session.closed` and close 1001, within the server's shutdown timeout: the flush and the handshake share
+        it (a stuck client holds neither past it), and a connection still open at the end is dropped."""
+        budget = self.settings.shutdown_timeout_s
+        self._flush_wait_s = min(FLUSH_WAIT_S, budget / 3)
+        self._close_wait_s = min(CLOSE_WAIT_S, budget / 3)
+        try:
+            await asyncio.wait_for(self.close(CLOSE_GOING_AWAY, "server_shutdown"), budget * 0.8)
+        except asyncio.TimeoutError:
+            self.abort()
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -22,7 +22,8 @@ connect within `connect_timeout_s`, when the peer closes (DTLS close or RTCP BYE
 
 ICE servers: none by default (host candidates only: localhost and LAN). `--stun-url`, `--turn-url` (with
 `--turn-username`, `--turn-credential`) and `--ice-relay-only` set them (or their `PERSONAPLEX_*` environment twins),
-`--ice-connect-timeout-s` the connect deadline; browsers get the same list from `GET /v1/realtime/webrtc-config`.
+`--ice-connect-timeout-s` the connect deadline; browsers get the same list from `GET /v1/realtime/webrtc-config`
+(which needs the API key, as it carries the TURN credential).
 aiortc uses one STUN and one TURN URL.
 """
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -46,7 +46,7 @@ from aiortc.rtcconfiguration import RTCIceTransportPolicy
 from aiortc.rtcrtpsender import RTCRtpSender
 
 from app.audio import InputDecoder, OutputEncoder
-from app.auth import refusal
+from app.auth import refusal, too_many_connections
 from app.context import CONTEXT
 from app.conversation import Conversation, State
 from app.errors import ProtocolError, http_error_body
@@ -54,6 +54,7 @@ from app.realtime import RealtimeSession
 from app.session_config import default_config
 from app.settings import Settings
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
+from app.wire import WireError, parse_object
 from media.jitter import FRAME, JitterStats
 from media.playout import PlayoutBuffer, PlayoutConfig
 from media.tracks import (
@@ -79,6 +80,7 @@ PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
 FIRST_PLAYED_FRAME = 1
 READ_AFTER_WRITE_MS = 2.0   # where a read lands after the write it should find
 REPACE_FRAMES = 25          # 2 s of frames between read-grid corrections
+CHANNEL_BUFFER_BYTES = 256 << 10   # data-channel bytes in flight before the writer waits for SCTP to drain
 _RTP_ONLY = ("input_audio_buffer.append", "input_audio_buffer.commit", "input.commit")
 
 
@@ -158,12 +160,9 @@ async def read_offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
 
 def _json_object(text: str, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise OfferError(f"`{what}` is not JSON: {e}", code="invalid_json") from None
-    if not isinstance(value, dict):
-        raise OfferError(f"`{what}` must be a JSON object", code="invalid_json")
-    return value
+        return parse_object(text)
+    except WireError as e:
+        raise OfferError(f"`{what}`: {e}", code="invalid_json") from None
 
 
 class TimedPlayout:
@@ -324,11 +323,21 @@ class CallSession(RealtimeSession):
         """The model's audio leaves on the RTP track: no audio deltas on a call."""
 
     async def _write_loop(self) -> None:
+        """The base's bounded queue, drained into the channel only as fast as SCTP takes it: what the peer does not
+        read stays queued here, where the session's output bound sees it (aiortc's own send queue is unbounded)."""
+        drained = asyncio.Event()
+        channel = self.channel
+        channel.bufferedAmountLowThreshold = CHANNEL_BUFFER_BYTES
+        channel.on("bufferedamountlow", drained.set)
         while True:
-            item = await self._out.get()
-            if item is None or self.channel is None or self.channel.readyState != "open":
+            data = await self._next_message()
+            if data is None or channel.readyState != "open":
                 return
-            self.channel.send(item[1])
+            channel.send(data)
+            self._sent()
+            if channel.bufferedAmount > CHANNEL_BUFFER_BYTES:
+                drained.clear()
+                await drained.wait()
 
     async def _read_channel(self) -> None:
         limit = self.settings.max_message_bytes
@@ -336,13 +345,18 @@ class CallSession(RealtimeSession):
             data = await self._incoming.get()
             if not self._admit_message():
                 continue
-            if isinstance(data, bytes):
-                await self.send_error(ProtocolError("binary_unsupported", f"{CHANNEL_LABEL} takes JSON text only"))
-            elif len(data) > limit:
-                await self.send_error(ProtocolError("event_too_large",
-                                                    f"message of {len(data)} bytes; the bound is {limit} bytes"))
-            else:
-                await self._dispatch_text(data)
+            try:
+                if isinstance(data, bytes):
+                    await self.send_error(ProtocolError("binary_unsupported",
+                                                        f"{CHANNEL_LABEL} takes JSON text only"))
+                elif len(data) > limit:
+                    await self.send_error(ProtocolError("event_too_large",
+                                                        f"message of {len(data)} bytes; the bound is {limit} bytes"))
+                else:
+                    await self._dispatch_text(data)
+            except Exception as e:   # a bug must not silently end the reader: the call keeps its events
+                logger.exception("call %s: event failed", self.call_id)
+                self.send_error_nowait(ProtocolError("internal_error", f"{type(e).__name__}: {e}"))
 
     async def on_event(self, event: dict[str, Any]) -> None:
         kind = event["type"]
@@ -476,6 +490,7 @@ class CallSession(RealtimeSession):
         with contextlib.suppress(Exception):
             await self.pc.close()
         self.request.app[CALLS].pop(self.call_id, None)
+        self.release_address()
         if self in self.ctx.sockets:
             self.ctx.sockets.discard(self)
             self.ctx.metrics.connections[self.route] -= 1
@@ -500,6 +515,25 @@ async def create_call(request: web.Request) -> web.Response:
         return refused
     if not ctx.ready or ctx.engine is None:
         return _error(503, "engine_stopped", "the server is starting or shutting down")
+    address = ctx.addresses.take(request, settings.max_connections_per_ip)
+    if address is None:
+        ctx.metrics.rejections[(CALLS_ROUTE, "too_many_connections")] += 1
+        return too_many_connections(settings.max_connections_per_ip)
+    try:
+        answer = await _admit_call(request, address)
+    except BaseException:
+        ctx.addresses.release(address)
+        raise
+    if answer.status != 201:
+        ctx.addresses.release(address)
+    return answer
+
+
+async def _admit_call(request: web.Request, address: str) -> web.Response:
+    """The call set-up after the checks: `address` passes to the call on success (its close releases it)."""
+    ctx = request.app[CONTEXT]
+    settings = ctx.settings
+    assert ctx.engine is not None
     try:
         offer, session = await read_offer(request)
     except OfferError as e:
@@ -526,6 +560,7 @@ async def create_call(request: web.Request) -> web.Response:
         return _error(500, "internal_error", f"call set-up failed: {type(e).__name__}: {e}")
     if call.closed:                                   # shut down while negotiating
         return _error(503, "engine_stopped", "the server is shutting down")
+    call._address = address
     request.app[CALLS][call.call_id] = call
     ctx.sockets.add(call)
     ctx.metrics.admissions[CALLS_ROUTE] += 1
@@ -561,6 +596,11 @@ async def call_stats(request: web.Request) -> web.Response:
 
 
 async def webrtc_config(request: web.Request) -> web.Response:
+    """The ICE servers for browsers: they carry the TURN credential, so the API key is required (when keys are set)."""
+    settings = request.app[CONTEXT].settings
+    refused = refusal(request, settings.api_keys, settings.allowed_origins)
+    if refused is not None:
+        return refused
     return web.json_response({"ice_servers": request.app[WEBRTC].browser_ice_servers(),
                               "calls_url": CALLS_ROUTE, "data_channel": CHANNEL_LABEL})
 
