@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections import deque
 from typing import Any
@@ -45,6 +46,7 @@ CLOSE_INTERNAL = 1011
 CLOSE_TRY_LATER = 1013
 CLOSE_WAIT_S = 5.0  # for the close handshake, after which the connection is dropped
 FLUSH_WAIT_S = 2.0  # for the queued output to drain when a session closes
+SOCKET_SEND_BUFFER = 64 << 10   # bytes; seconds of audio at any of our formats, far below autotuning's megabytes
 
 
 class TokenBucket:
@@ -88,11 +90,13 @@ class WsSession:
         self._out_bytes = 0
         self._out_ready = asyncio.Event()
         self._out_done = False               # the writer ends once the queue is empty
+        self._overflowed = False             # past the output bound: nothing more is queued
         self._writer: asyncio.Task[None] | None = None
         self._close_wait_s = CLOSE_WAIT_S
         self._flush_wait_s = FLUSH_WAIT_S
         self._address: str | None = None     # counted in ctx.addresses while the connection is open
         self._closing: tuple[int, str] | None = None  # (code, reason) once a close has begun
+        self._closer: asyncio.Task[None] | None = None  # the flush and handshake of that close
         self._bucket = TokenBucket(self.settings.max_events_per_s, 2 * self.settings.max_events_per_s)
         self._dropped = 0
         self._last_flood_error = 0.0
@@ -155,6 +159,7 @@ class WsSession:
             return web.json_response({"error": {"type": "server_error", "code": "engine_stopped",
                                                 "message": "the server is starting or shutting down"}}, status=503)
         await self.ws.prepare(self.request)
+        self._bound_socket_buffer()
         self.ctx.sockets.add(self)
         self.ctx.metrics.connections[self.route] += 1
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
@@ -174,10 +179,23 @@ class WsSession:
                 self.conversation.close()
             with contextlib.suppress(Exception):
                 await self.on_disconnect()
-            await self._stop_writer()
-            # A close in progress (waiting for its flush) has chosen the code; the read loop may end first.
-            await self._close_socket(*(self._closing or (CLOSE_NORMAL, "")))
+            if self._closer is not None:
+                # A close in progress (waiting for its flush) has chosen the code; the read loop may end first.
+                await asyncio.wait([self._closer])
+            else:
+                await self._stop_writer()
+                await self._close_socket(CLOSE_NORMAL, "")
         return self.ws
+
+    def _bound_socket_buffer(self) -> None:
+        """Cap the kernel's send buffer for this connection: autotuned it grows to megabytes (minutes of Twilio
+        audio) that a client which stops reading would hold unseen by the output bound, which counts only what
+        waits here."""
+        transport = self.request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER)
 
     async def _read_loop(self) -> None:
         first = True
@@ -305,6 +323,8 @@ class WsSession:
 
     def enqueue(self, message: str | bytes) -> None:
         """The one way out: past the session's output bound (time or bytes) the session ends instead."""
+        if self._overflowed:
+            return
         now = time.monotonic()
         if self._out and (now - self._out[0][0] > self.settings.max_output_backlog_s
                           or self._out_bytes + len(message) > self.settings.max_output_bytes):
@@ -317,7 +337,7 @@ class WsSession:
     def _output_overflow(self) -> None:
         """The client does not read: free the slot and the queue now, then tell it and close (bounded)."""
         self.ctx.metrics.errors["output_backpressure"] += 1
-        self._closing = (CLOSE_POLICY, "output_backpressure")
+        self._overflowed = True
         if self.conversation is not None:
             self.conversation.close()
         self._out.clear()
@@ -326,7 +346,7 @@ class WsSession:
                    f"{self.settings.max_output_bytes} bytes; closing")
         self._out.append((time.monotonic(), dumps(error_event("output_backpressure", message))))
         self._out_ready.set()
-        self.spawn(self._finish_close(CLOSE_POLICY, "output_backpressure"))
+        self.spawn(self.close(CLOSE_POLICY, "output_backpressure"))
 
     async def send(self, event: dict[str, Any]) -> None:
         self.send_nowait(event)
@@ -347,8 +367,9 @@ class WsSession:
             await self._out_ready.wait()
         return self._out[0][1]
 
-    def _sent(self) -> None:
-        if self._out:
+    def _sent(self, message: str | bytes) -> None:
+        """`message` has left: unqueue it (unless an overflow dropped the queue while it was being sent)."""
+        if self._out and self._out[0][1] is message:
             self._out_bytes -= len(self._out.popleft()[1])
 
     async def _write_loop(self) -> None:
@@ -363,7 +384,7 @@ class WsSession:
                     await self.ws.send_str(data)
             except (ConnectionError, RuntimeError):
                 return
-            self._sent()
+            self._sent(data)
 
     async def _stop_writer(self) -> None:
         """Flush what is queued (for a bounded time), then end the writer."""
@@ -392,7 +413,9 @@ class WsSession:
         self._closing = (code, reason)
         if self.conversation is not None:
             self.conversation.close()
-        await self._finish_close(code, reason)
+        # The flush and the handshake run as one task, which the connection's handler waits for too.
+        self._closer = asyncio.get_running_loop().create_task(self._finish_close(code, reason))
+        await self._closer
 
     async def _finish_close(self, code: int, reason: str) -> None:
         await self._stop_writer()

@@ -334,7 +334,7 @@ class CallSession(RealtimeSession):
             if data is None or channel.readyState != "open":
                 return
             channel.send(data)
-            self._sent()
+            self._sent(data)
             if channel.bufferedAmount > CHANNEL_BUFFER_BYTES:
                 drained.clear()
                 await drained.wait()
