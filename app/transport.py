@@ -445,10 +445,9 @@ class WsSession:
         budget = self.settings.shutdown_timeout_s
         self._flush_wait_s = min(FLUSH_WAIT_S, budget / 3)
         self._close_wait_s = min(CLOSE_WAIT_S, budget / 3)
-        try:
-            await asyncio.wait_for(self.close(CLOSE_GOING_AWAY, "server_shutdown"), budget * 0.8)
-        except asyncio.TimeoutError:
-            self.abort()
+        closing = asyncio.ensure_future(self.close(CLOSE_GOING_AWAY, "server_shutdown"))
+        await asyncio.wait([closing], timeout=budget * 0.8)
+        self.abort()   # after a completed handshake nothing is left to drop; else the client waits no longer
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
