@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcconfiguration import RTCIceTransportPolicy
 from aiortc.rtcrtpsender import RTCRtpSender
@@ -130,6 +130,20 @@ class OfferError(Exception):
 
 async def read_offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
     """(offer SDP, session object or None) from an `application/sdp`, multipart or JSON body."""
+    try:
+        sdp, session = await _read_body(request)
+    except (ValueError, LookupError) as e:   # not text in its charset, or a broken multipart body
+        raise OfferError(f"the body cannot be read as {request.content_type}: {type(e).__name__}") from None
+    if not isinstance(sdp, str) or not sdp.lstrip().startswith("v=0"):
+        raise OfferError("no SDP offer: the `sdp` must be a session description starting with v=0")
+    if "m=audio" not in sdp:
+        raise OfferError("the offer has no audio (m=audio): add the microphone track before creating the offer")
+    if session is not None and not isinstance(session, dict):
+        raise OfferError("`session` must be a JSON object", code="invalid_session_config")
+    return sdp, session
+
+
+async def _read_body(request: web.Request) -> tuple[object, object]:
     ctype = request.content_type
     session: object = None
     if ctype == "application/sdp":
@@ -138,6 +152,8 @@ async def read_offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
         sdp = ""
         reader = await request.multipart()
         async for part in reader:
+            if not isinstance(part, BodyPartReader):
+                raise OfferError("nested multipart bodies are not taken")
             if part.name == "sdp":
                 sdp = await part.text()
             elif part.name == "session":
@@ -149,12 +165,6 @@ async def read_offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
     else:
         raise OfferError(f"Content-Type {ctype or 'none'!r}: send the offer as application/sdp, or multipart/form-data "
                          "with an `sdp` part (and an optional `session` part)", status=415)
-    if not isinstance(sdp, str) or not sdp.lstrip().startswith("v=0"):
-        raise OfferError("no SDP offer: the `sdp` must be a session description starting with v=0")
-    if "m=audio" not in sdp:
-        raise OfferError("the offer has no audio (m=audio): add the microphone track before creating the offer")
-    if session is not None and not isinstance(session, dict):
-        raise OfferError("`session` must be a JSON object", code="invalid_session_config")
     return sdp, session
 
 
@@ -274,7 +284,10 @@ class CallSession(RealtimeSession):
         self.inbound = InboundAudio(mic.receiver, self)
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", self._on_connection_state)
-        await pc.setLocalDescription(await pc.createAnswer())
+        try:
+            await pc.setLocalDescription(await pc.createAnswer())
+        except Exception as e:   # aiortc fails this way on offers it parsed but cannot answer (a broken BUNDLE)
+            raise OfferError(f"the offer cannot be answered ({type(e).__name__}: {e})") from None
         self._spawn(self._receive_audio())
         self._spawn(self._connect_deadline())
         return pc.localDescription.sdp
