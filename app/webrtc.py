@@ -528,25 +528,6 @@ async def create_call(request: web.Request) -> web.Response:
         return refused
     if not ctx.ready or ctx.engine is None:
         return _error(503, "engine_stopped", "the server is starting or shutting down")
-    address = ctx.addresses.take(request, settings.max_connections_per_ip)
-    if address is None:
-        ctx.metrics.rejections[(CALLS_ROUTE, "too_many_connections")] += 1
-        return too_many_connections(settings.max_connections_per_ip)
-    try:
-        answer = await _admit_call(request, address)
-    except BaseException:
-        ctx.addresses.release(address)
-        raise
-    if answer.status != 201:
-        ctx.addresses.release(address)
-    return answer
-
-
-async def _admit_call(request: web.Request, address: str) -> web.Response:
-    """The call set-up after the checks: `address` passes to the call on success (its close releases it)."""
-    ctx = request.app[CONTEXT]
-    settings = ctx.settings
-    assert ctx.engine is not None
     try:
         offer, session = await read_offer(request)
     except OfferError as e:
@@ -573,13 +554,33 @@ async def _admit_call(request: web.Request, address: str) -> web.Response:
         return _error(500, "internal_error", f"call set-up failed: {type(e).__name__}: {e}")
     if call.closed:                                   # shut down while negotiating
         return _error(503, "engine_stopped", "the server is shutting down")
-    call._address = address
     request.app[CALLS][call.call_id] = call
     ctx.sockets.add(call)
     ctx.metrics.admissions[CALLS_ROUTE] += 1
     ctx.metrics.connections[CALLS_ROUTE] += 1
     location = f"{CALLS_ROUTE}/{call.call_id}"
     return web.Response(status=201, text=answer, content_type="application/sdp", headers={"Location": location})
+
+
+async def create_call_limited(request: web.Request) -> web.Response:
+    """`create_call` under the per-address connection limit: the address stays counted while the call lives."""
+    ctx = request.app[CONTEXT]
+    limit = ctx.settings.max_connections_per_ip
+    address = ctx.addresses.take(request, limit)
+    if address is None:
+        ctx.metrics.rejections[(CALLS_ROUTE, "too_many_connections")] += 1
+        return too_many_connections(limit)
+    call = None
+    try:
+        response = await create_call(request)
+        if response.status == 201:
+            call = request.app[CALLS].get(response.headers["Location"].rsplit("/", 1)[-1])
+    finally:
+        if call is not None and not call.closed:
+            call._address = address                      # released by the call's close
+        else:
+            ctx.addresses.release(address)
+    return response
 
 
 def _find_call(request: web.Request) -> CallSession | web.Response:
@@ -626,7 +627,7 @@ def setup_webrtc(app: web.Application, config: WebRTCConfig | None = None) -> No
     """Add the call routes and the browser page (`/`, `/static/`) to the server."""
     app[WEBRTC] = config or WebRTCConfig.from_settings(app[CONTEXT].settings)
     app[CALLS] = {}
-    app.router.add_post(CALLS_ROUTE, create_call)
+    app.router.add_post(CALLS_ROUTE, create_call_limited)
     app.router.add_get(CALLS_ROUTE + "/{call_id}", call_stats)
     app.router.add_delete(CALLS_ROUTE + "/{call_id}", hang_up)
     app.router.add_post(CALLS_ROUTE + "/{call_id}/hangup", hang_up)
