@@ -12,13 +12,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from conftest import RunningServer, server_settings
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from app.context import CONTEXT
 from app.errors import CODES
 from app.server import create_app
-from app.settings import Settings
 from model.loading import load_model
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
@@ -77,32 +76,17 @@ def frames(type_key: str, types: list[str], fields: list[str]) -> st.SearchStrat
     )
 
 
-@dataclass
-class FuzzServer:
-    runner: web.AppRunner
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def ws(self, path: str) -> str:
-        return f"ws://127.0.0.1:{self.port}{path}"
-
-    @property
-    def metrics(self) -> Any:
-        return self.runner.app[CONTEXT].metrics
-
-
-async def start_fuzz_server(checkpoint: Any) -> FuzzServer:
-    settings_ = Settings(model=str(checkpoint), host="127.0.0.1", port=0, max_sessions=6, shutdown_timeout_s=3.0,
-                         max_message_bytes=MAX_MESSAGE_BYTES, max_events_per_s=100_000.0)
+async def start_fuzz_server(checkpoint: Any) -> RunningServer:
+    """The server the fuzz suites share: small messages (huge ones are cheap to send), no event-rate limit (the
+    probes must not be dropped), room for a session per dialect beside the bystander."""
+    settings_ = server_settings(checkpoint, max_sessions=6, max_message_bytes=MAX_MESSAGE_BYTES,
+                                max_events_per_s=100_000.0)
     app = create_app(settings_, model=load_model(str(checkpoint)))
     runner = web.AppRunner(app, shutdown_timeout=settings_.shutdown_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return FuzzServer(runner=runner, port=runner.addresses[0][1])
+    return RunningServer(app=app, runner=runner, port=runner.addresses[0][1])
 
 
 @dataclass
@@ -115,7 +99,7 @@ class Bystander:
     task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, http: aiohttp.ClientSession, server: FuzzServer) -> Bystander:
+    async def open(cls, http: aiohttp.ClientSession, server: RunningServer) -> Bystander:
         ws = await http.ws_connect(server.ws("/v1/duplex"))
         await ws.send_json({"type": "session.create", "session": {}})
         created = await ws.receive_json(timeout=30)

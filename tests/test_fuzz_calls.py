@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiortc import RTCPeerConnection
-from fuzz_support import FUZZ, Bystander, FuzzServer, json_values, known_objects, start_fuzz_server
+from conftest import RunningServer
+from fuzz_support import FUZZ, Bystander, json_values, known_objects, start_fuzz_server
 from hypothesis import given
 from hypothesis import strategies as st
 from server_support import wait_in_use
@@ -72,12 +73,13 @@ async def fuzz(tiny_checkpoint):
     yield server, http, bystander, await real_offer()
     await bystander.assert_served()
     await wait_in_use(http, server.url, 1)    # the bystander's: no call kept a slot
-    assert server.metrics.errors["internal_error"] == 0
+    assert server.ctx.metrics.errors["internal_error"] == 0
     await http.close()
     await server.runner.cleanup()
 
 
-async def post_and_check(server: FuzzServer, http: aiohttp.ClientSession, data: Any, content_type: str | None) -> None:
+async def post_and_check(server: RunningServer, http: aiohttp.ClientSession, data: Any,
+                         content_type: str | None) -> None:
     headers = {"Content-Type": content_type} if content_type else {}
     async with http.post(server.url + CALLS, data=data, headers=headers) as r:
         body = await r.read()

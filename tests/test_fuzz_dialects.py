@@ -15,11 +15,11 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from conftest import RunningServer
 from fuzz_support import (
     DOCUMENTED_CLOSES,
     FUZZ,
     Bystander,
-    FuzzServer,
     check_event,
     frames,
     start_fuzz_server,
@@ -56,7 +56,7 @@ OPENERS: dict[str, list[dict[str, Any]]] = {
 class Client:
     """One socket per dialect, reopened when a fuzzed message closed it."""
 
-    def __init__(self, http: aiohttp.ClientSession, server: FuzzServer, dialect: str) -> None:
+    def __init__(self, http: aiohttp.ClientSession, server: RunningServer, dialect: str) -> None:
         self.http, self.server, self.dialect = http, server, dialect
         self.path, self.type_key, _, _ = DIALECTS[dialect]
         self.ws: aiohttp.ClientWebSocketResponse | None = None
@@ -101,7 +101,7 @@ async def fuzz(tiny_checkpoint):
     clients = {name: Client(http, server, name) for name in DIALECTS}
     yield server, bystander, clients
     await bystander.assert_served()
-    assert server.metrics.errors["internal_error"] == 0
+    assert server.ctx.metrics.errors["internal_error"] == 0
     await http.close()
     await server.runner.cleanup()
 
