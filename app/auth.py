@@ -1,15 +1,22 @@
-"""API-key and Origin checks, made on the HTTP request before any upgrade or slot.
+"""API-key, Origin and per-address checks, made on the HTTP request before any upgrade or slot; and the access log
+that never writes a credential.
 
 A key is accepted from `Authorization: Bearer <key>`, `?api_key=<key>`, or the WebSocket subprotocol
 `openai-insecure-api-key.<key>` that browser Realtime clients send (browsers cannot set headers on a WebSocket).
+Keys are compared in constant time. `RedactingAccessLogger` replaces the value of every credential-like query
+parameter (`api_key`, `token`, `key`, `secret`, `password`, …) with `REDACTED` in the access log.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import re
+from collections import Counter
+from typing import Any
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
 
 from app.errors import http_error_body
 
@@ -40,7 +47,10 @@ def key_ok(request: web.Request, keys: tuple[str, ...]) -> bool:
     key = presented_key(request)
     if key is None:
         return False
-    return any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+    # Every key is compared, in constant time, so neither the timing nor the number of comparisons tells which
+    # key (or how much of one) matched.
+    matches = [hmac.compare_digest(key.encode(), k.encode()) for k in keys]
+    return any(matches)
 
 
 def origin_ok(request: web.Request, allowed: tuple[str, ...]) -> bool:
@@ -69,3 +79,52 @@ def response_subprotocols(request: web.Request) -> tuple[str, ...]:
     if "realtime" in offered:
         return ("realtime",)
     return tuple(p for p in offered if not p.startswith(KEY_SUBPROTOCOL))[:1]
+
+
+class AddressLimit:
+    """Open connections (WebSockets and WebRTC calls) per client address: one address cannot take every socket."""
+
+    def __init__(self) -> None:
+        self.open: Counter[str] = Counter()
+
+    def take(self, request: web.Request, limit: int) -> str | None:
+        """The address now counted, or None when it already has `limit` open (0: no limit)."""
+        address = request.remote or ""
+        if limit > 0 and self.open[address] >= limit:
+            return None
+        self.open[address] += 1
+        return address
+
+    def release(self, address: str) -> None:
+        self.open[address] -= 1
+        if self.open[address] <= 0:
+            del self.open[address]
+
+
+def too_many_connections(limit: int) -> web.Response:
+    body = http_error_body("too_many_connections", f"this address has {limit} connections open "
+                                                   "(--max-connections-per-ip); close one and retry")
+    return web.Response(status=429, text=json.dumps(body), content_type="application/json",
+                        headers={"Retry-After": "1"})
+
+
+_CREDENTIAL = re.compile(r"(?i)((?:^|[?&;])[^=&;#\s]*(?:key|token|secret|passw|credential|auth|signature|sig)"
+                         r"[^=&;#\s]*=)[^&;#\s]*")
+
+
+def redact_query(target: str) -> str:
+    """A request target with the value of every credential-like query parameter replaced by `REDACTED`."""
+    path, sep, query = target.partition("?")
+    if not sep:
+        return target
+    return path + sep + _CREDENTIAL.sub(r"\1REDACTED", query)
+
+
+class RedactingAccessLogger(AccessLogger):
+    """aiohttp's access log with query-string credentials redacted in every field (the request line, the Referer):
+    a `?api_key=` must never reach a log."""
+
+    def _format_line(self, request: web.BaseRequest, response: web.StreamResponse,
+                     time: float) -> list[tuple[Any, Any]]:
+        return [(key, redact_query(value) if isinstance(value, str) else value)
+                for key, value in super()._format_line(request, response, time)]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
+from app.auth import AddressLimit
 from app.errors import ProtocolError
 from app.metrics import Metrics
 from app.settings import Settings
@@ -42,6 +43,7 @@ class ServerContext:
     model_note: str = ""                      # why this model was loaded (the tiny fallback says why)
     sockets: set[ClosableSocket] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    addresses: AddressLimit = field(default_factory=AddressLimit)   # open connections per client address
     shutting_down: bool = False
     _info: ModelInfo | None = None
 

@@ -2,6 +2,8 @@
 
 `{"type": "error", "event_id": "event_…", "error": {"type", "code", "message", "param"?, "event_id"?}}`, where
 `error.event_id` echoes the client event that caused it. `docs/protocol.md` prints `CODES` as its table.
+An error never echoes more than a short prefix of what the client sent: messages are cut at `MAX_MESSAGE_CHARS`
+and an echoed `event_id` at `MAX_ECHO_CHARS` (a client that sends megabytes of junk gets bytes of errors back).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 INVALID = "invalid_request_error"
 RATE = "rate_limit_error"
 SERVER = "server_error"
+MAX_MESSAGE_CHARS = 300
+MAX_ECHO_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,8 @@ class ErrorCode:
 CODES: dict[str, ErrorCode] = {
     c.code: c
     for c in (
-        ErrorCode("invalid_json", INVALID, "A text frame is not a JSON object."),
+        ErrorCode("invalid_json", INVALID, "A text frame is not a JSON object, nests deeper than 32 levels, or has a "
+                  "non-finite number (NaN, Infinity, 1e400); the session goes on."),
         ErrorCode("bad_event", INVALID, "A required field is missing or has the wrong type."),
         ErrorCode("unknown_event", INVALID, "The event `type` is not part of this dialect."),
         ErrorCode("unsupported_event", INVALID, "An OpenAI event that does not apply to a model-native duplex model."),
@@ -55,7 +60,10 @@ CODES: dict[str, ErrorCode] = {
         ErrorCode("resource_exhausted", RATE, "Every conversation slot is taken; the socket closes with 1013."),
         ErrorCode("input_backpressure", RATE, "Audio arrives faster than it is consumed; the append was dropped."),
         ErrorCode("rate_limited", RATE, "Too many events per second; the event was dropped (sustained: close 1008)."),
-        ErrorCode("output_backpressure", RATE, "The client does not read its output; the socket closes with 1008."),
+        ErrorCode("output_backpressure", RATE, "The client does not read its output (more than the output bound "
+                  "queued, in seconds or bytes); the socket closes with 1008."),
+        ErrorCode("too_many_connections", RATE,
+                  "The address has `--max-connections-per-ip` connections open (HTTP 429 before the upgrade)."),
         ErrorCode("unauthorized", INVALID, "Missing or wrong API key (HTTP 401 before the upgrade)."),
         ErrorCode("origin_not_allowed", INVALID,
                   "The Origin is not in the allowed list (HTTP 403 before the upgrade)."),
@@ -84,14 +92,19 @@ def new_event_id() -> str:
 
 def error_event(code: str, message: str, *, param: str | None = None, event_id: str | None = None) -> dict[str, Any]:
     """The shared `error` envelope; `event_id` is the client event being answered, if it named one."""
-    body: dict[str, Any] = {"type": CODES[code].type, "code": code, "message": message}
+    body: dict[str, Any] = {"type": CODES[code].type, "code": code, "message": short(message, MAX_MESSAGE_CHARS)}
     if param is not None:
         body["param"] = param
     if event_id is not None:
-        body["event_id"] = event_id
+        body["event_id"] = short(event_id, MAX_ECHO_CHARS)
     return {"type": "error", "event_id": new_event_id(), "error": body}
 
 
 def http_error_body(code: str, message: str) -> dict[str, Any]:
     """The JSON body of an HTTP refusal (401, 403, 429, 503): the `error` object without the event wrapper."""
-    return {"error": {"type": CODES[code].type, "code": code, "message": message}}
+    return {"error": {"type": CODES[code].type, "code": code, "message": short(message, MAX_MESSAGE_CHARS)}}
+
+
+def short(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and an ellipsis."""
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -24,7 +24,7 @@ from aiohttp import web
 from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
 from app.auth import BETA_SUBPROTOCOL, offered_subprotocols
 from app.conversation import Backpressure, State
-from app.errors import ProtocolError
+from app.errors import MAX_ECHO_CHARS, ProtocolError
 from app.session_config import (
     SAMPLING_KEYS,
     ConfigUpdate,
@@ -329,6 +329,14 @@ class RealtimeSession(WsSession):
         if isinstance(played, bool) or not isinstance(played, (int, float)) or played < 0:
             raise ProtocolError("bad_event", "`playback.ack` needs `played_ms` (a non-negative number)",
                                 param="played_ms")
+        committed = event.get("committed_ms")
+        if committed is not None and (isinstance(committed, bool) or not isinstance(committed, (int, float))):
+            raise ProtocolError("bad_event", "`committed_ms` must be a number", param="committed_ms")
+        for key in ("response_id", "item_id"):
+            value = event.get(key)
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_ECHO_CHARS):
+                raise ProtocolError("bad_event", f"`{key}` must be a string of at most {MAX_ECHO_CHARS} characters",
+                                    param=key)
         keys = ("played_ms", "committed_ms", "response_id", "item_id")
         await self.send({"type": "playback.acknowledged", "event": {k: event[k] for k in keys if k in event}})
 

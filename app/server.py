@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from app.auth import key_ok
+from app.auth import RedactingAccessLogger, key_ok
 from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
 from app.errors import http_error_body
@@ -266,7 +266,8 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None, engine
     gets the listening socket it shares with the other workers and the engine process's channel."""
     engine = RemoteEngine(engine_path, worker, settings.input_lead_ms / 1000.0) if engine_path else None
     app = create_app(settings, engine=engine)
-    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s, handle_signals=False)
+    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s,
+                            access_log_class=RedactingAccessLogger)
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
     await site.start()

@@ -50,6 +50,8 @@ class Settings:
     workers: int = -1                     # network processes beside the engine process; 0: all in one process;
                                           # -1: from the core count (default_workers)
     input_lead_ms: float = 8.0            # workers send each tick's input this long before the engine's deadline
+    max_output_bytes: int = 8 << 20       # output bytes queued for a client that does not read before the socket closes
+    max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
@@ -105,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-lead-ms", type=float,
                    help=f"workers send each tick's input frames this long before its deadline (default "
                         f"{d.input_lead_ms:g})")
+    p.add_argument("--max-output-bytes", type=int, help=f"unread output per session (default {d.max_output_bytes})")
+    p.add_argument("--max-connections-per-ip", type=int,
+                   help=f"open connections per client address, 0 = no limit (default {d.max_connections_per_ip})")
     return p
 
 

@@ -1,11 +1,17 @@
 """The WebSocket plumbing the three dialects share: auth before upgrade, admission, a bounded receive loop, one writer.
 
-`WsSession.handle()` runs a connection: refuse a bad key or Origin with HTTP 401/403 (no slot taken), upgrade,
+`WsSession.handle()` runs a connection: refuse a bad key or Origin with HTTP 401/403 and an address over
+`max_connections_per_ip` with HTTP 429 (no slot taken), upgrade,
 then read messages with a first-message timeout and a read-idle timeout, a size bound (close 1009), and a token
 bucket against floods (`rate_limited`, close 1008 when sustained). JSON text frames are parsed and handed to
-`on_event`; a `ProtocolError` raised there becomes one `error` event and the session goes on. Output goes through
-one queue and one writer task, so events keep their order; a client that stops reading is closed (1008) once
-`max_output_backlog_s` of audio is queued. A disconnect closes the conversation (frees the slot) at once.
+`on_event`; a `ProtocolError` raised there becomes one `error` event and the session goes on. Client JSON goes
+through `app.wire` (depth and non-finite numbers refused with `invalid_json`), and everything sent is strict JSON.
+
+Output has one bounded path per session: every byte queued for the client (audio, transcript, errors, acks, Twilio
+media and marks) waits in one queue drained by one writer task, so events keep their order. When the oldest queued
+message has waited `max_output_backlog_s`, or more than `max_output_bytes` are queued, the session ends at once:
+the queue is dropped (its memory freed), the slot freed, `error output_backpressure` and close 1008 are tried for a
+bounded time and the connection is then dropped. A disconnect closes the conversation (frees the slot) at once.
 
 Close codes: 1000 normal, 1001 server shutdown, 1008 policy (flood, first-message timeout, unread output),
 1009 message too big, 1011 engine failure, 1013 no free slot.
@@ -15,17 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import socket
 import time
+from collections import deque
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from app.auth import refusal, response_subprotocols
+from app.auth import refusal, response_subprotocols, too_many_connections
 from app.context import CONTEXT, ServerContext
 from app.conversation import Conversation, InputPolicy
 from app.errors import ProtocolError, error_event, new_event_id
+from app.wire import WireError, dumps, parse_object
 from model.engine import EngineError, ResourceExhausted, Slot
 
 logger = logging.getLogger(__name__)
@@ -37,8 +45,8 @@ CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL = 1011
 CLOSE_TRY_LATER = 1013
 CLOSE_WAIT_S = 5.0  # for the close handshake, after which the connection is dropped
-
-_AUDIO = object()   # marks queue items that count towards the output backlog
+FLUSH_WAIT_S = 2.0  # for the queued output to drain when a session closes
+SOCKET_SEND_BUFFER = 64 << 10   # bytes; seconds of audio at any of our formats, far below autotuning's megabytes
 
 
 class TokenBucket:
@@ -78,11 +86,17 @@ class WsSession:
         )
         self.conversation: Conversation | None = None
         self.idle_timeout_s = self.settings.idle_timeout_s
-        self._out: asyncio.Queue[tuple[object, str | bytes] | None] = asyncio.Queue()
-        self._audio_queued = 0
-        self._audio_bound = max(1, int(self.settings.max_output_backlog_s / 0.08))
+        self._out: deque[tuple[float, str | bytes]] = deque()   # (queued at, message), oldest first
+        self._out_bytes = 0
+        self._out_ready = asyncio.Event()
+        self._out_done = False               # the writer ends once the queue is empty
+        self._overflowed = False             # past the output bound: nothing more is queued
         self._writer: asyncio.Task[None] | None = None
+        self._close_wait_s = CLOSE_WAIT_S
+        self._flush_wait_s = FLUSH_WAIT_S
+        self._address: str | None = None     # counted in ctx.addresses while the connection is open
         self._closing: tuple[int, str] | None = None  # (code, reason) once a close has begun
+        self._closer: asyncio.Task[None] | None = None  # the flush and handshake of that close
         self._bucket = TokenBucket(self.settings.max_events_per_s, 2 * self.settings.max_events_per_s)
         self._dropped = 0
         self._last_flood_error = 0.0
@@ -118,10 +132,34 @@ class WsSession:
             self.ctx.metrics.rejections[(self.route, "unauthorized" if refused.status == 401 else
                                          "origin_not_allowed")] += 1
             return refused
+        limited = self.take_address()
+        if limited is not None:
+            return limited
+        try:
+            return await self._serve()
+        finally:
+            self.release_address()
+
+    def take_address(self) -> web.Response | None:
+        """Count this connection against its address; the HTTP 429 when the address is at its limit."""
+        limit = self.settings.max_connections_per_ip
+        self._address = self.ctx.addresses.take(self.request, limit)
+        if self._address is None:
+            self.ctx.metrics.rejections[(self.route, "too_many_connections")] += 1
+            return too_many_connections(limit)
+        return None
+
+    def release_address(self) -> None:
+        address, self._address = self._address, None
+        if address is not None:
+            self.ctx.addresses.release(address)
+
+    async def _serve(self) -> web.StreamResponse:
         if not self.ctx.ready:
             return web.json_response({"error": {"type": "server_error", "code": "engine_stopped",
                                                 "message": "the server is starting or shutting down"}}, status=503)
         await self.ws.prepare(self.request)
+        self._bound_socket_buffer()
         self.ctx.sockets.add(self)
         self.ctx.metrics.connections[self.route] += 1
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
@@ -141,10 +179,23 @@ class WsSession:
                 self.conversation.close()
             with contextlib.suppress(Exception):
                 await self.on_disconnect()
-            await self._stop_writer()
-            # A close in progress (waiting for its flush) has chosen the code; the read loop may end first.
-            await self._close_socket(*(self._closing or (CLOSE_NORMAL, "")))
+            if self._closer is not None:
+                # A close in progress (waiting for its flush) has chosen the code; the read loop may end first.
+                await asyncio.wait([self._closer])
+            else:
+                await self._stop_writer()
+                await self._close_socket(CLOSE_NORMAL, "")
         return self.ws
+
+    def _bound_socket_buffer(self) -> None:
+        """Cap the kernel's send buffer for this connection: autotuned it grows to megabytes (minutes of Twilio
+        audio) that a client which stops reading would hold unseen by the output bound, which counts only what
+        waits here."""
+        transport = self.request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER)
 
     async def _read_loop(self) -> None:
         first = True
@@ -208,12 +259,9 @@ class WsSession:
 
     async def _dispatch_text(self, text: str) -> None:
         try:
-            event = json.loads(text)
-        except ValueError as e:
-            await self.send_error(ProtocolError("invalid_json", f"not JSON: {e}"))
-            return
-        if not isinstance(event, dict):
-            await self.send_error(ProtocolError("invalid_json", "an event must be a JSON object"))
+            event = parse_object(text)
+        except WireError as e:
+            await self.send_error(ProtocolError("invalid_json", str(e)))
             return
         event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
         if not isinstance(event.get(self.type_key), str):
@@ -265,30 +313,42 @@ class WsSession:
             return
         if "event_id" not in event and self.type_key == "type":
             event = {"type": event["type"], "event_id": new_event_id(), **event}
-        self._out.put_nowait((None, json.dumps(event, separators=(",", ":"))))
+        self.enqueue(dumps(event))
 
     def send_audio_nowait(self, payload: dict[str, Any] | bytes) -> None:
-        """Queue one frame's audio (a JSON event or a binary frame); counts towards the unread-output bound."""
-        if self.closed:
-            return
-        if self._audio_queued >= self._audio_bound:
-            self.spawn(self._output_overflow())
-            return
-        self._audio_queued += 1
+        """Queue one frame's audio (a JSON event or a binary frame)."""
         if isinstance(payload, bytes):
-            self._out.put_nowait((_AUDIO, payload))
-            return
-        if "event_id" not in payload and self.type_key == "type":
-            payload = {"type": payload["type"], "event_id": new_event_id(), **payload}
-        self._out.put_nowait((_AUDIO, json.dumps(payload, separators=(",", ":"))))
+            if not self.closed:
+                self.enqueue(payload)
+        else:
+            self.send_nowait(payload)
 
-    async def _output_overflow(self) -> None:
-        if self.closed:
+    def enqueue(self, message: str | bytes) -> None:
+        """The one way out: past the session's output bound (time or bytes) the session ends instead."""
+        if self._overflowed:
             return
+        now = time.monotonic()
+        if self._out and (now - self._out[0][0] > self.settings.max_output_backlog_s
+                          or self._out_bytes + len(message) > self.settings.max_output_bytes):
+            self._output_overflow()
+            return
+        self._out.append((now, message))
+        self._out_bytes += len(message)
+        self._out_ready.set()
+
+    def _output_overflow(self) -> None:
+        """The client does not read: free the slot and the queue now, then tell it and close (bounded)."""
         self.ctx.metrics.errors["output_backpressure"] += 1
-        message = f"more than {self.settings.max_output_backlog_s:g} s of output unread; closing"
-        self._out.put_nowait((None, json.dumps(error_event("output_backpressure", message))))
-        await self.close(CLOSE_POLICY, "output_backpressure")
+        self._overflowed = True
+        if self.conversation is not None:
+            self.conversation.close()
+        self._out.clear()
+        self._out_bytes = 0
+        message = (f"output unread for more than {self.settings.max_output_backlog_s:g} s or "
+                   f"{self.settings.max_output_bytes} bytes; closing")
+        self._out.append((time.monotonic(), dumps(error_event("output_backpressure", message))))
+        self._out_ready.set()
+        self.spawn(self.close(CLOSE_POLICY, "output_backpressure"))
 
     async def send(self, event: dict[str, Any]) -> None:
         self.send_nowait(event)
@@ -300,14 +360,25 @@ class WsSession:
     async def send_error(self, err: ProtocolError, event_id: str | None = None) -> None:
         self.send_error_nowait(err, event_id)
 
+    async def _next_message(self) -> str | bytes | None:
+        """The oldest queued message (left queued, so its age counts until it is sent), or None at the end."""
+        while not self._out:
+            if self._out_done:
+                return None
+            self._out_ready.clear()
+            await self._out_ready.wait()
+        return self._out[0][1]
+
+    def _sent(self, message: str | bytes) -> None:
+        """`message` has left: unqueue it (unless an overflow dropped the queue while it was being sent)."""
+        if self._out and self._out[0][1] is message:
+            self._out_bytes -= len(self._out.popleft()[1])
+
     async def _write_loop(self) -> None:
         while True:
-            item = await self._out.get()
-            if item is None:
+            data = await self._next_message()
+            if data is None:
                 return
-            kind, data = item
-            if kind is _AUDIO:
-                self._audio_queued -= 1
             try:
                 if isinstance(data, bytes):
                     await self.ws.send_bytes(data)
@@ -315,17 +386,21 @@ class WsSession:
                     await self.ws.send_str(data)
             except (ConnectionError, RuntimeError):
                 return
+            self._sent(data)
 
     async def _stop_writer(self) -> None:
-        """Flush what is queued, then end the writer."""
+        """Flush what is queued (for a bounded time), then end the writer."""
         writer, self._writer = self._writer, None
+        self._out_done = True
+        self._out_ready.set()
         if writer is None:
             return
-        self._out.put_nowait(None)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
+            await asyncio.wait_for(asyncio.shield(writer), timeout=self._flush_wait_s)
         if not writer.done():
             writer.cancel()
+        self._out.clear()
+        self._out_bytes = 0
 
     # ---- closing ---------------------------------------------------------------------------------------------
 
@@ -340,6 +415,11 @@ class WsSession:
         self._closing = (code, reason)
         if self.conversation is not None:
             self.conversation.close()
+        # The flush and the handshake run as one task, which the connection's handler waits for too.
+        self._closer = asyncio.get_running_loop().create_task(self._finish_close(code, reason))
+        await self._closer
+
+    async def _finish_close(self, code: int, reason: str) -> None:
         await self._stop_writer()
         await self._close_socket(code, reason)
 
@@ -349,16 +429,27 @@ class WsSession:
         if self.ws.closed or not self.ws.prepared:  # a WebRTC call has no socket of its own
             return
         try:
-            await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()[:120]), CLOSE_WAIT_S)
+            await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()[:120]), self._close_wait_s)
         except asyncio.TimeoutError:
-            transport = self.request.transport
-            if transport is not None:
-                transport.abort()
+            self.abort()
         except Exception:  # the connection broke: nothing left to close
             logger.debug("%s: close on a broken connection", self.route, exc_info=True)
 
+    def abort(self) -> None:
+        """Drop the connection without a handshake (a client that does not read cannot take one)."""
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+
     async def shutdown(self) -> None:
-        await self.close(CLOSE_GOING_AWAY, "server_shutdown")
+        """`session.closed` and close 1001, within the server's shutdown timeout: the flush and the handshake share
+        it (a stuck client holds neither past it), and a connection still open at the end is dropped."""
+        budget = self.settings.shutdown_timeout_s
+        self._flush_wait_s = min(FLUSH_WAIT_S, budget / 3)
+        self._close_wait_s = min(CLOSE_WAIT_S, budget / 3)
+        closing = asyncio.ensure_future(self.close(CLOSE_GOING_AWAY, "server_shutdown"))
+        await asyncio.wait([closing], timeout=budget * 0.8)
+        self.abort()   # after a completed handshake nothing is left to drop; else the client waits no longer
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -12,7 +12,6 @@ envelope. No free slot: an `error` and close 1013 (the bridge hangs up).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -25,6 +24,7 @@ from app.conversation import Backpressure
 from app.errors import ProtocolError
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, default_config, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, WsSession
+from app.wire import WireError, parse_value
 from media.codecs import AudioFormat
 from media.playout import PlayoutBuffer
 from media.resample import Resampler
@@ -37,6 +37,7 @@ CHUNK = 160          # 20 ms at 8 kHz
 CHUNK_S = 0.020
 STALL_S = 0.040      # a send this late rebases the clock instead of catching up in a burst
 ULAW = AudioFormat("pcmu", RATE)
+MAX_NAME_CHARS = 128   # streamSid and mark names: echoed in every media event / mark, so kept short
 
 
 class TwilioSession(WsSession):
@@ -74,8 +75,9 @@ class TwilioSession(WsSession):
             self.on_media(event)
         elif kind == "mark":
             name = (event.get("mark") or {}).get("name") if isinstance(event.get("mark"), dict) else None
-            if not isinstance(name, str):
-                raise ProtocolError("bad_event", "`mark` needs `mark.name` (a string)", param="mark.name")
+            if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+                raise ProtocolError("bad_event", f"`mark` needs `mark.name` (a string of at most {MAX_NAME_CHARS} "
+                                    "characters)", param="mark.name")
             self.marks.append((self.playout.stats().written_samples, name))
             self._echo_marks()
         elif kind == "clear":
@@ -94,8 +96,9 @@ class TwilioSession(WsSession):
         if not isinstance(start, dict):
             raise ProtocolError("bad_event", "`start` needs a `start` object", param="start")
         sid = event.get("streamSid", start.get("streamSid"))
-        if not isinstance(sid, str) or not sid:
-            raise ProtocolError("bad_event", "`start` needs a `streamSid`", param="start.streamSid")
+        if not isinstance(sid, str) or not sid or len(sid) > MAX_NAME_CHARS:
+            raise ProtocolError("bad_event", f"`start` needs a `streamSid` (at most {MAX_NAME_CHARS} characters)",
+                                param="start.streamSid")
         media_format = start.get("mediaFormat", {"encoding": "audio/x-mulaw", "sampleRate": RATE, "channels": 1})
         if not isinstance(media_format, dict) or media_format.get("channels", 1) != 1 or \
                 media_format.get("encoding") != "audio/x-mulaw" or media_format.get("sampleRate") != RATE:
@@ -193,8 +196,8 @@ def _param_value(value: object) -> object:
     """customParameters arrive as strings: "0.7" -> 0.7, "true" -> True, "42" -> 42."""
     if isinstance(value, str):
         try:
-            return json.loads(value)
-        except ValueError:
+            return parse_value(value)
+        except WireError:
             return value
     return value
 

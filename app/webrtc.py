@@ -22,7 +22,8 @@ connect within `connect_timeout_s`, when the peer closes (DTLS close or RTCP BYE
 
 ICE servers: none by default (host candidates only: localhost and LAN). `--stun-url`, `--turn-url` (with
 `--turn-username`, `--turn-credential`) and `--ice-relay-only` set them (or their `PERSONAPLEX_*` environment twins),
-`--ice-connect-timeout-s` the connect deadline; browsers get the same list from `GET /v1/realtime/webrtc-config`.
+`--ice-connect-timeout-s` the connect deadline; browsers get the same list from `GET /v1/realtime/webrtc-config`
+(which needs the API key, as it carries the TURN credential).
 aiortc uses one STUN and one TURN URL.
 """
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcconfiguration import RTCIceTransportPolicy
 from aiortc.rtcrtpsender import RTCRtpSender
 
 from app.audio import InputDecoder, OutputEncoder
-from app.auth import refusal
+from app.auth import refusal, too_many_connections
 from app.context import CONTEXT
 from app.conversation import Conversation, State
 from app.errors import ProtocolError, http_error_body
@@ -53,6 +53,7 @@ from app.realtime import RealtimeSession
 from app.session_config import default_config
 from app.settings import Settings
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
+from app.wire import WireError, parse_object
 from app.worker_routing import call_owner, forward, new_call_id, worker_socket
 from media.jitter import FRAME, JitterStats
 from media.playout import PlayoutBuffer, PlayoutConfig
@@ -80,6 +81,7 @@ PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
 FIRST_PLAYED_FRAME = 1
 READ_AFTER_WRITE_MS = 2.0   # where a read lands after the write it should find
 REPACE_FRAMES = 25          # 2 s of frames between read-grid corrections
+CHANNEL_BUFFER_BYTES = 256 << 10   # data-channel bytes in flight before the writer waits for SCTP to drain
 _RTP_ONLY = ("input_audio_buffer.append", "input_audio_buffer.commit", "input.commit")
 
 
@@ -129,6 +131,20 @@ class OfferError(Exception):
 
 async def read_offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
     """(offer SDP, session object or None) from an `application/sdp`, multipart or JSON body."""
+    try:
+        sdp, session = await _read_body(request)
+    except (ValueError, LookupError) as e:   # not text in its charset, or a broken multipart body
+        raise OfferError(f"the body cannot be read as {request.content_type}: {type(e).__name__}") from None
+    if not isinstance(sdp, str) or not sdp.lstrip().startswith("v=0"):
+        raise OfferError("no SDP offer: the `sdp` must be a session description starting with v=0")
+    if "m=audio" not in sdp:
+        raise OfferError("the offer has no audio (m=audio): add the microphone track before creating the offer")
+    if session is not None and not isinstance(session, dict):
+        raise OfferError("`session` must be a JSON object", code="invalid_session_config")
+    return sdp, session
+
+
+async def _read_body(request: web.Request) -> tuple[object, object]:
     ctype = request.content_type
     session: object = None
     if ctype == "application/sdp":
@@ -137,6 +153,8 @@ async def read_offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
         sdp = ""
         reader = await request.multipart()
         async for part in reader:
+            if not isinstance(part, BodyPartReader):
+                raise OfferError("nested multipart bodies are not taken")
             if part.name == "sdp":
                 sdp = await part.text()
             elif part.name == "session":
@@ -148,23 +166,14 @@ async def read_offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
     else:
         raise OfferError(f"Content-Type {ctype or 'none'!r}: send the offer as application/sdp, or multipart/form-data "
                          "with an `sdp` part (and an optional `session` part)", status=415)
-    if not isinstance(sdp, str) or not sdp.lstrip().startswith("v=0"):
-        raise OfferError("no SDP offer: the `sdp` must be a session description starting with v=0")
-    if "m=audio" not in sdp:
-        raise OfferError("the offer has no audio (m=audio): add the microphone track before creating the offer")
-    if session is not None and not isinstance(session, dict):
-        raise OfferError("`session` must be a JSON object", code="invalid_session_config")
     return sdp, session
 
 
 def _json_object(text: str, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise OfferError(f"`{what}` is not JSON: {e}", code="invalid_json") from None
-    if not isinstance(value, dict):
-        raise OfferError(f"`{what}` must be a JSON object", code="invalid_json")
-    return value
+        return parse_object(text)
+    except WireError as e:
+        raise OfferError(f"`{what}`: {e}", code="invalid_json") from None
 
 
 class TimedPlayout:
@@ -276,7 +285,10 @@ class CallSession(RealtimeSession):
         self.inbound = InboundAudio(mic.receiver, self)
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", self._on_connection_state)
-        await pc.setLocalDescription(await pc.createAnswer())
+        try:
+            await pc.setLocalDescription(await pc.createAnswer())
+        except Exception as e:   # aiortc fails this way on offers it parsed but cannot answer (a broken BUNDLE)
+            raise OfferError(f"the offer cannot be answered ({type(e).__name__}: {e})") from None
         self._spawn(self._receive_audio())
         self._spawn(self._connect_deadline())
         return pc.localDescription.sdp
@@ -325,11 +337,21 @@ class CallSession(RealtimeSession):
         """The model's audio leaves on the RTP track: no audio deltas on a call."""
 
     async def _write_loop(self) -> None:
+        """The base's bounded queue, drained into the channel only as fast as SCTP takes it: what the peer does not
+        read stays queued here, where the session's output bound sees it (aiortc's own send queue is unbounded)."""
+        drained = asyncio.Event()
+        channel = self.channel
+        channel.bufferedAmountLowThreshold = CHANNEL_BUFFER_BYTES
+        channel.on("bufferedamountlow", drained.set)
         while True:
-            item = await self._out.get()
-            if item is None or self.channel is None or self.channel.readyState != "open":
+            data = await self._next_message()
+            if data is None or channel.readyState != "open":
                 return
-            self.channel.send(item[1])
+            channel.send(data)
+            self._sent(data)
+            if channel.bufferedAmount > CHANNEL_BUFFER_BYTES:
+                drained.clear()
+                await drained.wait()
 
     async def _read_channel(self) -> None:
         limit = self.settings.max_message_bytes
@@ -337,13 +359,18 @@ class CallSession(RealtimeSession):
             data = await self._incoming.get()
             if not self._admit_message():
                 continue
-            if isinstance(data, bytes):
-                await self.send_error(ProtocolError("binary_unsupported", f"{CHANNEL_LABEL} takes JSON text only"))
-            elif len(data) > limit:
-                await self.send_error(ProtocolError("event_too_large",
-                                                    f"message of {len(data)} bytes; the bound is {limit} bytes"))
-            else:
-                await self._dispatch_text(data)
+            try:
+                if isinstance(data, bytes):
+                    await self.send_error(ProtocolError("binary_unsupported",
+                                                        f"{CHANNEL_LABEL} takes JSON text only"))
+                elif len(data) > limit:
+                    await self.send_error(ProtocolError("event_too_large",
+                                                        f"message of {len(data)} bytes; the bound is {limit} bytes"))
+                else:
+                    await self._dispatch_text(data)
+            except Exception as e:   # a bug must not silently end the reader: the call keeps its events
+                logger.exception("call %s: event failed", self.call_id)
+                self.send_error_nowait(ProtocolError("internal_error", f"{type(e).__name__}: {e}"))
 
     async def on_event(self, event: dict[str, Any]) -> None:
         kind = event["type"]
@@ -477,6 +504,7 @@ class CallSession(RealtimeSession):
         with contextlib.suppress(Exception):
             await self.pc.close()
         self.request.app[CALLS].pop(self.call_id, None)
+        self.release_address()
         if self in self.ctx.sockets:
             self.ctx.sockets.discard(self)
             self.ctx.metrics.connections[self.route] -= 1
@@ -535,6 +563,27 @@ async def create_call(request: web.Request) -> web.Response:
     return web.Response(status=201, text=answer, content_type="application/sdp", headers={"Location": location})
 
 
+async def create_call_limited(request: web.Request) -> web.Response:
+    """`create_call` under the per-address connection limit: the address stays counted while the call lives."""
+    ctx = request.app[CONTEXT]
+    limit = ctx.settings.max_connections_per_ip
+    address = ctx.addresses.take(request, limit)
+    if address is None:
+        ctx.metrics.rejections[(CALLS_ROUTE, "too_many_connections")] += 1
+        return too_many_connections(limit)
+    call = None
+    try:
+        response = await create_call(request)
+        if response.status == 201:
+            call = request.app[CALLS].get(response.headers["Location"].rsplit("/", 1)[-1])
+    finally:
+        if call is not None and not call.closed:
+            call._address = address                      # released by the call's close
+        else:
+            ctx.addresses.release(address)
+    return response
+
+
 def _find_call(request: web.Request) -> CallSession | web.Response:
     settings = request.app[CONTEXT].settings
     refused = refusal(request, settings.api_keys, settings.allowed_origins)
@@ -574,6 +623,11 @@ async def call_stats(request: web.Request) -> web.Response:
 
 
 async def webrtc_config(request: web.Request) -> web.Response:
+    """The ICE servers for browsers: they carry the TURN credential, so the API key is required (when keys are set)."""
+    settings = request.app[CONTEXT].settings
+    refused = refusal(request, settings.api_keys, settings.allowed_origins)
+    if refused is not None:
+        return refused
     return web.json_response({"ice_servers": request.app[WEBRTC].browser_ice_servers(),
                               "calls_url": CALLS_ROUTE, "data_channel": CHANNEL_LABEL})
 
@@ -586,7 +640,7 @@ def setup_webrtc(app: web.Application, config: WebRTCConfig | None = None) -> No
     """Add the call routes and the browser page (`/`, `/static/`) to the server."""
     app[WEBRTC] = config or WebRTCConfig.from_settings(app[CONTEXT].settings)
     app[CALLS] = {}
-    app.router.add_post(CALLS_ROUTE, create_call)
+    app.router.add_post(CALLS_ROUTE, create_call_limited)
     app.router.add_get(CALLS_ROUTE + "/{call_id}", call_stats)
     app.router.add_delete(CALLS_ROUTE + "/{call_id}", hang_up)
     app.router.add_post(CALLS_ROUTE + "/{call_id}/hangup", hang_up)
