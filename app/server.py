@@ -169,7 +169,10 @@ def processes(ctx: ServerContext) -> list[dict[str, object]]:
         found.append({"role": "engine", "pid": engine.engine_pid})
     for number, worker in sorted(engine.workers.items(), key=lambda item: int(item[0])):
         found.append({"role": "worker", "worker": int(number), "pid": worker.pid, "sessions": worker.sessions,
-                      "this": worker.pid == os.getpid()})
+                      "input_late_frames": worker.late_frames, "this": worker.pid == os.getpid()})
+    for entry in found:
+        if entry.get("this"):
+            entry["input_lead_ms"] = round(engine.input_lead_s * 1000.0, 1)
     return found
 
 

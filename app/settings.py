@@ -129,6 +129,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     if s.kv_cache not in KV_CACHE_CHOICES:
         raise SystemExit(f"--kv-cache / PERSONAPLEX_KV_CACHE must be one of {', '.join(KV_CACHE_CHOICES)}, "
                          f"got {s.kv_cache!r}")
+    if s.input_lead_ms < 0:
+        raise SystemExit(f"--input-lead-ms / PERSONAPLEX_INPUT_LEAD_MS must be >= 0, got {s.input_lead_ms:g}")
     if s.workers < 0:
         s.workers = default_workers()
     return s

@@ -74,10 +74,12 @@ class Close(msgspec.Struct, tag=True):
 
 
 class Frames(msgspec.Struct, tag=True):
-    """Input frames, one per listed session: float32 bytes of 1920 samples at 24 kHz."""
+    """Input frames, one per listed session: float32 bytes of 1920 samples at 24 kHz; `deadline` is the tick they
+    are meant for (time.monotonic(), 0 for input-clocked frames)."""
 
     sids: list[str]
     audio: list[bytes]
+    deadline: float = 0.0
 
 
 class StatsRequest(msgspec.Struct, tag=True):
@@ -124,6 +126,7 @@ class Tick(msgspec.Struct, tag=True):
     next_tick_at: float
     outputs: list[Output]
     counters: list[Counters]
+    late_frames: int = 0  # this worker's input frames that reached the engine after their tick, since the last Tick
 
 
 class Failed(msgspec.Struct, tag=True):
@@ -137,6 +140,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     pid: int
     sessions: int
     counters: dict[str, dict[str, int]]  # the worker's own metrics counters, as it last sent them
+    late_frames: int = 0  # input frames of this worker that reached the engine after their tick, in all
 
 
 class Stats(msgspec.Struct, tag=True):

@@ -4,9 +4,12 @@
 `max_sessions`) and gives `RemoteSlot`s with the `Slot` interface. Input crosses once per tick: shortly before each
 tick (`input_lead_s` ahead of the engine's deadline) one `Frames` message carries the next frame of every realtime
 session of this worker whose previous frame the engine has taken; a session that has none ready sends nothing and
-the engine counts an underrun, as it would in one process. Input-clocked sessions send as soon as frames are ready,
-up to `OFFLINE_CREDIT` ahead of the engine. Outputs arrive batched per tick and are handed to each slot's callback
-on this loop.
+the engine counts an underrun, as it would in one process. A frame that reaches the engine after its tick costs that
+tick silence and puts the session's input one frame behind (its jitter buffer keeps the frame it could not send
+until a silence drains it), so the lead adapts: the engine reports late frames with each tick, and the lead grows by
+LEAD_STEP_S at once on any and shrinks by a tenth of that after LEAD_CALM_TICKS ticks without one. Input-clocked
+sessions send as soon as frames are ready, up to `OFFLINE_CREDIT` ahead of the engine. Outputs arrive batched per
+tick and are handed to each slot's callback on this loop.
 
 If the engine process goes away, every session fails with `engine_stopped`, `running` turns false, and the client
 reconnects when an engine is back.
@@ -65,6 +68,9 @@ OFFLINE_CREDIT = 4      # input-clocked frames sent ahead of the engine's consum
 OFFLINE_POLL_S = 0.01   # how often input-clocked sources are checked for new frames
 TICK_S = 0.08
 STALLED_S = 2.0         # an engine whose last tick is older than this is down, whatever its process says
+LEAD_STEP_S = 0.002     # input lead growth on a late frame
+LEAD_MAX_S = 0.040
+LEAD_CALM_TICKS = 250   # 20 s without a late frame: the lead may shrink (never below the configured one)
 ERRORS = {cls.code: cls for cls in (ResourceExhausted, InvalidSessionParams)}
 
 
@@ -145,7 +151,8 @@ class RemoteSlot:
     # ---- from the channel -------------------------------------------------------------------------------------
 
     def deliver(self, frame: FrameOutput) -> None:
-        if self.state == "live" and self._on_output is not None:
+        # A session's first frame may come before the answer to its start (the engine hands it out as it goes live).
+        if self.state in ("prefill", "live") and self._on_output is not None:
             self._on_output(frame)
 
     def fail(self, error: EngineError) -> None:
@@ -174,7 +181,8 @@ class RemoteEngine:
     def __init__(self, path: str, worker: int, input_lead_s: float = 0.008) -> None:
         self.path = path
         self.worker = worker
-        self.input_lead_s = input_lead_s
+        self.min_input_lead_s = self.input_lead_s = input_lead_s
+        self._calm_ticks = 0
         self.model: ModelInfo | None = None
         self.note = ""
         self.engine_pid = 0
@@ -356,9 +364,20 @@ class RemoteEngine:
                 slot.deliver(FrameOutput(index=out.index, audio=np.frombuffer(out.audio, dtype=np.float32),
                                          text=out.text, tokens=np.frombuffer(out.tokens, dtype=np.int64)))
         if tick.next_tick_at:
+            self._adapt_lead(tick.late_frames)
             self._schedule_pump(tick.next_tick_at)
         else:
             self._send_offline()
+
+    def _adapt_lead(self, late_frames: int) -> None:
+        if late_frames:
+            self.input_lead_s = min(self.input_lead_s + LEAD_STEP_S, LEAD_MAX_S)
+            self._calm_ticks = 0
+            return
+        self._calm_ticks += 1
+        if self._calm_ticks >= LEAD_CALM_TICKS:
+            self.input_lead_s = max(self.input_lead_s - LEAD_STEP_S / 10, self.min_input_lead_s)
+            self._calm_ticks = 0
 
     # ---- input ------------------------------------------------------------------------------------------------
 
@@ -385,7 +404,7 @@ class RemoteEngine:
                     sids.append(slot.id)
                     audio.append(data)
         if sids and self._writer is not None:
-            self._writer.write(encode(Frames(sids, audio)))
+            self._writer.write(encode(Frames(sids, audio, self._next_tick_at)))
         if self._writer is not None:
             self._schedule_pump(self._next_tick_at + TICK_S)
 

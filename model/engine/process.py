@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -103,6 +104,8 @@ class WorkerLink:
         self.sessions: dict[str, HostSession] = {}
         self.outbox: list[Output] = []  # engine thread only
         self.closed = False
+        self.late_frames = 0  # input frames that came after the tick they were meant for (in all)
+        self._late_reported = 0
 
     # ---- asyncio thread ---------------------------------------------------------------------------------------
 
@@ -140,6 +143,9 @@ class WorkerLink:
 
     def dispatch(self, message: object) -> None:
         if isinstance(message, Frames):
+            # The tick reads its inputs as it starts, at its deadline: frames that come later wait for the next.
+            if message.deadline and time.monotonic() > message.deadline:
+                self.late_frames += len(message.sids)
             sessions = self.sessions
             for sid, audio in zip(message.sids, message.audio):
                 session = sessions.get(sid)
@@ -229,8 +235,10 @@ class WorkerLink:
         """After a tick: this worker's outputs and its realtime sessions' counters, in one message."""
         outputs, self.outbox = self.outbox, []
         counters = [Counters(sid, *self._counts(s)) for sid, s in list(self.sessions.items()) if not s.offline]
+        total = self.late_frames
+        late, self._late_reported = total - self._late_reported, total
         if outputs or counters:
-            self.host.post(self, encode(Tick(next_tick_at, outputs, counters)))
+            self.host.post(self, encode(Tick(next_tick_at, outputs, counters, late)))
 
 
 class EngineHost:
@@ -272,7 +280,8 @@ class EngineHost:
 
     def stats_message(self) -> Stats:
         links = [link for link in list(self.links) if link.worker >= 0]
-        workers = {str(link.worker): WorkerInfo(link.pid, len(link.sessions), link.counters) for link in links}
+        workers = {str(link.worker): WorkerInfo(link.pid, len(link.sessions), link.counters, link.late_frames)
+                   for link in links}
         return Stats(engine=_stats_dict(self.engine), workers=workers, next_tick_at=self.engine.next_tick_at)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

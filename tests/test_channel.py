@@ -1,0 +1,95 @@
+"""The engine served over its channel (model/engine/process.py) to a worker's client (model/engine/client.py): a real
+engine on the tiny model, a real Unix socket, both ends on one event loop here (in the server they are processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from test_engine import GREEDY, Collector, QueueSource, speechlike, tiny_model  # noqa: F401 (fixture)
+
+from model.engine import Engine, EngineConfig, SessionParams
+from model.engine.client import LEAD_STEP_S, RemoteEngine
+from model.engine.process import EngineHost
+
+
+@pytest.fixture
+async def served(tiny_model, tmp_path) -> AsyncIterator[tuple[Engine, EngineHost, str]]:  # noqa: F811
+    engine = Engine(tiny_model, EngineConfig(max_sessions=2))
+    engine.start()
+    path = str(tmp_path / "engine.sock")
+    host = EngineHost(engine, tiny_model.info(), path)
+    started = asyncio.Event()
+    serving = asyncio.ensure_future(host.serve(started))
+    await started.wait()
+    yield engine, host, path
+    serving.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+    engine.stop()
+
+
+async def connect(path: str, lead_s: float = 0.008) -> tuple[RemoteEngine, asyncio.Task]:
+    client = RemoteEngine(path, worker=0, input_lead_s=lead_s)
+    task = asyncio.ensure_future(client.run())
+    assert await client.wait_connected(10.0)
+    return client, task
+
+
+async def test_a_session_over_the_channel_gives_the_tokens_of_one_in_the_engine(served):
+    engine, _, path = served
+    params = SessionParams(voice="NATF2", persona="You are kind.", sampling=GREEDY, pacing="input")
+    frames = speechlike(8, 4)
+    local, local_out = engine.reserve(), Collector()
+    await local.start(params, QueueSource(frames), local_out.on_output, local_out.on_error)
+    await local_out.wait_for(8)
+    local.close()
+    client, task = await connect(path)
+    try:
+        remote, remote_out = await client.reserve_wait(0.0), Collector()
+        await remote.start(params, QueueSource(frames), remote_out.on_output, remote_out.on_error)
+        await remote_out.wait_for(8)
+        assert [o.index for o in remote_out.outputs[:8]] == list(range(8))
+        for mine, theirs in zip(local_out.outputs[:8], remote_out.outputs[:8]):
+            assert np.array_equal(mine.tokens, theirs.tokens) and mine.text == theirs.text
+            assert np.array_equal(mine.audio, theirs.audio)
+        assert remote.stats().frames_in == 7  # the first frame comes with the start, the others take one each
+        remote.close()
+        deadline = time.monotonic() + 5
+        while engine.sessions_in_use():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+
+
+async def test_input_that_misses_its_tick_is_counted_and_the_lead_grows(served):
+    """A worker whose frames land after their tick (here: sent 6 ms after each deadline) hears of it with the
+    next tick and sends earlier, until its frames make their ticks again."""
+    _, host, path = served
+    client, task = await connect(path, lead_s=-0.006)
+    try:
+        slot, out = await client.reserve_wait(0.0), Collector()
+        source = QueueSource()
+        await slot.start(SessionParams(sampling=GREEDY), source, out.on_output, out.on_error)
+        link = next(iter(host.links))
+        deadline = time.monotonic() + 20
+        while link.late_frames == 0 or client.input_lead_s < 0.002:
+            assert time.monotonic() < deadline, (link.late_frames, client.input_lead_s)
+            for frame in speechlike(2, 1):  # the client has audio for every tick
+                source.push(frame)
+            await asyncio.sleep(0.08)
+        assert client.input_lead_s >= -0.006 + 4 * LEAD_STEP_S
+        late = link.late_frames
+        for _ in range(12):
+            source.push(speechlike(1, 2)[0])
+            await asyncio.sleep(0.08)
+        assert link.late_frames <= late + 2  # with a lead of a few ms its frames make their ticks
+        assert not out.errors
+        slot.close()
+    finally:
+        task.cancel()
