@@ -3,8 +3,8 @@
 The fork is not a dependency: point `--fork` at its `moshi/` folder (the one holding the `moshi` package) and
 `--fork-deps` at a folder with its pure-Python pins installed there with `--no-deps` (sphn<0.2), e.g.
 
-    python3 -m pip install --no-deps --target /tmp/fork-deps "sphn==0.1.12"
-    python3 -m bench.reference_fidelity --fork /tmp/personaplex/moshi --fork-deps /tmp/fork-deps
+    python3 -m pip install --no-deps --target DEPS "sphn==0.1.12"
+    python3 -m bench.reference_fidelity --fork FORK/moshi --fork-deps DEPS
 
 Both run greedy on the CPU in float32 on one tiny checkpoint in the official layout, from the same wav files.
 The fork runs in a subprocess with these patches only: its hard-coded 7B shapes become the tiny ones, its LM
