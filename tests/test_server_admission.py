@@ -6,6 +6,7 @@ import asyncio
 import re
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from server_support import b64, closed_with, encode, expect_error, next_event, until, wait_in_use
 
 from model.config import MIMI_NAME
+from model.engine import FrameOutput, SessionParams
 
 REALTIME = "/v1/realtime?duplex=1"
 
@@ -345,3 +347,42 @@ async def test_a_failing_step_reaches_the_client_and_the_server_stays_up(start_s
         assert server.ctx.engine.running and health["status"] == "ok", health
         metrics = await (await http.get(f"{server.url}/metrics")).text()
         assert 'personaplex_engine_errors_total{cause="non_finite_output"} 2' in metrics
+
+
+class BlockingSource:
+    """A frame source that blocks the engine's tick (a stuck read) until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def read_frame(self) -> np.ndarray | None:
+        self.release.wait(10.0)
+        return None
+
+    def frames_ready(self) -> int:
+        return 1
+
+
+async def test_an_engine_that_stops_ticking_is_not_ready_realtime(server):
+    """A tick stuck for over ENGINE_STALLED_S (2 s) makes /health 503 with ready false, and ready again once it
+    ticks: a balancer stops sending calls to a server whose engine hangs, not only to one whose thread died."""
+    engine = server.ctx.engine
+    slot, source = engine.reserve(), BlockingSource()
+    sink: list[FrameOutput] = []
+    await slot.start(SessionParams(), source, sink.append, lambda error: None)
+    async with aiohttp.ClientSession() as http:
+        stuck_at = time.monotonic()
+        while True:
+            async with http.get(server.url + "/health") as r:
+                health = await r.json()
+            if not health["ready"]:
+                assert r.status == 503 and health["status"] == "engine_down", health
+                break
+            assert time.monotonic() - stuck_at < 8.0, health
+            await asyncio.sleep(0.1)
+        source.release.set()
+        slot.close()
+        deadline = time.monotonic() + 10
+        while not (await (await http.get(server.url + "/health")).json())["ready"]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)

@@ -70,6 +70,11 @@ class FrameSource(Protocol):
     def frames_ready(self) -> int: ...
 
 
+# An engine whose last tick is older than this is not running, whatever its thread or process says (a tick stuck
+# in a step, a source that blocks): health checks report it down.
+ENGINE_STALLED_S = 2.0
+
+
 @dataclass
 class EngineConfig:
     max_sessions: int = 4
@@ -136,7 +141,7 @@ class EngineStats:
     # one ran.
     open_step_ms: dict[str, float]
     prompt_copies_in_flight: int  # cached prompts copied while a tick ran on the device
-    last_tick_at: float  # time.monotonic() of the last realtime tick's end (0.0 before the first): stalls show here
+    last_tick_at: float  # time.monotonic() of the last tick's end (start() before the first; 0.0 before that)
     # Recent session starts (quantiles over the last 500): from the start's request to the session live, and to its
     # first frame handed out. What a burst of opens costs the callers, as the engine sees it.
     start_ms: dict[str, float] = field(default_factory=dict)

@@ -38,6 +38,7 @@ from model.engine import (
     SessionParams,
     SlotStats,
 )
+from model.engine.api import ENGINE_STALLED_S
 from model.engine.channel import (
     Close,
     Failed,
@@ -67,7 +68,6 @@ log = logging.getLogger(__name__)
 OFFLINE_CREDIT = 4      # input-clocked frames sent ahead of the engine's consumption
 OFFLINE_POLL_S = 0.01   # how often input-clocked sources are checked for new frames
 TICK_S = 0.08
-STALLED_S = 2.0         # an engine whose last tick is older than this is down, whatever its process says
 LEAD_STEP_S = 0.002     # input lead growth on a late frame
 LEAD_MAX_S = 0.040
 LEAD_CALM_TICKS = 250   # 20 s without a late frame: the lead may shrink (never below the configured one)
@@ -208,7 +208,7 @@ class RemoteEngine:
         if self._writer is None or self._stats is None:
             return False
         last = self._stats.get("last_tick_at") or 0.0  # 0: the engine thread started, its first tick is due
-        return last == 0.0 or time.monotonic() - last < STALLED_S
+        return last == 0.0 or time.monotonic() - last < ENGINE_STALLED_S
 
     @property
     def max_sessions(self) -> int:

@@ -34,6 +34,7 @@ import torch
 from model.batch_step import bucket
 from model.config import FRAME_SAMPLES
 from model.engine.api import (
+    ENGINE_STALLED_S,
     EngineConfig,
     EngineError,
     EngineStats,
@@ -117,8 +118,11 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        """Whether the tick thread is up (for health checks)."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the tick thread is up and ticking (for health checks): a tick stuck for ENGINE_STALLED_S counts
+        as down."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        return time.monotonic() - self.counters.last_tick_at < ENGINE_STALLED_S
 
     @property
     def next_tick_at(self) -> float:
@@ -154,6 +158,7 @@ class Engine:
         _collector_owned(True)
         self._running = True
         self.scheduler.start_clock()
+        self.counters.last_tick_at = time.monotonic()  # a first tick that never ends is a stall too
         self._thread = threading.Thread(target=self._loop, name="engine-tick", daemon=True)
         self._thread.start()
 
