@@ -146,3 +146,14 @@ class EngineStats:
     # first frame handed out. What a burst of opens costs the callers, as the engine sees it.
     start_ms: dict[str, float] = field(default_factory=dict)
     first_frame_ms: dict[str, float] = field(default_factory=dict)
+
+
+def check_params(params: SessionParams, max_top_k_text: int, max_top_k_audio: int) -> None:
+    """Raise InvalidSessionParams for sampling or pacing a session could not run with (its voice is the engine's
+    to check: only the engine's process can load it)."""
+    try:
+        params.sampling.validate(max_top_k_text, max_top_k_audio)
+    except ValueError as exc:
+        raise InvalidSessionParams(str(exc)) from exc
+    if params.pacing not in ("realtime", "input"):
+        raise InvalidSessionParams(f"pacing must be 'realtime' or 'input', got {params.pacing!r}")

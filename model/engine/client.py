@@ -38,7 +38,7 @@ from model.engine import (
     SessionParams,
     SlotStats,
 )
-from model.engine.api import ENGINE_STALLED_S
+from model.engine.api import ENGINE_STALLED_S, check_params
 from model.engine.channel import (
     Close,
     Failed,
@@ -232,12 +232,7 @@ class RemoteEngine:
         return self.stats()
 
     def validate(self, params: SessionParams) -> None:
-        try:
-            params.sampling.validate(MAX_TOP_K_TEXT, MAX_TOP_K_AUDIO)
-        except ValueError as exc:
-            raise InvalidSessionParams(str(exc)) from exc
-        if params.pacing not in ("realtime", "input"):
-            raise InvalidSessionParams(f"pacing must be 'realtime' or 'input', got {params.pacing!r}")
+        check_params(params, MAX_TOP_K_TEXT, MAX_TOP_K_AUDIO)
 
     async def reserve_wait(self, timeout_s: float) -> RemoteSlot:
         reply = await self.request(Reserve(self.next_req(), timeout_s))

@@ -44,6 +44,7 @@ from model.engine.api import (
     SessionFailed,
     SessionParams,
     TickRecord,
+    check_params,
 )
 from model.engine.prompt_cache import PromptCache
 from model.engine.runner import RowOutputs, Runner
@@ -194,12 +195,7 @@ class Engine:
 
     def validate(self, params: SessionParams) -> None:
         """Raise InvalidSessionParams for anything the session could not run with."""
-        try:
-            params.sampling.validate(MAX_TOP_K_TEXT, MAX_TOP_K_AUDIO)
-        except ValueError as exc:
-            raise InvalidSessionParams(str(exc)) from exc
-        if params.pacing not in ("realtime", "input"):
-            raise InvalidSessionParams(f"pacing must be 'realtime' or 'input', got {params.pacing!r}")
+        check_params(params, MAX_TOP_K_TEXT, MAX_TOP_K_AUDIO)
         if params.voice is not None:
             try:
                 self.model.resolve_voice(params.voice)
