@@ -9,9 +9,11 @@ second), and whichever worker serves `/metrics` renders the sum: its own counter
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from app.loop_lag import LoopLag
 
 _QUANTILES = {"p50": "0.5", "p99": "0.99", "max": "1"}
 _KEY_JOIN = "\t"  # joins a rejection's route and code into one key of a snapshot
@@ -52,6 +54,7 @@ class Metrics:
         self.connections: Counter[str] = Counter()               # route, open sockets now
         self.closed_totals: Counter[str] = Counter()             # frames_in/frames_out/underruns of closed sessions
         self.live: set[CountedConversation] = set()
+        self.loop_lag = LoopLag()
 
     def conversation_opened(self, conv: CountedConversation) -> None:
         self.live.add(conv)
@@ -71,13 +74,17 @@ class Metrics:
         """These counters as plain dicts, to cross to other processes (`render(..., others=[...])`)."""
         return {"admissions": dict(self.admissions), "errors": dict(self.errors),
                 "connections": dict(self.connections), "frames": dict(self.frame_totals()),
+                "loop_lag_ms": self.loop_lag.quantiles(),
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
-    def render(self, engine_stats: Any | None, others: Iterable[dict[str, dict[str, int]]] = ()) -> str:
+    def render(self, engine_stats: Any | None, others: Mapping[str, dict[str, dict[str, int]]] | None = None,
+               name: str = "main") -> str:
+        """The exposition; `others` are the other worker processes' snapshots by name, `name` is this process's."""
+        others = others or {}
         out: list[str] = []
         admissions, errors, connections = Counter(self.admissions), Counter(self.errors), Counter(self.connections)
         rejections, totals = Counter(self.rejections), self.frame_totals()
-        for other in others:
+        for other in others.values():
             admissions.update(other.get("admissions", {}))
             errors.update(other.get("errors", {}))
             connections.update(other.get("connections", {}))
@@ -105,6 +112,12 @@ class Metrics:
                [("", {}, totals["frames_out"])])
         family("personaplex_underruns_total", "counter", "Ticks where a conversation had no input and got silence.",
                [("", {}, totals["underruns"])])
+        lags = [("", {"process": name, "quantile": _QUANTILES[q]}, v) for q, v in self.loop_lag.quantiles().items()]
+        for other_name, other in sorted(others.items()):
+            lags += [("", {"process": other_name, "quantile": _QUANTILES[q]}, v)
+                     for q, v in other.get("loop_lag_ms", {}).items()]
+        family("personaplex_event_loop_lag_ms", "gauge",
+               "How late each door process's event loop woke, over the last minute.", lags)
         if engine_stats is not None:
             self._render_engine(family, engine_stats)
         return "\n".join(out) + "\n"

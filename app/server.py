@@ -103,6 +103,7 @@ def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
 
 async def _startup(app: web.Application) -> None:
     ctx = app[CONTEXT]
+    ctx.tasks.add(asyncio.ensure_future(ctx.metrics.loop_lag.run()))
     if isinstance(ctx.engine, RemoteEngine):  # a worker: the engine process has the model
         remote = ctx.engine
         remote.counters_source = ctx.metrics.snapshot
@@ -163,13 +164,14 @@ def processes(ctx: ServerContext) -> list[dict[str, object]]:
     """The server's processes: the engine's and every worker's in a multi-process server, else this one."""
     engine = ctx.engine
     if not isinstance(engine, RemoteEngine):
-        return [{"role": "main", "pid": os.getpid()}]
+        return [{"role": "main", "pid": os.getpid(), "loop_lag_ms": ctx.metrics.loop_lag.quantiles()}]
     found: list[dict[str, object]] = [{"role": "main", "pid": os.getppid()}]
     if engine.engine_pid:
         found.append({"role": "engine", "pid": engine.engine_pid})
     for number, worker in sorted(engine.workers.items(), key=lambda item: int(item[0])):
         found.append({"role": "worker", "worker": int(number), "pid": worker.pid, "sessions": worker.sessions,
-                      "input_late_frames": worker.late_frames, "this": worker.pid == os.getpid()})
+                      "input_late_frames": worker.late_frames, "loop_lag_ms": worker.counters.get("loop_lag_ms", {}),
+                      "this": worker.pid == os.getpid()})
     for entry in found:
         if entry.get("this"):
             entry["input_lead_ms"] = round(engine.input_lead_s * 1000.0, 1)
@@ -205,10 +207,11 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     stats = await _engine_stats(ctx)
-    others = []
+    others, name = {}, "main"
     if isinstance(ctx.engine, RemoteEngine):
-        others = [w.counters for w in ctx.engine.workers.values() if w.pid != os.getpid()]
-    return web.Response(text=ctx.metrics.render(stats, others), content_type="text/plain",
+        others = {f"worker-{n}": w.counters for n, w in ctx.engine.workers.items() if w.pid != os.getpid()}
+        name = f"worker-{ctx.engine.worker}"
+    return web.Response(text=ctx.metrics.render(stats, others, name), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
 
 

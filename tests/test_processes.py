@@ -122,6 +122,13 @@ async def test_two_workers_share_sessions_and_one_dying_frees_only_its_own(tiny_
             victim = max(_workers(report).values(), key=lambda w: w["sessions"])
             in_use, lost = report["sessions"]["in_use"], victim["sessions"]
             assert in_use == len(callers)
+            # Any worker serves the server's totals: its own counters and the others' (pushed twice a second).
+            await asyncio.sleep(1.2)
+            async with http.get(url + "/metrics", headers={"Connection": "close"}) as r:
+                text = await r.text()
+            assert f'personaplex_admissions_total{{route="/v1/duplex"}} {len(callers)}' in text, text[:2000]
+            assert all(f'personaplex_event_loop_lag_ms{{process="worker-{n}",quantile="0.99"}}' in text for n in (0, 1))
+            assert all("loop_lag_ms" in w for w in _workers(report).values())
             os.kill(victim["pid"], signal.SIGKILL)
             killed_at = time.monotonic()
             at_kill = {id(c): len(c.frames) for c in callers}

@@ -1,0 +1,36 @@
+"""How late this process's event loop runs what is due: the measure of a door process that is too busy.
+
+A task asks to wake every PERIOD_S and records how much later it woke. A worker whose loop lags by tens of ms sends
+its input frames late and its output in bursts, whatever the engine does; the lag's recent quantiles go to /metrics
+(`personaplex_event_loop_lag_ms`) and, per worker process, to /health's `processes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import numpy as np
+
+PERIOD_S = 0.05
+WINDOW = 1200  # the last minute of wake-ups
+
+
+class LoopLag:
+    def __init__(self) -> None:
+        self.lags_ms: deque[float] = deque(maxlen=WINDOW)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + PERIOD_S
+            await asyncio.sleep(PERIOD_S)
+            self.lags_ms.append(max(0.0, (loop.time() - due) * 1000.0))
+
+    def quantiles(self) -> dict[str, int]:
+        """p50, p99 and max over the window, in whole ms (they cross to other processes as integers)."""
+        if not self.lags_ms:
+            return {}
+        lags = np.fromiter(self.lags_ms, dtype=np.float64)
+        p50, p99 = np.percentile(lags, [50, 99])
+        return {"p50": round(float(p50)), "p99": round(float(p99)), "max": round(float(lags.max()))}
