@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from app.audio import InputDecoder, b64decode, b64encode
-from app.conversation import Backpressure
+from app.conversation import Backpressure, State
 from app.errors import ProtocolError
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, default_config, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, WsSession
@@ -126,9 +126,11 @@ class TwilioSession(WsSession):
         task.add_done_callback(self._started)
 
     def _started(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or self.closed:
+        if task.cancelled():
             return
-        e = task.exception()
+        e = task.exception()  # retrieved even when it no longer matters (asyncio logs one never retrieved)
+        if e is None or self.closed or self.conversation is None or self.conversation.state is State.CLOSED:
+            return  # a call closed while it started (the client went away): nobody to tell
         if isinstance(e, EngineError):
             self.send_error_nowait(ProtocolError(e.code if e.code in ("invalid_voice", "invalid_session_config")
                                                  else "runtime_failed", f"the call did not start: {e.message}"))

@@ -90,10 +90,7 @@ async def test_soak_churn_over_every_door_leaks_nothing(start_server):
     behaviours = {key.split("/")[1] for key in report["by_door_behaviour"]}
     assert doors == {"realtime", "webrtc", "twilio", "duplex"}, doors
     assert behaviours == {"normal", "vanish", "fast", "slow", "nonreader", "hostile"}, behaviours
-    # Issue 14 item 1 is open: 1000-deep nesting ends a session with internal_error (and a Twilio call whose start
-    # then fails counts runtime_failed to a client already gone). Tighten to [] once it is fixed.
-    open_defects = {"internal_error", "runtime_failed"}
-    assert set(report["unexplained_errors"]) <= open_defects, json.dumps(report["by_door_behaviour"])
+    assert report["unexplained_errors"] == [], json.dumps(report["by_door_behaviour"])
     (proc,) = report["processes"]
     assert proc["pid"] == os.getpid() and proc["fds"]["end"] <= proc["fds"]["start"] + 2, proc
     assert proc["rss_mb"]["end"] <= 1.1 * proc["rss_mb"]["warm"], proc
