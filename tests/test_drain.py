@@ -1,0 +1,168 @@
+"""Probes, the HAProxy agent-check answer, and the SIGTERM drain, on the real CLI over real sockets.
+
+`/health/live` answers while the process serves; `/health/ready` and the agent follow the free slots (`ready up N%`,
+`0%` when full), say `draining`/`drain` from the first SIGTERM on, when new sessions are refused with
+`server_draining` while live ones run on to their end; at the drain timeout the rest get `session.closed` and 1001;
+a second SIGTERM closes at once; the server exits 0. In one process and in the multi-process server (where the
+supervisor alone answers the agent port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import aiohttp
+import pytest
+from process_support import DuplexCaller, free_port, start_tiny, stop, wait_ready
+
+
+async def agent(port: int) -> str:
+    """One agent-check exchange, as HAProxy has it: connect, read the line, the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    line = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return line.decode()
+
+
+async def ready(http: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
+    async with http.get(url + "/health/ready", headers={"Connection": "close"}) as r:
+        return r.status, await r.json()
+
+
+async def until_status(http: aiohttp.ClientSession, url: str, status: str) -> dict:
+    deadline = time.monotonic() + 30
+    while True:
+        code, body = await ready(http, url)
+        if body["status"] == status:
+            return body
+        assert time.monotonic() < deadline, body
+        await asyncio.sleep(0.05)
+
+
+async def refused_while_draining(http: aiohttp.ClientSession, url: str) -> None:
+    """A new session is refused before the upgrade: HTTP 503, `server_draining`."""
+    async with http.get(url + "/v1/duplex", headers={"Connection": "close"}) as r:
+        assert r.status == 503
+        assert (await r.json())["error"]["code"] == "server_draining"
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+async def test_probes_and_agent_follow_free_slots(tiny_checkpoint, tmp_path, workers):
+    agent_port = free_port()
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", workers, "--max-sessions", "2",
+                                 "--agent-port", str(agent_port))
+    callers: list[DuplexCaller] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, url, workers=int(workers))
+            async with http.get(url + "/health/live") as r:
+                assert r.status == 200 and (await r.json()) == {"status": "live"}
+            assert await ready(http, url) == (200, {"ready": True, "status": "ready",
+                                                    "sessions": {"in_use": 0, "free": 2, "max": 2}})
+            assert await agent(agent_port) == "ready up 100%\n"
+            for expected in ("ready up 50%\n", "ready up 0%\n"):
+                callers.append(DuplexCaller(url))
+                await callers[-1].open()
+                assert await agent(agent_port) == expected
+            code, body = await ready(http, url)
+            assert code == 503 and body["status"] == "full" and body["sessions"]["free"] == 0
+            async with http.get(url + "/health/live") as r:   # full is not dead
+                assert r.status == 200
+            await callers.pop().close()
+            deadline = time.monotonic() + 10
+            while (line := await agent(agent_port)) != "ready up 50%\n":
+                assert time.monotonic() < deadline, line
+                await asyncio.sleep(0.05)
+    finally:
+        for caller in callers:
+            await caller.close()
+        out = await stop(proc)
+    assert proc.returncode == 0, out
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+async def test_sigterm_drains_live_sessions_to_their_end_and_refuses_new_ones(tiny_checkpoint, tmp_path, workers):
+    agent_port = free_port()
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", workers, "--max-sessions", "3",
+                                 "--agent-port", str(agent_port), "--drain-timeout-s", "60")
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, url, workers=int(workers))
+            caller = DuplexCaller(url)
+            await caller.open()
+            stream = asyncio.ensure_future(caller.stream(4.0))
+            while len(caller.frames) < 5:
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            at_term = len(caller.frames)
+            body = await until_status(http, url, "draining")
+            assert body["ready"] is False and body["sessions"]["in_use"] == 1
+            async with http.get(url + "/health/ready") as r:
+                assert r.status == 503
+            assert await agent(agent_port) == "drain\n"
+            await refused_while_draining(http, url)
+            async with http.get(url + "/health/live") as r:
+                assert r.status == 200
+            await stream            # the live session runs to its own end
+            assert not caller.ended and caller.error is None and caller.closed_event is None
+            assert len(caller.frames) > at_term + 10 and caller.gaps() == []
+            await caller.close()
+            out = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert "draining: no new sessions" in out and "drained" in out and "drain timeout" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+async def test_drain_timeout_closes_the_rest_cleanly(tiny_checkpoint, tmp_path, workers):
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", workers, "--max-sessions", "2",
+                                 "--drain-timeout-s", "2")
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, url, workers=int(workers))
+            caller = DuplexCaller(url)
+            await caller.open()
+            stream = asyncio.ensure_future(caller.stream(120.0))
+            proc.send_signal(signal.SIGTERM)
+            await until_status(http, url, "draining")
+            await asyncio.wait_for(stream, 60)   # ends when the server closes the session
+            out = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
+            await caller.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert caller.closed_event is not None and caller.closed_event["reason"] == "server_shutdown", caller.closed_event
+    assert caller.close_code == 1001 and caller.error is None
+    assert "drain timeout: closing 1 live sessions" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+async def test_a_second_sigterm_closes_at_once(tiny_checkpoint, tmp_path, workers):
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", workers, "--max-sessions", "2",
+                                 "--drain-timeout-s", "600")
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, url, workers=int(workers))
+            caller = DuplexCaller(url)
+            await caller.open()
+            stream = asyncio.ensure_future(caller.stream(600.0))
+            proc.send_signal(signal.SIGTERM)
+            await until_status(http, url, "draining")
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(stream, 60)   # far inside the 600 s drain: the second signal ended it
+            out = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
+            await caller.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert caller.closed_event is not None and caller.close_code == 1001
+    assert "second signal: closing at once" in out, out[-3000:]
