@@ -46,9 +46,10 @@ async def start_cli(*args: str) -> asyncio.subprocess.Process:
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
 
 
-async def start_tiny(tiny_checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
-    """`python -m app` on the tiny model and a free port; the process and its URL."""
-    port = free_port()
+async def start_tiny(tiny_checkpoint: Path, tmp_path: Path, *flags: str,
+                     port: int | None = None) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m app` on the tiny model and `port` (default: a free one); the process and its URL."""
+    port = port or free_port()
     cache = tiny_cache(tiny_checkpoint, tmp_path / "cache")
     proc = await start_cli("--model", "tiny", "--port", str(port), "--cache-dir", str(cache), *flags)
     return proc, f"http://127.0.0.1:{port}"
