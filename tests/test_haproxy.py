@@ -1,10 +1,11 @@
 """A fleet behind a real HAProxy running deploy/haproxy.cfg: two servers on the tiny model on loopback ports.
 
 One server runs in one process (`--workers 0`), the other as supervisor, engine and one worker (`--workers 1`);
-both answer HAProxy's agent check. Sessions spread over both; a full server gets no new session; SIGTERM on one
-lets its live sessions run to their end while new ones land on the other, and it exits 0; started again (a rolling
-upgrade), it takes sessions again; the other killed outright, its clients' sockets close and new sessions go to the
-survivor. Every session opened through HAProxy is admitted: none is refused while the fleet has a free slot.
+both answer HAProxy's agent check. A WebRTC call's follow-up requests reach the server holding the call; sessions
+spread over both; a full server gets no new session; SIGTERM on one lets its live sessions run to their end while
+new ones land on the other, and it exits 0; started again (a rolling upgrade), it takes sessions again; the other
+killed outright, its clients' sockets close and new sessions go to the survivor. Every session opened through
+HAProxy is admitted: none is refused while the fleet has a free slot.
 The drain's timeline is printed (`pytest -s`) and kept as the test's `drain_timeline` property.
 """
 
@@ -93,13 +94,15 @@ async def haproxy_servers(admin: Path) -> dict[str, dict[str, str]]:
 
 
 async def until_haproxy(admin: Path, name: str, status: str, weight: str | None = None) -> None:
+    """Until HAProxy shows the server in `status` with `weight` ("+": any above 0)."""
     deadline = time.monotonic() + 30
     while True:
         try:
             row = (await haproxy_servers(admin)).get(name, {})
         except OSError as e:   # HAProxy is still starting
             row = {"error": str(e)}
-        if row.get("status", "").startswith(status) and (weight is None or row.get("weight") == weight):
+        if row.get("status", "").startswith(status) and (weight is None or row.get("weight") == weight or (
+                weight == "+" and row.get("weight", "0") != "0")):
             return
         assert time.monotonic() < deadline, (name, status, weight, {k: row.get(k) for k in (
             "status", "weight", "check_status", "agent_status", "error")})
@@ -116,6 +119,30 @@ async def open_via(http: aiohttp.ClientSession, lb: str, fleet: list[Instance]) 
     landed = [i for i in fleet if after[i.name] == before[i.name] + 1]
     assert len(landed) == 1, (before, after)
     return caller, landed[0]
+
+
+async def check_call_routing(http: aiohttp.ClientSession, lb: str, fleet: list[Instance]) -> None:
+    aiortc = pytest.importorskip("aiortc")
+    pc = aiortc.RTCPeerConnection()
+    try:
+        pc.addTransceiver("audio", direction="sendrecv")
+        pc.createDataChannel("oai-events")
+        await pc.setLocalDescription(await pc.createOffer())
+        async with http.post(lb + "/v1/realtime/calls", data=pc.localDescription.sdp,
+                             headers={"Content-Type": "application/sdp"}) as r:
+            assert r.status == 201, await r.text()
+            location, served_by = r.headers["Location"], r.headers["X-Personaplex-Server"]
+        for _ in range(6):
+            async with http.get(lb + location, headers={"Connection": "close"}) as r:
+                assert r.status == 200 and r.headers["X-Personaplex-Server"] == served_by, await r.text()
+        async with http.delete(lb + location, headers={"Connection": "close"}) as r:
+            assert r.status == 204
+        deadline = time.monotonic() + 10
+        while sum([await i.in_use(http) for i in fleet]):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    finally:
+        await pc.close()
 
 
 async def test_a_fleet_behind_haproxy_spreads_fills_drains_and_survives_a_kill(tiny_checkpoint, tmp_path,
@@ -147,6 +174,11 @@ async def test_a_fleet_behind_haproxy_spreads_fills_drains_and_survives_a_kill(t
                 callers.append(caller)
                 streams.append(asyncio.ensure_future(caller.stream(seconds)))
 
+            # 0. A WebRTC call's follow-up requests reach the server that holds it (HAProxy's stick table on the
+            # call's Location), though least connections would send a fresh request to the other one.
+            await check_call_routing(http, lb, [a, b])
+            timeline.note("a WebRTC call's GET and DELETE all reached its server")
+
             # 1. Sessions spread over both.
             placed: dict[str, list[DuplexCaller]] = {a.name: [], b.name: []}
             for _ in range(4):
@@ -168,6 +200,8 @@ async def test_a_fleet_behind_haproxy_spreads_fills_drains_and_survives_a_kill(t
             keep(caller, 120.0)
             for caller in direct:
                 await caller.close()
+            await until_haproxy(admin, a.name, "UP", "+")     # the agent's next answer tells the freed slots
+            timeline.note("gpu1's direct sessions closed: HAProxy weight above 0 again")
 
             # 3. SIGTERM on gpu2: its live sessions run on to their end, new ones land on gpu1, it exits 0.
             draining = placed[b.name]
@@ -211,7 +245,8 @@ async def test_a_fleet_behind_haproxy_spreads_fills_drains_and_survives_a_kill(t
                 while not caller.ended:
                     assert time.monotonic() < deadline, "a killed server's client was left hanging"
                     await asyncio.sleep(0.05)
-            timeline.note("every gpu1 client saw its socket close")
+            codes = sorted({str(c.close_code) for c in placed[a.name]})
+            timeline.note(f"every gpu1 client saw its socket close (WebSocket close code {', '.join(codes)})")
             survivors = []
             for _ in range(2):
                 caller, where = await open_via(http, lb, [b])
