@@ -251,6 +251,7 @@ class Supervisor:
 
     def stop(self) -> None:
         """Workers first (each closes its sessions cleanly within the shutdown timeout), then the engine."""
+        started = time.monotonic()
         workers = [w for w in self.workers if w is not None and w.is_alive()]
         for worker in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -270,6 +271,7 @@ class Supervisor:
             self._agent.server_close()
         self._port_holder.close()
         shutil.rmtree(self._folder, ignore_errors=True)
+        logger.info("stopped in %.1f s", time.monotonic() - started)
 
 
 def run(settings: Settings) -> int:
