@@ -166,3 +166,38 @@ async def test_a_second_sigterm_closes_at_once(tiny_checkpoint, tmp_path, worker
     assert proc.returncode == 0, out[-3000:]
     assert caller.closed_event is not None and caller.close_code == 1001
     assert "second signal: closing at once" in out, out[-3000:]
+
+
+async def test_a_webrtc_call_is_told_on_its_data_channel_when_the_drain_ends(tiny_checkpoint, tmp_path, speech_24k):
+    pytest.importorskip("aiortc")
+    from webrtc_support import ensure_ice_host_address
+
+    from app.webrtc_client import CallRefused, RealtimeCall
+
+    ensure_ice_host_address()
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", "0", "--max-sessions", "2",
+                                 "--drain-timeout-s", "2")
+    call = RealtimeCall(url, speech_24k)
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, url)
+            await call.connect()
+            await call.wait_event("session.created")
+            proc.send_signal(signal.SIGTERM)
+            await until_status(http, url, "draining")
+            late = RealtimeCall(url, speech_24k)
+            with pytest.raises(CallRefused) as refused:
+                await late.connect()
+            await late.close()
+            assert refused.value.status == 503 and refused.value.error()["code"] == "server_draining"
+            assert not any(e["type"] == "session.closed" for e in call.events)   # the live call goes on
+            closed = await call.wait_event("session.closed", timeout_s=30)
+            assert closed["reason"] == "server_shutdown"
+            out = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
+    finally:
+        await call.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert "drain timeout: closing 1 live sessions" in out, out[-3000:]
