@@ -118,35 +118,12 @@ async def test_sigterm_drains_live_sessions_to_their_end_and_refuses_new_ones(ti
     assert "draining: no new sessions" in out and "drained" in out and "drain timeout" not in out, out[-3000:]
 
 
-@pytest.mark.parametrize("workers", ["0", "1"])
-async def test_drain_timeout_closes_the_rest_cleanly(tiny_checkpoint, tmp_path, workers):
+async def _live_session_closed_by_the_server(tiny_checkpoint, tmp_path, workers: str, drain_s: str,
+                                             second_sigterm: bool) -> tuple[DuplexCaller, int, str]:
+    """A session that would stream for ten minutes, SIGTERM (twice if asked): the caller once the server closed
+    it, and the server's exit status and log."""
     proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", workers, "--max-sessions", "2",
-                                 "--drain-timeout-s", "2")
-    try:
-        async with aiohttp.ClientSession() as http:
-            await wait_ready(http, url, workers=int(workers))
-            caller = DuplexCaller(url)
-            await caller.open()
-            stream = asyncio.ensure_future(caller.stream(120.0))
-            proc.send_signal(signal.SIGTERM)
-            await until_status(http, url, "draining")
-            await asyncio.wait_for(stream, 60)   # ends when the server closes the session
-            out = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
-            await caller.close()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, out[-3000:]
-    assert caller.closed_event is not None and caller.closed_event["reason"] == "server_shutdown", caller.closed_event
-    assert caller.close_code == 1001 and caller.error is None
-    assert "drain timeout: closing 1 live sessions" in out, out[-3000:]
-
-
-@pytest.mark.parametrize("workers", ["0", "1"])
-async def test_a_second_sigterm_closes_at_once(tiny_checkpoint, tmp_path, workers):
-    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", workers, "--max-sessions", "2",
-                                 "--drain-timeout-s", "600")
+                                 "--drain-timeout-s", drain_s)
     try:
         async with aiohttp.ClientSession() as http:
             await wait_ready(http, url, workers=int(workers))
@@ -155,16 +132,35 @@ async def test_a_second_sigterm_closes_at_once(tiny_checkpoint, tmp_path, worker
             stream = asyncio.ensure_future(caller.stream(600.0))
             proc.send_signal(signal.SIGTERM)
             await until_status(http, url, "draining")
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(stream, 60)   # far inside the 600 s drain: the second signal ended it
+            if second_sigterm:
+                proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(stream, 60)   # ends when the server closes the session
             out = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
             await caller.close()
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    assert proc.returncode == 0, out[-3000:]
-    assert caller.closed_event is not None and caller.close_code == 1001
+    assert proc.returncode is not None
+    return caller, proc.returncode, out
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+async def test_drain_timeout_closes_the_rest_cleanly(tiny_checkpoint, tmp_path, workers):
+    caller, code, out = await _live_session_closed_by_the_server(tiny_checkpoint, tmp_path, workers, "2", False)
+    assert code == 0, out[-3000:]
+    assert caller.closed_event is not None and caller.closed_event["reason"] == "server_shutdown", caller.closed_event
+    assert caller.close_code == 1001 and caller.error is None
+    assert "drain timeout: closing 1 live sessions" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+async def test_a_second_sigterm_closes_at_once(tiny_checkpoint, tmp_path, workers):
+    # 600 s of drain: the session's end within the 60 s wait is the second signal's doing.
+    caller, code, out = await _live_session_closed_by_the_server(tiny_checkpoint, tmp_path, workers, "600", True)
+    assert code == 0, out[-3000:]
+    assert caller.closed_event is not None and caller.closed_event["reason"] == "server_shutdown"
+    assert caller.close_code == 1001
     assert "second signal: closing at once" in out, out[-3000:]
 
 
