@@ -4,18 +4,22 @@
 `0%` when full), say `draining`/`drain` from the first SIGTERM on, when new sessions are refused with
 `server_draining` while live ones run on to their end; at the drain timeout the rest get `session.closed` and 1001;
 a second SIGTERM closes at once; the server exits 0. In one process and in the multi-process server (where the
-supervisor alone answers the agent port).
+supervisor alone answers the agent port). With its engine process dead the server is live but not ready, and the
+agent says `down` until the engine is back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
 import aiohttp
 import pytest
 from process_support import DuplexCaller, free_port, start_tiny, stop, wait_ready
+
+from app.probes import agent_answer, readiness
 
 
 async def agent(port: int) -> str:
@@ -197,3 +201,40 @@ async def test_a_webrtc_call_is_told_on_its_data_channel_when_the_drain_ends(tin
             await proc.wait()
     assert proc.returncode == 0, out[-3000:]
     assert "drain timeout: closing 1 live sessions" in out, out[-3000:]
+
+
+async def test_no_engine_means_not_ready_and_agent_down_until_it_is_back(tiny_checkpoint, tmp_path):
+    agent_port = free_port()
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", "1", "--max-sessions", "2",
+                                 "--agent-port", str(agent_port))
+    try:
+        async with aiohttp.ClientSession() as http:
+            report = await wait_ready(http, url, workers=1)
+            engine = next(p for p in report["processes"] if p["role"] == "engine")
+            os.kill(engine["pid"], signal.SIGKILL)
+            body = await until_status(http, url, "engine_down")
+            assert body["ready"] is False
+            async with http.get(url + "/health/ready") as r:
+                assert r.status == 503
+            async with http.get(url + "/health/live") as r:     # the server itself is alive
+                assert r.status == 200
+            seen = set()
+            deadline = time.monotonic() + 90
+            while (line := await agent(agent_port)) != "ready up 100%\n":   # down, then back once restarted
+                seen.add(line)
+                assert time.monotonic() < deadline, seen
+                await asyncio.sleep(0.05)
+            assert seen <= {"down#engine_down\n", "down#starting\n", "down#no_answer\n"}, seen
+            assert "down#engine_down\n" in seen
+    finally:
+        out = await stop(proc)
+    assert proc.returncode == 0, out
+
+
+def test_agent_answers_for_each_readiness():
+    assert agent_answer(readiness("ready", 1, 3)) == "ready up 66%\n"
+    assert agent_answer(readiness("ready", 143, 144)) == "ready up 1%\n"   # one slot free still counts
+    assert agent_answer(readiness("ready", 3, 3)) == "ready up 0%\n"       # full
+    assert agent_answer(readiness("draining", 1, 3)) == "drain\n"
+    assert agent_answer(readiness("engine_down")) == "down#engine_down\n"
+    assert agent_answer(None) == "down#no_answer\n"
