@@ -1,7 +1,9 @@
 """`python -m app` / `personaplex-server`: parse flags and `PERSONAPLEX_*` variables, then serve until a signal.
 
 With `--workers N` (N > 0; the default comes from the core count) the server runs as processes (app/processes.py):
-one engine process and N workers sharing the port. `--workers 0` runs everything in this process.
+one engine process and N workers sharing the port. `--workers 0` runs everything in this process. Either way the
+first SIGTERM drains (no new sessions, live ones run up to `--drain-timeout-s`), then every session is closed
+(`session.closed`, 1001) and the server exits 0; a second SIGTERM, or SIGINT, closes at once.
 """
 
 from __future__ import annotations
@@ -12,23 +14,39 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from app.settings import Settings, parse_settings
+
+if TYPE_CHECKING:
+    from app.context import ServerContext
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 async def _run(settings: Settings) -> None:
-    from app.server import serve
+    """One process: the first SIGTERM drains (app/server.py `drain`), a second one or SIGINT closes at once."""
+    from app.server import drain, serve
 
-    main = asyncio.current_task()
-    assert main is not None
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    term, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_term() -> None:
+        (hurry if term.is_set() else term).set()
+
+    for sig, handler in ((signal.SIGTERM, on_term), (signal.SIGINT, hurry.set)):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, main.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await serve(settings)
+            loop.add_signal_handler(sig, handler)
+
+    async def until_signalled(ctx: ServerContext) -> None:
+        waits = [asyncio.ensure_future(term.wait()), asyncio.ensure_future(hurry.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        if not hurry.is_set():
+            await drain(ctx, hurry)
+
+    await serve(settings, until=until_signalled)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -45,11 +45,12 @@ class ServerContext:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     addresses: AddressLimit = field(default_factory=AddressLimit)   # open connections per client address
     shutting_down: bool = False
+    draining: bool = False                    # SIGTERM: live sessions go on, new ones are refused
     _info: ModelInfo | None = None
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.running and not self.shutting_down
+        return self.engine is not None and self.engine.running and not self.shutting_down and not self.draining
 
     @property
     def model_info(self) -> ModelInfo | None:

@@ -17,6 +17,7 @@ RATE = "rate_limit_error"
 SERVER = "server_error"
 MAX_MESSAGE_CHARS = 300
 MAX_ECHO_CHARS = 64
+DRAINING_MESSAGE = "this server is draining for a restart and takes no new session; connect again"
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ CODES: dict[str, ErrorCode] = {
         ErrorCode("session_not_created", INVALID, "An event that needs a session before `session.create`."),
         ErrorCode("session_already_created", INVALID, "A second `session.create` on one socket."),
         ErrorCode("resource_exhausted", RATE, "Every conversation slot is taken; the socket closes with 1013."),
+        ErrorCode("server_draining", RATE, "The server is draining for a restart and takes no new session (HTTP "
+                  "503 before the upgrade, else this error and close 1013); connect again: a balancer sends you to "
+                  "another instance."),
         ErrorCode("input_backpressure", RATE, "Audio arrives faster than it is consumed; the append was dropped."),
         ErrorCode("rate_limited", RATE, "Too many events per second; the event was dropped (sustained: close 1008)."),
         ErrorCode("output_backpressure", RATE, "The client does not read its output (more than the output bound "

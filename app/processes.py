@@ -6,28 +6,39 @@ starts the engine process (model, engine, and the channel's Unix socket, model/e
 each holds its own sockets, WebRTC peers, codecs, jitter buffers and playout, and reaches the engine through
 model/engine/client.py). Then it watches them: a worker that dies is started again (its sessions' slots were freed
 by the engine when its channel closed); an engine process that dies is reported by every worker's /health, its
-sessions end with `engine_stopped`, and it is started again. SIGTERM or SIGINT stops the workers first (each tells
-its clients `session.closed` and closes them), then the engine.
+sessions end with `engine_stopped`, and it is started again.
+The first SIGTERM drains: every worker stops admitting (a flag they watch), the supervisor waits until the engine
+holds no session, up to `--drain-timeout-s`, restarting no worker meanwhile. Then, or on a second SIGTERM or on
+SIGINT, it stops the workers first (each tells its clients `session.closed` and closes them within the shutdown
+timeout), then the engine. The supervisor alone listens on `--agent-port` (app/probes.py): it answers `drain`
+while draining, else from a worker's `/health/ready` on the shared port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
 import socket
+import socketserver
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import deque
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
+from typing import Any
 
+from app.probes import agent_answer
 from app.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -35,6 +46,7 @@ logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
 MAX_RESTARTS = 5          # of one process within RESTART_WINDOW_S, before the server gives up
 RESTART_WINDOW_S = 30.0
+DRAIN_POLL_S = 0.2        # how often a draining supervisor asks whether sessions are left
 
 
 def port_socket(host: str, port: int, listen: bool) -> socket.socket:
@@ -85,17 +97,30 @@ def engine_main(settings: Settings, path: str) -> None:
         engine.stop()
 
 
-def worker_main(settings: Settings, path: str, worker: int) -> None:
-    """A worker process: an aiohttp server on its own socket of the shared port, the engine over the channel."""
+def worker_main(settings: Settings, path: str, worker: int, drain: ProcessEvent) -> None:
+    """A worker process: an aiohttp server on its own socket of the shared port, the engine over the channel; it
+    stops admitting once the supervisor sets `drain`."""
     _child_setup(settings, f"worker {worker}")
     from app.server import serve
 
     sock = port_socket(settings.host, settings.port, listen=True)
 
+    async def drain_when_told(ctx: Any) -> None:
+        while not drain.is_set():
+            await asyncio.sleep(0.05)
+        ctx.draining = True
+        await asyncio.Event().wait()
+
     async def main() -> None:
-        await _until_sigterm(asyncio.ensure_future(serve(settings, sock=sock, engine_path=path, worker=worker)))
+        await _until_sigterm(asyncio.ensure_future(serve(settings, sock=sock, engine_path=path, worker=worker,
+                                                         until=drain_when_told)))
 
     asyncio.run(main())
+
+
+def _loopback(host: str) -> str:
+    """Where the supervisor reaches its own port."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
 
 
 class Supervisor:
@@ -112,6 +137,9 @@ class Supervisor:
         self.workers: list[BaseProcess | None] = [None] * settings.workers
         self._restarts: dict[str, deque[float]] = {}
         self.stopping = threading.Event()
+        self.draining = threading.Event()
+        self._drain = self._mp.Event()          # the workers' copy of `draining`
+        self._agent: socketserver.ThreadingTCPServer | None = None
 
     def _start_engine(self) -> None:
         self.engine = self._mp.Process(target=engine_main, args=(self.settings, self.path),
@@ -119,7 +147,7 @@ class Supervisor:
         self.engine.start()
 
     def _start_worker(self, n: int) -> None:
-        worker = self._mp.Process(target=worker_main, args=(self.settings, self.path, n),
+        worker = self._mp.Process(target=worker_main, args=(self.settings, self.path, n, self._drain),
                                   name=f"personaplex-worker-{n}", daemon=False)
         worker.start()
         self.workers[n] = worker
@@ -138,10 +166,50 @@ class Supervisor:
             self._start_worker(n)
         logger.info("listening on http://%s:%d (%d worker processes, engine process %d)", self.settings.host,
                     self.port, len(self.workers), self.engine.pid if self.engine else 0)
+        if self.settings.agent_port:
+            self._start_agent()
+
+    def signal(self, sig: int) -> None:
+        """SIGTERM: drain, and a second one stops at once; SIGINT stops at once."""
+        if sig == signal.SIGTERM and not self.draining.is_set():
+            self.draining.set()
+        else:
+            self.stopping.set()
+
+    def ready_report(self) -> dict[str, Any] | None:
+        """A worker's `/health/ready` body (whichever worker the kernel picks), or None when none answers."""
+        url = f"http://{_loopback(self.settings.host)}:{self.port}/health/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as refused:   # 503: not ready, and the body says why
+            with contextlib.suppress(ValueError):
+                return json.loads(refused.read())
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def _start_agent(self) -> None:
+        supervisor = self
+
+        class Answer(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                line = "drain\n" if supervisor.draining.is_set() else agent_answer(supervisor.ready_report())
+                with contextlib.suppress(OSError):
+                    self.request.sendall(line.encode())
+
+        family = socket.getaddrinfo(self.settings.host, self.settings.agent_port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("AgentServer", (socketserver.ThreadingTCPServer,), {
+            "address_family": family, "allow_reuse_address": True, "daemon_threads": True})
+        self._agent = server_class((self.settings.host, self.settings.agent_port), Answer)
+        threading.Thread(target=self._agent.serve_forever, name="agent-check", daemon=True).start()
+        logger.info("agent-check on %s:%d", self.settings.host, self.settings.agent_port)
 
     def watch(self) -> int:
-        """Until stopped: restart what dies. Returns the exit status."""
+        """Until stopped or drained: restart what dies. Returns the exit status."""
         while not self.stopping.wait(0.1):
+            if self.draining.is_set():
+                return self._drain_sessions()
             if self.engine is not None and not self.engine.is_alive():
                 logger.error("the engine process exited (%s); its sessions ended; starting it again",
                              self.engine.exitcode)
@@ -159,8 +227,31 @@ class Supervisor:
                     self._start_worker(n)
         return 0
 
+    def _drain_sessions(self) -> int:
+        """Tell the workers to admit no more, then wait for the engine's sessions to end (or the drain timeout, or
+        a second signal). A worker that dies meanwhile is not started again: its sessions are gone."""
+        self._drain.set()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        live = self._live_sessions()
+        logger.info("draining: no new sessions; %s live may run up to %g s", live, self.settings.drain_timeout_s)
+        while live != 0 and not self.stopping.wait(DRAIN_POLL_S):
+            if time.monotonic() >= deadline:
+                logger.info("drain timeout: closing %s live sessions", live)
+                return 0
+            live = self._live_sessions()
+        logger.info("drained" if live == 0 else "second signal: closing at once")
+        return 0
+
+    def _live_sessions(self) -> int | None:
+        """Sessions the engine holds now; 0 when no engine or worker is alive; None when unknown."""
+        if self.engine is None or not self.engine.is_alive() or not any(w and w.is_alive() for w in self.workers):
+            return 0
+        report = self.ready_report()
+        return report["sessions"]["in_use"] if report else None
+
     def stop(self) -> None:
         """Workers first (each closes its sessions cleanly within the shutdown timeout), then the engine."""
+        started = time.monotonic()
         workers = [w for w in self.workers if w is not None and w.is_alive()]
         for worker in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -175,15 +266,19 @@ class Supervisor:
             self.engine.join(15.0)
             if self.engine.is_alive():
                 self.engine.kill()
+        if self._agent is not None:
+            self._agent.shutdown()
+            self._agent.server_close()
         self._port_holder.close()
         shutil.rmtree(self._folder, ignore_errors=True)
+        logger.info("stopped in %.1f s", time.monotonic() - started)
 
 
 def run(settings: Settings) -> int:
     """Serve with `settings.workers` worker processes until SIGTERM or SIGINT; the exit status."""
     supervisor = Supervisor(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: supervisor.stopping.set())
+        signal.signal(sig, lambda received, _frame: supervisor.signal(received))
     supervisor.start()
     try:
         return supervisor.watch()

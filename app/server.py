@@ -3,7 +3,8 @@
 `create_app(settings)` builds the app; startup loads the model (in a worker thread) and starts the engine, shutdown
 tells every open session `session.closed` and closes it with 1001, cleanup stops the engine.
 
-Routes: `GET /health`, `GET /metrics`, `GET /v1/models`, `GET /v1/voices`, `WS /v1/realtime` (`?duplex=1`),
+Routes: `GET /health`, `GET /health/live`, `GET /health/ready` (probes for a balancer, app/probes.py),
+`GET /metrics`, `GET /v1/models`, `GET /v1/voices`, `WS /v1/realtime` (`?duplex=1`),
 `WS /v1/duplex`, `WS /v1/twilio`; `app.webrtc.setup_webrtc(app)` adds the WebRTC routes when that module exists
 (it finds the shared `ServerContext` at `app[CONTEXT]`).
 """
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from app.auth import RedactingAccessLogger, key_ok
 from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
 from app.errors import http_error_body
+from app.probes import DRAINING, READY, readiness, serve_agent
 from app.realtime import capabilities, realtime_handler
 from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
 from app.twilio import twilio_handler
@@ -182,11 +185,12 @@ async def health(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     s = await _engine_stats(ctx)
     if s is None:
-        status = "shutting_down" if ctx.shutting_down else (
+        status = "shutting_down" if ctx.shutting_down else DRAINING if ctx.draining else (
             "engine_down" if isinstance(ctx.engine, RemoteEngine) and ctx.engine.connects else "starting")
         return _json({"status": status, "ready": False, "processes": processes(ctx)}, status=503)
     ready = ctx.ready
-    status = "shutting_down" if ctx.shutting_down else ("ok" if ready else "engine_down")
+    status = "shutting_down" if ctx.shutting_down else DRAINING if ctx.draining else (
+        "ok" if ready else "engine_down")
     info = ctx.model_info
     return _json({
         "status": status,
@@ -202,6 +206,53 @@ async def health(request: web.Request) -> web.Response:
         "session_start_ms": {"live": s.start_ms, "first_frame": s.first_frame_ms},
         "processes": processes(ctx),
     }, status=200 if ready else 503)
+
+
+async def live(request: web.Request) -> web.Response:
+    """The process serves HTTP (a liveness probe: nothing else is asked, so a busy engine never fails it)."""
+    return _json({"status": "live"})
+
+
+async def ready_report(ctx: ServerContext) -> dict[str, object]:
+    """`/health/ready`'s body: whether this instance can take a new session now, and its slots."""
+    stats = await _engine_stats(ctx)
+    if ctx.shutting_down:
+        status = "shutting_down"
+    elif ctx.draining:
+        status = DRAINING
+    elif stats is None:
+        status = "engine_down" if isinstance(ctx.engine, RemoteEngine) and ctx.engine.connects else "starting"
+    elif not ctx.ready:
+        status = "engine_down"
+    else:
+        status = READY
+    return readiness(status, stats.sessions_in_use if stats else 0, stats.max_sessions if stats else 0)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 while a new session would be admitted; 503 when full, draining, shutting down, or no engine is up."""
+    body = await ready_report(request.app[CONTEXT])
+    return _json(body, status=200 if body["ready"] else 503)
+
+
+async def drain(ctx: ServerContext, hurry: asyncio.Event) -> None:
+    """Stop admitting at once, then let the live sessions run to their end, for up to the drain timeout or until
+    `hurry` is set (a second SIGTERM). The final close (session.closed, 1001) follows at the app's shutdown."""
+    ctx.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ctx.settings.drain_timeout_s
+    stats = await _engine_stats(ctx)
+    logger.info("draining: no new sessions; %d live may run up to %g s", stats.sessions_in_use if stats else 0,
+                ctx.settings.drain_timeout_s)
+    while stats is not None and stats.sessions_in_use > 0 and not hurry.is_set():
+        left = deadline - loop.time()
+        if left <= 0:
+            logger.info("drain timeout: closing %d live sessions", stats.sessions_in_use)
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(hurry.wait(), min(0.1, left))
+        stats = await _engine_stats(ctx)
+    logger.info("drained" if not hurry.is_set() else "second signal: closing at once")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -251,6 +302,8 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
     app[CONTEXT] = ServerContext(settings=settings, model=model, engine=engine,
                                  model_note=f"model given by the caller: {model.source}" if model else "")
     app.router.add_get("/health", health)
+    app.router.add_get("/health/live", live)
+    app.router.add_get("/health/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/voices", voices)
@@ -267,9 +320,10 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
 
 
 async def serve(settings: Settings, *, sock: socket.socket | None = None, engine_path: str | None = None,
-                worker: int = 0) -> None:
-    """Run until cancelled (SIGINT/SIGTERM through `python -m app`). In one process by default; a worker process
-    gets the listening socket it shares with the other workers and the engine process's channel."""
+                worker: int = 0, until: Callable[[ServerContext], Awaitable[None]] | None = None) -> None:
+    """Run until `until(ctx)` returns (by default: until cancelled), then close every session and stop. In one
+    process by default (with the agent-check port, when set); a worker process gets the listening socket it
+    shares with the other workers and the engine process's channel."""
     engine = RemoteEngine(engine_path, worker, settings.input_lead_ms / 1000.0) if engine_path else None
     app = create_app(settings, engine=engine)
     runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s,
@@ -280,13 +334,19 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None, engine
     if engine is not None:  # where the other workers forward requests for this one's calls (app/worker_routing.py)
         await web.UnixSite(runner, worker_socket(Path(engine.path).parent, worker)).start()
     ctx = app[CONTEXT]
+    agent = None
+    if engine is None and settings.agent_port:
+        agent = await serve_agent(settings.host, settings.agent_port, lambda: ready_report(ctx))
+        logger.info("agent-check on %s:%d", settings.host, settings.agent_port)
     if engine is None:
         for bound in site._server.sockets if site._server else ():  # type: ignore[union-attr]
             host, port = bound.getsockname()[:2]
             logger.info("listening on http://%s:%d (%s; %d sessions)", host, port, ctx.model_id,
                         settings.max_sessions)
     try:
-        await asyncio.Event().wait()
+        await (until(ctx) if until is not None else asyncio.Event().wait())
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
+        if agent is not None:
+            agent.close()

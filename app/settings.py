@@ -47,6 +47,8 @@ class Settings:
     max_input_backlog_s: float = 30.0     # input-paced sessions: audio queued ahead of the engine before backpressure
     max_output_backlog_s: float = 20.0    # output queued for a client that does not read before the socket closes
     shutdown_timeout_s: float = 5.0
+    drain_timeout_s: float = 30.0         # SIGTERM: live sessions may run this long before the final close
+    agent_port: int = 0                   # HAProxy agent-check port (capacity, drain, down); 0: off
     workers: int = -1                     # network processes beside the engine process; 0: all in one process;
                                           # -1: from the core count (default_workers)
     input_lead_ms: float = 8.0            # workers send each tick's input this long before the engine's deadline
@@ -100,7 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-realtime-backlog-s", type=float)
     p.add_argument("--max-input-backlog-s", type=float)
     p.add_argument("--max-output-backlog-s", type=float)
-    p.add_argument("--shutdown-timeout-s", type=float)
+    p.add_argument("--shutdown-timeout-s", type=float,
+                   help=f"the final close: how long open sessions get for session.closed and the close handshake "
+                        f"(default {d.shutdown_timeout_s:g})")
+    p.add_argument("--drain-timeout-s", type=float,
+                   help=f"on SIGTERM stop admitting and let live sessions run this long before the final close; a "
+                        f"second SIGTERM closes at once (default {d.drain_timeout_s:g})")
+    p.add_argument("--agent-port", type=int,
+                   help="TCP port answering HAProxy's agent-check with the free-slot weight, drain or down "
+                        "(default: off)")
     p.add_argument("--workers", type=int,
                    help="worker processes for the network and media work, sharing the port, beside one engine process "
                         "that owns the GPU; 0 runs everything in one process (default: half the cores, 1 to 16)")
@@ -131,6 +141,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
                          f"got {s.kv_cache!r}")
     if s.input_lead_ms < 0:
         raise SystemExit(f"--input-lead-ms / PERSONAPLEX_INPUT_LEAD_MS must be >= 0, got {s.input_lead_ms:g}")
+    if s.drain_timeout_s < 0:
+        raise SystemExit(f"--drain-timeout-s / PERSONAPLEX_DRAIN_TIMEOUT_S must be >= 0, got {s.drain_timeout_s:g}")
     if s.workers < 0:
         s.workers = default_workers()
     return s

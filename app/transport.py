@@ -32,7 +32,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from app.auth import refusal, response_subprotocols, too_many_connections
 from app.context import CONTEXT, ServerContext
 from app.conversation import Conversation, InputPolicy
-from app.errors import ProtocolError, error_event, new_event_id
+from app.errors import DRAINING_MESSAGE, ProtocolError, error_event, http_error_body, new_event_id
 from app.wire import WireError, dumps, parse_object
 from model.engine import EngineError, ResourceExhausted, Slot
 
@@ -155,6 +155,9 @@ class WsSession:
             self.ctx.addresses.release(address)
 
     async def _serve(self) -> web.StreamResponse:
+        if self.ctx.draining:
+            self.ctx.metrics.rejections[(self.route, "server_draining")] += 1
+            return web.json_response(http_error_body("server_draining", DRAINING_MESSAGE), status=503)
         if not self.ctx.ready:
             return web.json_response({"error": {"type": "server_error", "code": "engine_stopped",
                                                 "message": "the server is starting or shutting down"}}, status=503)
@@ -282,6 +285,11 @@ class WsSession:
         """A slot, or None after telling the client `resource_exhausted` and closing with 1013."""
         engine = self.ctx.engine
         assert engine is not None
+        if self.ctx.draining:
+            self.ctx.metrics.rejections[(self.route, "server_draining")] += 1
+            await self.send_error(ProtocolError("server_draining", DRAINING_MESSAGE))
+            await self.close(CLOSE_TRY_LATER, "server_draining", send_closed=False)
+            return None
         try:
             slot = await engine.reserve_wait(self.settings.queue_timeout_s)
         except ResourceExhausted:

@@ -48,7 +48,7 @@ from app.audio import InputDecoder, OutputEncoder
 from app.auth import refusal, too_many_connections
 from app.context import CONTEXT
 from app.conversation import Conversation, State
-from app.errors import ProtocolError, http_error_body
+from app.errors import DRAINING_MESSAGE, ProtocolError, http_error_body
 from app.realtime import RealtimeSession
 from app.session_config import default_config
 from app.settings import Settings
@@ -527,6 +527,9 @@ async def create_call(request: web.Request) -> web.Response:
     if refused is not None:
         ctx.metrics.rejections[(CALLS_ROUTE, "unauthorized" if refused.status == 401 else "origin_not_allowed")] += 1
         return refused
+    if ctx.draining:
+        ctx.metrics.rejections[(CALLS_ROUTE, "server_draining")] += 1
+        return _error(503, "server_draining", DRAINING_MESSAGE)
     if not ctx.ready or ctx.engine is None:
         return _error(503, "engine_stopped", "the server is starting or shutting down")
     try:

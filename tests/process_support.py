@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
+from server_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +46,23 @@ async def start_cli(*args: str) -> asyncio.subprocess.Process:
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
 
 
+async def start_tiny(tiny_checkpoint: Path, tmp_path: Path, *flags: str,
+                     port: int | None = None) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m app` on the tiny model and `port` (default: a free one); the process and its URL."""
+    port = port or free_port()
+    cache = tiny_cache(tiny_checkpoint, tmp_path / "cache")
+    proc = await start_cli("--model", "tiny", "--port", str(port), "--cache-dir", str(cache), *flags)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def stop(proc: asyncio.subprocess.Process) -> str:
+    """SIGTERM (unless it has exited) and its whole output."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    return out.decode(errors="replace")
+
+
 async def health(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
     """/health on a fresh connection (so that each call may land on another worker), or None if refused."""
     try:
@@ -62,3 +84,63 @@ async def wait_ready(http: aiohttp.ClientSession, url: str, timeout_s: float = 9
             return last
         await asyncio.sleep(0.2)
     raise AssertionError(f"the server was not ready within {timeout_s} s: {last}")
+
+
+FRAME = 1920
+
+
+@dataclass
+class DuplexCaller:
+    """A realtime `/v1/duplex` session streaming a tone at the real-time pace, noting each output frame's index."""
+
+    url: str
+    frames: list[int] = field(default_factory=list)
+    error: dict | None = None
+    closed_event: dict | None = None
+    ended: bool = False
+    close_code: int | None = None
+    sent: int = 0
+
+    async def open(self) -> None:
+        # One connection each (new source port): the kernel may put it on either worker.
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        self.ws = await self.http.ws_connect(self.url.replace("http", "ws") + "/v1/duplex")
+        await self.ws.send_json({"type": "session.create", "session": {
+            "pacing": "realtime", "input": {"format": "pcm16", "rate": 24000},
+            "output": {"format": "pcm16", "rate": 24000}, "output_transport": "json"}})
+        await until(self.ws, "session.created", timeout=30)
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                self.ended, self.close_code = True, self.ws.close_code
+                return
+            event = msg.json()
+            if event["type"] == "response.output_audio.delta":
+                self.frames.append(event["frame"])
+            elif event["type"] == "error" and self.error is None:
+                self.error = event["error"]
+            elif event["type"] == "session.closed":
+                self.closed_event = event
+
+    async def stream(self, seconds: float) -> None:
+        tone = (0.2 * np.sin(2 * np.pi * 220 * np.arange(FRAME) / 24000) * 32767).astype("<i2").tobytes()
+        start = time.monotonic()
+        while time.monotonic() - start < seconds and not self.ended:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.ws.send_bytes(tone)
+            self.sent += 1
+            await asyncio.sleep(max(0.0, start + self.sent * 0.08 - time.monotonic()))
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.ws.close()
+        self.reader.cancel()
+        await self.http.close()
+
+    def gaps(self) -> list[int]:
+        """Frame indices missing between the first and the last received."""
+        got = set(self.frames)
+        return [i for i in range(min(got), max(got) + 1) if i not in got] if got else []

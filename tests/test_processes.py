@@ -9,86 +9,13 @@ routes answer from whichever worker a request lands on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 
 import aiohttp
-import numpy as np
 import pytest
-from process_support import free_port, health, start_cli, tiny_cache, wait_ready
-from server_support import until
-
-FRAME = 1920
-
-
-@dataclass
-class DuplexCaller:
-    """A realtime `/v1/duplex` session streaming a tone at the real-time pace, noting each output frame's index."""
-
-    url: str
-    frames: list[int] = field(default_factory=list)
-    error: dict | None = None
-    ended: bool = False
-    sent: int = 0
-
-    async def open(self) -> None:
-        # One connection each (new source port): the kernel may put it on either worker.
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-        self.ws = await self.http.ws_connect(self.url.replace("http", "ws") + "/v1/duplex")
-        await self.ws.send_json({"type": "session.create", "session": {
-            "pacing": "realtime", "input": {"format": "pcm16", "rate": 24000},
-            "output": {"format": "pcm16", "rate": 24000}, "output_transport": "json"}})
-        await until(self.ws, "session.created", timeout=30)
-        self.reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        while True:
-            msg = await self.ws.receive()
-            if msg.type is not aiohttp.WSMsgType.TEXT:
-                self.ended = True
-                return
-            event = msg.json()
-            if event["type"] == "response.output_audio.delta":
-                self.frames.append(event["frame"])
-            elif event["type"] == "error" and self.error is None:
-                self.error = event["error"]
-
-    async def stream(self, seconds: float) -> None:
-        tone = (0.2 * np.sin(2 * np.pi * 220 * np.arange(FRAME) / 24000) * 32767).astype("<i2").tobytes()
-        start = time.monotonic()
-        while time.monotonic() - start < seconds and not self.ended:
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await self.ws.send_bytes(tone)
-            self.sent += 1
-            await asyncio.sleep(max(0.0, start + self.sent * 0.08 - time.monotonic()))
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.ws.close()
-        self.reader.cancel()
-        await self.http.close()
-
-    def gaps(self) -> list[int]:
-        """Frame indices missing between the first and the last received."""
-        got = set(self.frames)
-        return [i for i in range(min(got), max(got) + 1) if i not in got] if got else []
-
-
-async def _server(tiny_checkpoint, tmp_path, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
-    port = free_port()
-    cache = tiny_cache(tiny_checkpoint, tmp_path / "cache")
-    proc = await start_cli("--model", "tiny", "--port", str(port), "--cache-dir", str(cache), *flags)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> str:
-    if proc.returncode is None:
-        proc.send_signal(signal.SIGTERM)
-    out, _ = await asyncio.wait_for(proc.communicate(), 30)
-    return out.decode(errors="replace")
+from process_support import DuplexCaller, health, start_tiny, stop, wait_ready
 
 
 def _workers(report: dict) -> dict[int, dict]:
@@ -109,7 +36,7 @@ async def _spread(http: aiohttp.ClientSession, url: str, max_sessions: int) -> l
 
 
 async def test_two_workers_share_sessions_and_one_dying_frees_only_its_own(tiny_checkpoint, tmp_path):
-    proc, url = await _server(tiny_checkpoint, tmp_path, "--workers", "2", "--max-sessions", "12")
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", "2", "--max-sessions", "12")
     try:
         async with aiohttp.ClientSession() as http:
             ready = await wait_ready(http, url, workers=2)
@@ -159,13 +86,13 @@ async def test_two_workers_share_sessions_and_one_dying_frees_only_its_own(tiny_
                 await asyncio.sleep(0.3)
                 report = await health(http, url) or {"processes": []}
     finally:
-        out = await _stop(proc)
+        out = await stop(proc)
     assert proc.returncode == 0, out
     assert "exited" in out and "starting it again" in out
 
 
 async def test_engine_process_dying_ends_sessions_cleanly_and_comes_back(tiny_checkpoint, tmp_path):
-    proc, url = await _server(tiny_checkpoint, tmp_path, "--workers", "1", "--max-sessions", "2")
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", "1", "--max-sessions", "2")
     try:
         async with aiohttp.ClientSession() as http:
             ready = await wait_ready(http, url)
@@ -192,14 +119,14 @@ async def test_engine_process_dying_ends_sessions_cleanly_and_comes_back(tiny_ch
             assert again.frames and again.error is None
             await again.close()
     finally:
-        out = await _stop(proc)
+        out = await stop(proc)
     assert proc.returncode == 0, out
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
 async def test_call_routes_answer_from_any_worker(tiny_checkpoint, tmp_path, method):
     aiortc = pytest.importorskip("aiortc")
-    proc, url = await _server(tiny_checkpoint, tmp_path, "--workers", "2", "--max-sessions", "2")
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", "2", "--max-sessions", "2")
     pc = aiortc.RTCPeerConnection()
     try:
         async with aiohttp.ClientSession() as http:
@@ -229,5 +156,5 @@ async def test_call_routes_answer_from_any_worker(tiny_checkpoint, tmp_path, met
                     await asyncio.sleep(0.05)
     finally:
         await pc.close()
-        out = await _stop(proc)
+        out = await stop(proc)
     assert proc.returncode == 0, out

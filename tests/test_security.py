@@ -168,7 +168,9 @@ async def test_sigterm_with_a_client_that_never_reads_exits_within_the_shutdown_
     """Real time: the exit is timed on the wall clock, with room for a loaded machine (the fault, a flush and a
     close handshake waited on a client that cannot take them, took 13 s for a 5 s timeout)."""
     timeout_s = 2.0
-    proc, url = await _start_cli(tiny_checkpoint, tmp_path, "--shutdown-timeout-s", str(timeout_s))
+    # No drain (tests/test_drain.py has it): the final close alone is timed here.
+    proc, url = await _start_cli(tiny_checkpoint, tmp_path, "--shutdown-timeout-s", str(timeout_s),
+                                 "--drain-timeout-s", "0")
     stalled = aiohttp.TCPConnector(socket_factory=_small_receive_buffer)
     try:
         async with aiohttp.ClientSession(connector=stalled) as http:
