@@ -97,6 +97,8 @@ class WsSession:
         self._address: str | None = None     # counted in ctx.addresses while the connection is open
         self._closing: tuple[int, str] | None = None  # (code, reason) once a close has begun
         self._closer: asyncio.Task[None] | None = None  # the flush and handshake of that close
+        self._reader: asyncio.Task[None] | None = None  # the read loop
+        self._close_caller: asyncio.Task[Any] | None = None  # the task that began the close
         self._bucket = TokenBucket(self.settings.max_events_per_s, 2 * self.settings.max_events_per_s)
         self._dropped = 0
         self._last_flood_error = 0.0
@@ -169,7 +171,13 @@ class WsSession:
         try:
             await self.on_open()
             if not self.closed:
-                await self._read_loop()
+                # Its own task, so that a close from elsewhere can stop it first (_stop_reader).
+                self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+                try:
+                    await self._reader
+                except asyncio.CancelledError:
+                    if self._closing is None:
+                        raise  # the handler itself was cancelled, not the reader by a close
         except Exception as e:
             logger.exception("%s: session failed", self.route)
             if not self.closed:
@@ -424,18 +432,32 @@ class WsSession:
         if self.conversation is not None:
             self.conversation.close()
         # The flush and the handshake run as one task, which the connection's handler waits for too.
+        self._close_caller = asyncio.current_task()
         self._closer = asyncio.get_running_loop().create_task(self._finish_close(code, reason))
-        await self._closer
+        await asyncio.shield(self._closer)
 
     async def _finish_close(self, code: int, reason: str) -> None:
         await self._stop_writer()
         await self._close_socket(code, reason)
+
+    async def _stop_reader(self) -> None:
+        """End the read loop unless it is the caller. aiohttp's close() beside a pending receive() skips the
+        client's half of the handshake and drops the connection at once; with the client's last messages unread
+        that is a reset, which can take the close frame with it (the client then sees 1006)."""
+        reader = self._reader
+        # Not when the read loop is the one closing: it waits for this close, not in a receive.
+        if reader is None or reader.done() or reader in (asyncio.current_task(), self._close_caller):
+            return
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reader
 
     async def _close_socket(self, code: int, reason: str) -> None:
         """Send the close frame and wait for the client's, within bounds: a client that never reads would hold
         the handler forever, so past the bound the connection is dropped."""
         if self.ws.closed or not self.ws.prepared:  # a WebRTC call has no socket of its own
             return
+        await self._stop_reader()
         try:
             await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()[:120]), self._close_wait_s)
         except asyncio.TimeoutError:
