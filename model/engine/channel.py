@@ -16,6 +16,8 @@ import struct
 
 import msgspec
 
+from model.engine.api import EngineStats, SessionParams
+
 HEADER = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 256 << 20  # a tick of 256 sessions is ~2 MB; anything near this is a broken peer
 
@@ -28,22 +30,6 @@ class ModelInfo(msgspec.Struct, frozen=True):
     random_weights: bool
     voices: list[str]
     default_voice: str | None
-
-
-class Sampling(msgspec.Struct, frozen=True):
-    greedy: bool
-    temp_text: float
-    topk_text: int
-    temp_audio: float
-    topk_audio: int
-    seed: int | None
-
-
-class Params(msgspec.Struct, frozen=True):
-    voice: str | None
-    persona: str
-    sampling: Sampling
-    pacing: str
 
 
 # ---- worker -> engine -------------------------------------------------------------------------------------------
@@ -61,7 +47,7 @@ class Reserve(msgspec.Struct, tag=True):
 class Start(msgspec.Struct, tag=True):
     req: int
     sid: str
-    params: Params
+    params: SessionParams  # the engine's own dataclasses cross as they are
 
 
 class Restart(msgspec.Struct, tag=True):
@@ -146,7 +132,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
 class Stats(msgspec.Struct, tag=True):
     """The engine's stats and every connected worker's: pushed to every worker twice a second."""
 
-    engine: dict
+    engine: EngineStats
     workers: dict[str, WorkerInfo]  # by worker number
     next_tick_at: float
 

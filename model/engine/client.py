@@ -23,7 +23,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,16 +40,15 @@ from model.engine import (
 from model.engine.api import ENGINE_STALLED_S, check_params
 from model.engine.channel import (
     Close,
+    Counters,
     Failed,
     Frames,
     Hello,
     MessageReader,
     ModelInfo,
-    Params,
     Reply,
     Reserve,
     Restart,
-    Sampling,
     Start,
     Stats,
     StatsRequest,
@@ -74,31 +72,11 @@ LEAD_CALM_TICKS = 250   # 20 s without a late frame: the lead may shrink (never 
 ERRORS = {cls.code: cls for cls in (ResourceExhausted, InvalidSessionParams)}
 
 
-def channel_params(params: SessionParams) -> Params:
-    s = params.sampling
-    return Params(voice=params.voice, persona=params.persona, pacing=params.pacing,
-                  sampling=Sampling(greedy=s.greedy, temp_text=s.temp_text, topk_text=s.topk_text,
-                                    temp_audio=s.temp_audio, topk_audio=s.topk_audio, seed=s.seed))
-
-
 def _error(reply: Reply) -> EngineError:
     if reply.code == SessionFailed.code:
         return SessionFailed(reply.message, reply.cause or "step")
     cls = ERRORS.get(reply.code)
     return cls(reply.message) if cls is not None else EngineError(reply.message, reply.code, reply.cause or None)
-
-
-def engine_stats(data: dict) -> EngineStats:
-    data = dict(data)
-    data["tick_ms_buckets"] = [(float(le), int(n)) for le, n in data["tick_ms_buckets"]]
-    return EngineStats(**data)
-
-
-@dataclass
-class _Counters:
-    frames_in: int = 0
-    frames_out: int = 0
-    underruns: int = 0
 
 
 class RemoteSlot:
@@ -112,7 +90,7 @@ class RemoteSlot:
         self.source: FrameSource | None = None
         self.offline = False
         self.sent = 0
-        self.counters = _Counters()
+        self.counters = Counters(sid, 0, 0, 0)
         self._on_output: Callable[[FrameOutput], None] | None = None
         self._on_error: Callable[[EngineError], None] | None = None
 
@@ -125,7 +103,7 @@ class RemoteSlot:
         self.offline = params.pacing == "input"
         self.state = "prefill"
         try:
-            await self._engine.request(Start(self._engine.next_req(), self.id, channel_params(params)))
+            await self._engine.request(Start(self._engine.next_req(), self.id, params))
         except BaseException:
             if self.state == "prefill":
                 self.state = "reserved"
@@ -189,8 +167,7 @@ class RemoteEngine:
         self._max_sessions = 0
         self._connected = asyncio.Event()
         self._writer: asyncio.StreamWriter | None = None
-        self._stats: dict | None = None
-        self._stats_at = 0.0
+        self._stats: EngineStats | None = None
         self.workers: dict[str, WorkerInfo] = {}
         self._slots: dict[str, RemoteSlot] = {}
         self._pending: dict[int, asyncio.Future[Reply]] = {}
@@ -207,8 +184,7 @@ class RemoteEngine:
         """Connected, and the engine ticked lately (a stuck engine process counts as down)."""
         if self._writer is None or self._stats is None:
             return False
-        last = self._stats.get("last_tick_at") or 0.0  # 0: the engine thread started, its first tick is due
-        return last == 0.0 or time.monotonic() - last < ENGINE_STALLED_S
+        return time.monotonic() - self._stats.last_tick_at < ENGINE_STALLED_S
 
     @property
     def max_sessions(self) -> int:
@@ -222,7 +198,7 @@ class RemoteEngine:
     def stats(self) -> EngineStats:
         if self._stats is None:
             raise EngineError("the engine process is not connected", "engine_stopped")
-        return engine_stats(self._stats)
+        return self._stats
 
     async def fresh_stats(self) -> EngineStats:
         """Stats asked of the engine now (health checks), not the last pushed ones."""
@@ -352,7 +328,7 @@ class RemoteEngine:
         for c in tick.counters:
             slot = slots.get(c.sid)
             if slot is not None:
-                slot.counters = _Counters(c.frames_in, c.frames_out, c.underruns)
+                slot.counters = c
         for out in tick.outputs:
             slot = slots.get(out.sid)
             if slot is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from model.engine import Engine, EngineError, FrameOutput, SessionParams, Slot
+from model.engine import Engine, EngineError, FrameOutput, Slot
 from model.engine.channel import (
     Close,
     Counters,
@@ -30,7 +30,6 @@ from model.engine.channel import (
     MessageReader,
     ModelInfo,
     Output,
-    Params,
     Reply,
     Reserve,
     Restart,
@@ -44,7 +43,6 @@ from model.engine.channel import (
     WorkerInfo,
     encode,
 )
-from model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +74,6 @@ class HostSession:
     link: WorkerLink
     source: ChannelSource = field(default_factory=ChannelSource)
     offline: bool = False
-
-
-def session_params(params: Params) -> SessionParams:
-    s = params.sampling
-    sampling = SamplingParams(greedy=s.greedy, temp_text=s.temp_text, topk_text=s.topk_text,
-                              temp_audio=s.temp_audio, topk_audio=s.topk_audio, seed=s.seed)
-    return SessionParams(voice=params.voice, persona=params.persona, sampling=sampling, pacing=params.pacing)
-
-
-def _stats_dict(engine: Engine) -> dict:
-    stats = vars(engine.stats()).copy()
-    stats["tick_ms_buckets"] = [[le, n] for le, n in stats["tick_ms_buckets"]]
-    return stats
 
 
 class WorkerLink:
@@ -184,7 +169,7 @@ class WorkerLink:
             return Reply(req=message.req, ok=True, sid=slot.id, index=slot.index)
         if isinstance(message, Start):
             session = self._session(message.sid)
-            params = session_params(message.params)
+            params = message.params
             session.offline = params.pacing == "input"
             await session.slot.start(params, session.source, self._output_callback(session),
                                      self._error_callback(session))
@@ -282,7 +267,7 @@ class EngineHost:
         links = [link for link in list(self.links) if link.worker >= 0]
         workers = {str(link.worker): WorkerInfo(link.pid, len(link.sessions), link.counters, link.late_frames)
                    for link in links}
-        return Stats(engine=_stats_dict(self.engine), workers=workers, next_tick_at=self.engine.next_tick_at)
+        return Stats(engine=self.engine.stats(), workers=workers, next_tick_at=self.engine.next_tick_at)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = WorkerLink(self, reader, writer)
