@@ -181,16 +181,26 @@ def processes(ctx: ServerContext) -> list[dict[str, object]]:
     return found
 
 
+def _status(ctx: ServerContext, stats: EngineStats | None) -> str:
+    """Why this instance may not take a new session (shutting_down, draining, engine_down, starting), else ready:
+    what /health and /health/ready both report."""
+    if ctx.shutting_down:
+        return "shutting_down"
+    if ctx.draining:
+        return DRAINING
+    if stats is None:
+        return "engine_down" if isinstance(ctx.engine, RemoteEngine) and ctx.engine.connects else "starting"
+    return READY if ctx.ready else "engine_down"
+
+
 async def health(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     s = await _engine_stats(ctx)
+    status = _status(ctx, s)
     if s is None:
-        status = "shutting_down" if ctx.shutting_down else DRAINING if ctx.draining else (
-            "engine_down" if isinstance(ctx.engine, RemoteEngine) and ctx.engine.connects else "starting")
         return _json({"status": status, "ready": False, "processes": processes(ctx)}, status=503)
     ready = ctx.ready
-    status = "shutting_down" if ctx.shutting_down else DRAINING if ctx.draining else (
-        "ok" if ready else "engine_down")
+    status = "ok" if status == READY else status
     info = ctx.model_info
     return _json({
         "status": status,
@@ -216,17 +226,7 @@ async def live(request: web.Request) -> web.Response:
 async def ready_report(ctx: ServerContext) -> dict[str, object]:
     """`/health/ready`'s body: whether this instance can take a new session now, and its slots."""
     stats = await _engine_stats(ctx)
-    if ctx.shutting_down:
-        status = "shutting_down"
-    elif ctx.draining:
-        status = DRAINING
-    elif stats is None:
-        status = "engine_down" if isinstance(ctx.engine, RemoteEngine) and ctx.engine.connects else "starting"
-    elif not ctx.ready:
-        status = "engine_down"
-    else:
-        status = READY
-    return readiness(status, stats.sessions_in_use if stats else 0, stats.max_sessions if stats else 0)
+    return readiness(_status(ctx, stats), stats.sessions_in_use if stats else 0, stats.max_sessions if stats else 0)
 
 
 async def ready(request: web.Request) -> web.Response:
