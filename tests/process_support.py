@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from multidict import CIMultiDictProxy
 from server_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,3 +145,15 @@ class DuplexCaller:
         """Frame indices missing between the first and the last received."""
         got = set(self.frames)
         return [i for i in range(min(got), max(got) + 1) if i not in got] if got else []
+
+
+async def open_call(http: aiohttp.ClientSession, base: str, pc: Any) -> CIMultiDictProxy[str]:
+    """Offer a call from aiortc peer `pc` as a browser does (audio sendrecv and the `oai-events` data channel) to
+    `POST /v1/realtime/calls`; the 201's headers."""
+    pc.addTransceiver("audio", direction="sendrecv")
+    pc.createDataChannel("oai-events")
+    await pc.setLocalDescription(await pc.createOffer())
+    async with http.post(base + "/v1/realtime/calls", data=pc.localDescription.sdp,
+                         headers={"Content-Type": "application/sdp"}) as r:
+        assert r.status == 201, await r.text()
+        return r.headers

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from process_support import ROOT, DuplexCaller, free_port, start_tiny, wait_ready
+from process_support import ROOT, DuplexCaller, free_port, open_call, start_tiny, wait_ready
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None,
                                 reason="the haproxy binary is not installed (Debian: apt-get install haproxy; "
@@ -126,13 +126,8 @@ async def check_call_routing(http: aiohttp.ClientSession, lb: str, fleet: list[I
     aiortc = pytest.importorskip("aiortc")
     pc = aiortc.RTCPeerConnection()
     try:
-        pc.addTransceiver("audio", direction="sendrecv")
-        pc.createDataChannel("oai-events")
-        await pc.setLocalDescription(await pc.createOffer())
-        async with http.post(lb + "/v1/realtime/calls", data=pc.localDescription.sdp,
-                             headers={"Content-Type": "application/sdp"}) as r:
-            assert r.status == 201, await r.text()
-            location, served_by = r.headers["Location"], r.headers["X-Personaplex-Server"]
+        headers = await open_call(http, lb, pc)
+        location, served_by = headers["Location"], headers["X-Personaplex-Server"]
         for _ in range(6):
             async with http.get(lb + location, headers={"Connection": "close"}) as r:
                 assert r.status == 200 and r.headers["X-Personaplex-Server"] == served_by, await r.text()

@@ -15,7 +15,7 @@ import time
 
 import aiohttp
 import pytest
-from process_support import DuplexCaller, health, start_tiny, stop, wait_ready
+from process_support import DuplexCaller, health, open_call, start_tiny, stop, wait_ready
 
 
 def _workers(report: dict) -> dict[int, dict]:
@@ -131,13 +131,7 @@ async def test_call_routes_answer_from_any_worker(tiny_checkpoint, tmp_path, met
     try:
         async with aiohttp.ClientSession() as http:
             await wait_ready(http, url, workers=2)
-            pc.addTransceiver("audio", direction="sendrecv")
-            pc.createDataChannel("oai-events")
-            await pc.setLocalDescription(await pc.createOffer())
-            async with http.post(url + "/v1/realtime/calls", data=pc.localDescription.sdp,
-                                 headers={"Content-Type": "application/sdp"}) as r:
-                assert r.status == 201, await r.text()
-                location = r.headers["Location"]
+            location = (await open_call(http, url, pc))["Location"]
             call_id = location.rsplit("/", 1)[1]
             assert call_id.startswith("rtc_w")
             # Fresh connections spread over both workers: every one must find the call.
