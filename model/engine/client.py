@@ -72,11 +72,12 @@ LEAD_CALM_TICKS = 250   # 20 s without a late frame: the lead may shrink (never 
 ERRORS = {cls.code: cls for cls in (ResourceExhausted, InvalidSessionParams)}
 
 
-def _error(reply: Reply) -> EngineError:
-    if reply.code == SessionFailed.code:
-        return SessionFailed(reply.message, reply.cause or "step")
-    cls = ERRORS.get(reply.code)
-    return cls(reply.message) if cls is not None else EngineError(reply.message, reply.code, reply.cause or None)
+def _error(code: str, message: str, cause: str) -> EngineError:
+    """The engine's error as it was raised there, from what crossed the channel."""
+    if code == SessionFailed.code:
+        return SessionFailed(message, cause or "step")
+    cls = ERRORS.get(code)
+    return cls(message) if cls is not None else EngineError(message, code, cause or None)
 
 
 class RemoteSlot:
@@ -233,7 +234,7 @@ class RemoteEngine:
         finally:
             self._pending.pop(message.req, None)
         if not reply.ok:
-            raise _error(reply)
+            raise _error(reply.code, reply.message, reply.cause)
         return reply
 
     def forget(self, slot: RemoteSlot, tell_engine: bool) -> None:
@@ -306,12 +307,8 @@ class RemoteEngine:
                 future.set_result(message)
         elif isinstance(message, Failed):
             slot = self._slots.get(message.sid)
-            if message.code == SessionFailed.code:
-                error: EngineError = SessionFailed(message.message, message.cause)
-            else:
-                error = EngineError(message.message, message.code, message.cause)
             if slot is not None:
-                slot.fail(error)
+                slot.fail(_error(message.code, message.message, message.cause))
         elif isinstance(message, Stats):
             self._take_stats(message)
             self._send_counters()
