@@ -27,6 +27,12 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   backlogs drain without cutting speech or shortening the timeline for loss.
   Hard: above `target + 160 ms` (two frames of headroom) the level is cut back to the target at once, the
   quietest windows first. A push beyond the 500 ms hard cap drops the oldest audio at once.
+- Continuous sound never offers silence (a talker who starts before the first frame, background noise above
+  -50 dBFS), so a backlog built while the session started would stay for the whole call. When the level has
+  been a window or more above the target for a second and a read finds no silence to cut, that read accelerates
+  instead (as a phone's jitter buffer does): one pitch-synchronous cut, 2.5 to 12.5 ms long, where the audio
+  after the cut best continues the audio before it, so voiced sound keeps its period across the crossfade. At
+  most one cut per 80 ms read, so speech runs at most ~15 % fast while the backlog drains.
 Input-clocked sessions (`realtime=False`, offline evaluation) read a frame as soon as one is complete, never
 drop, and refuse a push that would exceed the backlog bound with `BufferFull` (nothing is stored then).
 """
@@ -69,6 +75,9 @@ class JitterConfig:
     drop_window_ms: float = 10.0
     silence_dbfs: float = -50.0
     backlog_s: float = 30.0
+    accelerate_after_s: float | None = 1.0  # None: never accelerate (e.g. music, where tempo matters)
+    accelerate_min_ms: float = 2.5
+    accelerate_max_ms: float = 12.5
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,12 @@ class JitterBuffer:
         self._soft_drop = round(cfg.soft_drop_ms * per_ms)
         self._silence_energy = 10 ** (cfg.silence_dbfs / 10) * (self._window + self._fade)
         self._quiet_reads = max(1, round(cfg.quiet_period_s * cfg.sample_rate / self._frame))
+        self._accelerate_reads = (math.inf if cfg.accelerate_after_s is None
+                                  else max(1, math.ceil(cfg.accelerate_after_s * cfg.sample_rate / self._frame)))
+        self._accelerate_min = max(1, round(cfg.accelerate_min_ms * per_ms))
+        self._accelerate_max = round(cfg.accelerate_max_ms * per_ms)
+        if not self._accelerate_min <= self._accelerate_max <= round(cfg.min_margin_ms * per_ms) + self._window:
+            raise ValueError("accelerate cuts must fit in the excess that triggers them (min margin + a window)")
         ramp = np.sin(0.5 * np.pi * (np.arange(self._fade) + 0.5) / self._fade) ** 2
         self._fade_in = ramp.astype(np.float32)
         self._fade_out = (1.0 - ramp).astype(np.float32)
@@ -119,6 +134,7 @@ class JitterBuffer:
         self._ever_primed = False
         self._boost_ms = 0.0
         self._reads_since_underrun = 0
+        self._excess_reads = 0
         self._levels: deque[int] = deque(maxlen=cfg.level_window_reads)
         self._base: float | None = None  # smallest (arrival time - pts time of a packet's end) seen, drifting up
         self._last_arrival = 0.0
@@ -183,7 +199,7 @@ class JitterBuffer:
             if self._read is None:
                 return None
             level = self._end - self._read
-            drops: list[int] = []
+            cuts: list[tuple[int, int]] = []
             if self.realtime:
                 target = self._target()
                 if not self._primed:
@@ -194,21 +210,21 @@ class JitterBuffer:
                 elif level < self._frame:
                     self._underrun()
                     return None
-                data, have = self._plan_drops(level, target, drops)
+                data, have = self._plan_cuts(level, target, cuts)
             else:
                 if level < self._frame:
                     return None
                 data, have = self._copy(self._read, self._frame)
-            span = self._frame + len(drops) * self._window
+            span = self._frame + sum(b - a for a, b in cuts)
             keep = np.ones(span, dtype=bool)
-            for i in drops:
-                keep[i * self._window : (i + 1) * self._window] = False
+            for a, b in cuts:
+                keep[a:b] = False
             self._release(self._read, span)
             self._read += span
             self._dropped += span - self._frame
             self._concealed += int(np.count_nonzero(~have[:span] & keep))
             self._frames_out += 1
-        return self._splice(data[:span], drops)
+        return self._splice(data[:span], cuts)
 
     def frames_ready(self) -> int:
         """Whole frames `read_frame` would hand out now, without waiting for more audio."""
@@ -291,8 +307,8 @@ class JitterBuffer:
 
     # -- overrun (caller holds the lock) --
 
-    def _plan_drops(self, level: int, target: int, drops: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Pick the 10 ms windows (indices into the span read now) to cut; returns the span's data and mask."""
+    def _plan_cuts(self, level: int, target: int, cuts: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Pick the sample ranges of the span read now to cut (sorted, disjoint); returns the span's data and mask."""
         self._reads_since_underrun += 1
         if self._reads_since_underrun >= self._quiet_reads and self._boost_ms > 0.0:
             self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)
@@ -305,6 +321,7 @@ class JitterBuffer:
             budget = min(min(self._levels) - self._dropped - target, self._soft_drop)
         else:
             budget = 0
+        self._excess_reads = self._excess_reads + 1 if budget >= self._window else 0
         n = max(0, budget // self._window)
         data, have = self._copy(self._read, self._frame + n * self._window)
         if n == 0:
@@ -313,17 +330,44 @@ class JitterBuffer:
         # W/2 samples); window 0 is never cut, its crossfade region was already played.
         blocks = np.square(data, dtype=np.float64).reshape(-1, self._fade).sum(axis=1)
         energy = blocks[1:-2:2] + blocks[2:-1:2] + blocks[3::2]
+        windows: list[int] = []
         if hard:
-            drops.extend(sorted(int(i) + 1 for i in np.argsort(energy, kind="stable")[:n]))
+            windows = sorted(int(i) + 1 for i in np.argsort(energy, kind="stable")[:n])
         else:
             # Gently, cut only silence the client actually sent: concealed gaps keep the timeline.
             present = have.reshape(-1, self._fade).all(axis=1)
             whole = present[1:-2:2] & present[2:-1:2] & present[3::2]
             for i in np.flatnonzero((energy < self._silence_energy) & whole) + 1:
-                if len(drops) == n or i > self._frame // self._window + len(drops):
+                if len(windows) == n or i > self._frame // self._window + len(windows):
                     break
-                drops.append(int(i))
+                windows.append(int(i))
+            if not windows and self._excess_reads >= self._accelerate_reads:
+                data, have = self._copy(self._read, self._frame + self._accelerate_max)
+                if have.all():
+                    cuts.append(self._pitch_cut(data))
+                return data, have
+        for i in windows:
+            if cuts and cuts[-1][1] == i * self._window:
+                cuts[-1] = (cuts[-1][0], (i + 1) * self._window)   # adjacent windows form one cut
+            else:
+                cuts.append((i * self._window, (i + 1) * self._window))
         return data, have
+
+    def _pitch_cut(self, data: np.ndarray) -> tuple[int, int]:
+        """The cut [a, a + L) whose crossfade joins the most alike audio: the crossfade blends the `fade` samples
+        before `a` with the `fade` samples before `a + L`, so the best L is the one (near a pitch period, or a
+        multiple) where those two stretches correlate most. A few positions across the frame are tried."""
+        f, lo, hi = self._fade, self._accelerate_min, self._accelerate_max
+        best, cut = -np.inf, (f, f + lo)
+        for a in range(f, self._frame - f + 1, self._frame // 4):
+            before = data[a - f : a]
+            after = np.lib.stride_tricks.sliding_window_view(data[a - f + lo : a + hi], f)  # row j: L = lo + j
+            norms = np.sqrt(np.einsum("ij,ij->i", after, after) * float(before @ before)) + 1e-12
+            corr = (after @ before) / norms
+            j = int(np.argmax(corr))
+            if corr[j] > best:
+                best, cut = float(corr[j]), (a, a + lo + j)
+        return cut
 
     def _drop_oldest(self, new_read: int) -> None:
         assert self._read is not None
@@ -364,23 +408,17 @@ class JitterBuffer:
             self._data[ring] = 0.0
             self._have[ring] = False
 
-    def _splice(self, data: np.ndarray, drops: list[int]) -> np.ndarray:
-        """Cut the given windows out of `data`, crossfading across each cut."""
-        if not drops:
+    def _splice(self, data: np.ndarray, cuts: list[tuple[int, int]]) -> np.ndarray:
+        """Cut the given sample ranges out of `data`, crossfading across each cut."""
+        if not cuts:
             return data
-        w, f = self._window, self._fade
+        f = self._fade
         pieces = []
         kept_from = 0
-        run_start = drops[0]
-        for k, i in enumerate(drops):
-            if k + 1 < len(drops) and drops[k + 1] == i + 1:
-                continue  # adjacent windows form one cut
-            a, b = run_start * w, (i + 1) * w
+        for a, b in cuts:
             head = data[kept_from:a].copy()
             head[-f:] = head[-f:] * self._fade_out + data[b - f : b] * self._fade_in
             pieces.append(head)
             kept_from = b
-            if k + 1 < len(drops):
-                run_start = drops[k + 1]
         pieces.append(data[kept_from:])
         return np.concatenate(pieces)

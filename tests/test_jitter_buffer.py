@@ -60,6 +60,11 @@ def simulate(
     return run
 
 
+def without_acceleration() -> JitterBuffer:
+    """A buffer that never time-compresses sound, for tests that check every sample's place on the timeline."""
+    return JitterBuffer(config=JitterConfig(accelerate_after_s=None))
+
+
 def steady(n_packets: int, period: float = 0.02, delay: float = 0.001) -> list[tuple[float, int]]:
     return [(period * (i + 1) + delay, PACKET * i) for i in range(n_packets)]
 
@@ -76,8 +81,13 @@ def test_clean_arrivals_are_bit_exact_and_primed_once() -> None:
     assert first <= 2  # primed within ~120 ms of audio
     assert all(f is not None and f.dtype == np.float32 and f.shape == (FRAME,) for f in run.frames[first:])
     out = run.output
-    np.testing.assert_array_equal(out, sig[: out.size])
-    assert (s.underruns, s.late_drops, s.concealed_ms, s.overrun_drops_ms) == (0, 0, 0.0, 0.0)
+    # Bit-exact, but for what priming left above the target once the margin fell to its floor (primed at 160 ms,
+    # two 80 ms reads' worth; target 90): that excess is cut (the sound never pauses, so by acceleration).
+    np.testing.assert_array_equal(out[: RATE], sig[: RATE])
+    consumed = out.size + round(s.overrun_drops_ms * RATE / 1000)
+    np.testing.assert_array_equal(out[-5 * RATE :], sig[consumed - 5 * RATE : consumed])
+    assert 40.0 <= s.overrun_drops_ms <= 80.0
+    assert (s.underruns, s.late_drops, s.concealed_ms) == (0, 0, 0.0)
     assert s.pushed_ms == pytest.approx(10000.0)
     assert s.target_ms == pytest.approx(80 + 10)  # one frame + the 10 ms floor (measured jitter: one 2 ms bin)
     assert max(st.depth_ms for st in run.stats[first:]) <= 100  # bounded latency, no creep
@@ -87,7 +97,7 @@ def test_loss_bursts_are_concealed_without_shortening_the_timeline() -> None:
     sig = noise(RATE * 12, seed=1)
     lost = {100, 200, 201, 202, 300, 301, 302, 303, 304, 450}  # 1, 3, 5 and 1 consecutive 20 ms packets
     arrivals = [a for i, a in enumerate(steady(len(sig) // PACKET)) if i not in lost]
-    run = simulate(sig, arrivals, 11.0)
+    run = simulate(sig, arrivals, 11.0, buffer=without_acceleration())
     s = run.buffer.stats()
     expected = sig.copy()
     for i in lost:
@@ -108,7 +118,7 @@ def test_reordered_packets_land_in_place() -> None:
     for i in range(10, len(times) - 3, 7):  # swap neighbours, or move one packet 2-3 slots later
         j = i + int(rng.integers(1, 4))
         times[i], times[j] = times[j], times[i]
-    run = simulate(sig, [(t, pts) for t, (_, pts) in zip(times, arrivals)], 6.0)
+    run = simulate(sig, [(t, pts) for t, (_, pts) in zip(times, arrivals)], 6.0, buffer=without_acceleration())
     s = run.buffer.stats()
     out = run.output
     np.testing.assert_array_equal(out, sig[: out.size])
@@ -119,7 +129,7 @@ def test_packet_older_than_read_position_is_dropped_and_counted() -> None:
     sig = noise(RATE * 3, seed=3)
     arrivals = steady(len(sig) // PACKET)
     arrivals[50] = (arrivals[50][0] + 1.0, arrivals[50][1])  # arrives a second late: its slot was read already
-    run = simulate(sig, arrivals, 2.9)
+    run = simulate(sig, arrivals, 2.9, buffer=without_acceleration())
     s = run.buffer.stats()
     assert s.late_drops == 1
     assert s.concealed_ms == pytest.approx(20.0)
@@ -156,6 +166,33 @@ def test_stall_then_burst_recovers_latency_by_dropping_silence() -> None:
     consumed = run.output.size + round(s.overrun_drops_ms * RATE / 1000)
     np.testing.assert_array_equal(nonsilent(run.output), nonsilent(sig[:consumed]))
     assert (s.concealed_ms, s.late_drops) == (0.0, 0)
+
+
+def voiced(n: int) -> np.ndarray:
+    """A sustained vowel-like tone: harmonics on a wandering 140 Hz pitch, never silent."""
+    t = np.arange(n) / RATE
+    phase = 2 * np.pi * np.cumsum(140 * (1 + 0.1 * np.sin(2 * np.pi * 1.5 * t))) / RATE
+    return (sum(np.sin(k * phase) / k for k in range(1, 8)) * 0.2).astype(np.float32)
+
+
+def test_backlog_under_continuous_sound_drains_by_pitch_synchronous_cuts() -> None:
+    """250 ms arrive before the engine's first read (the session was starting) and the talker never pauses: the
+    backlog, below the hard cut, must still drain, and the cuts must not break the waveform."""
+    sig = voiced(RATE * 8)
+    arrivals = steady(len(sig) // PACKET - 5)
+    jb = JitterBuffer()
+    for t, pts in arrivals:
+        if t < 0.25:
+            jb.push(pts, sig[pts : pts + PACKET], now=t)
+    run = simulate(sig, arrivals, 7.0, buffer=jb, start=0.25)
+    s = run.buffer.stats()
+    assert run.stats[0].depth_ms + 80 > run.stats[0].target_ms + 100  # the backlog is there at first ...
+    settled = run.stats[int(4.0 / TICK) :]
+    assert all(st.depth_ms + 80 <= st.target_ms + 10 for st in settled)  # ... and gone within 4 s
+    assert s.overrun_drops_ms >= 100
+    assert (s.concealed_ms, s.late_drops, s.underruns) == (0.0, 0, 0)
+    # every crossfade joined alike audio: no step in the output larger than the signal's own
+    assert np.abs(np.diff(run.output)).max() <= 1.05 * np.abs(np.diff(sig)).max()
 
 
 @pytest.mark.parametrize("drift", [0.01, -0.01])
@@ -233,7 +270,7 @@ def test_long_pts_jump_is_spliced_out() -> None:
     jump = 2 * RATE  # two seconds of nothing, e.g. a muted sender: longer than the buffer can hold
     arrivals = steady(100) + [(4.02 + 0.02 * i, PACKET * (100 + i) + jump) for i in range(50)]
     shifted = np.concatenate([sig[: 100 * PACKET], np.zeros(jump, np.float32), sig[100 * PACKET :]])
-    run = simulate(shifted, arrivals, 5.0)
+    run = simulate(shifted, arrivals, 5.0, buffer=without_acceleration())
     s = run.buffer.stats()
     np.testing.assert_array_equal(run.output, sig[: run.output.size])  # nothing lost on either side
     assert (s.overrun_drops_ms, s.late_drops, s.concealed_ms) == (0.0, 0, 0.0)
@@ -257,7 +294,7 @@ def test_engine_stall_is_capped_then_cut_back() -> None:
 
 def test_append_stream_without_pts() -> None:
     sig = noise(RATE * 3, seed=13)
-    jb = JitterBuffer()
+    jb = without_acceleration()
     sizes = np.random.default_rng(14).integers(1, 900, 400)
     pos, t, frames = 0, 0.0, []
     for n in sizes:
