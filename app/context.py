@@ -1,7 +1,7 @@
 """What every route handler shares: settings, the model's description, the engine, metrics, and the open sockets.
 
 Stored on the aiohttp application under `CONTEXT`. In one process the engine is a `model.engine.Engine` and the model
-is loaded at startup; in a worker process the engine is a `RemoteEngine` (the engine process's slots, over the
+is loaded at startup; in a worker process the engine is an `EnginePool` (the engine processes' slots, over their
 channel) and the model's description comes from the engine process.
 Voice names are resolved here, so clients can only name bundled voices or files in the server's voices folder,
 never arbitrary paths.
@@ -24,7 +24,7 @@ from app.settings import Settings
 if TYPE_CHECKING:
     from model.engine import Engine
     from model.engine.channel import ModelInfo
-    from model.engine.client import RemoteEngine
+    from model.engine.pool import EnginePool
     from model.loading import PersonaPlex
 
 VOICE_SUFFIXES = (".pt", ".wav")
@@ -39,7 +39,7 @@ class ServerContext:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
     model: PersonaPlex | None = None          # in one process only: the loaded model
-    engine: Engine | RemoteEngine | None = None
+    engine: Engine | EnginePool | None = None
     model_note: str = ""                      # why this model was loaded (the tiny fallback says why)
     sockets: set[ClosableSocket] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)

@@ -9,7 +9,7 @@ second), and whichever worker serves `/metrics` renders the sum: its own counter
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,8 +78,9 @@ class Metrics:
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
     def render(self, engine_stats: Any | None, others: Mapping[str, dict[str, dict[str, int]]] | None = None,
-               name: str = "main") -> str:
-        """The exposition; `others` are the other worker processes' snapshots by name, `name` is this process's."""
+               name: str = "main", engines: Sequence[Any] = ()) -> str:
+        """The exposition; `others` are the other worker processes' snapshots by name, `name` is this process's;
+        `engine_stats` are the engines' totals and `engines` each engine process's view (model.engine.pool)."""
         others = others or {}
         out: list[str] = []
         admissions, errors, connections = Counter(self.admissions), Counter(self.errors), Counter(self.connections)
@@ -120,7 +121,25 @@ class Metrics:
                "How late each door process's event loop woke, over the last minute.", lags)
         if engine_stats is not None:
             self._render_engine(family, engine_stats)
+        if engines:
+            self._render_each_engine(family, engines)
         return "\n".join(out) + "\n"
+
+    @staticmethod
+    def _render_each_engine(family: Any, engines: Sequence[Any]) -> None:
+        def each(field: str) -> list[tuple[str, dict[str, str], float]]:
+            return [("", {"engine": str(v.index)}, getattr(v.stats, field)) for v in engines if v.stats is not None]
+
+        family("personaplex_engine_up", "gauge", "1 while an engine process is connected and ticking, by engine.",
+               [("", {"engine": str(v.index), "device": v.device}, int(v.running)) for v in engines])
+        family("personaplex_engine_sessions_in_use", "gauge", "Conversation slots in use, by engine.",
+               each("sessions_in_use"))
+        family("personaplex_engine_sessions_max", "gauge", "Conversation slots in all, by engine.",
+               each("max_sessions"))
+        family("personaplex_engine_tick_p99_ms", "gauge", "Tick duration p99 over a recent window, by engine.",
+               each("tick_ms_p99"))
+        family("personaplex_engine_late_ticks_by_engine_total", "counter", "Ticks that overran 80 ms, by engine.",
+               each("late_ticks"))
 
     @staticmethod
     def _render_engine(family: Any, s: Any) -> None:

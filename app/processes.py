@@ -1,12 +1,13 @@
-"""The server as processes: one engine process that owns the GPU, and N worker processes that share the port.
+"""The server as processes: one engine process per GPU, and N worker processes that share the port.
 
 `run(settings)` is `python -m app` with `--workers N` (N > 0). It binds the port (so that `--port 0` resolves once),
-starts the engine process (model, engine, and the channel's Unix socket, model/engine/process.py) and the workers
-(each an aiohttp server on its own SO_REUSEPORT socket of that port: the kernel spreads new connections over them;
-each holds its own sockets, WebRTC peers, codecs, jitter buffers and playout, and reaches the engine through
-model/engine/client.py). Then it watches them: a worker that dies is started again (its sessions' slots were freed
-by the engine when its channel closed); an engine process that dies is reported by every worker's /health, its
-sessions end with `engine_stopped`, and it is started again.
+starts the engine processes (one per `--gpus` device, else one on `--device`: model, engine, and the channel's Unix
+socket, model/engine/process.py) and the workers (each an aiohttp server on its own SO_REUSEPORT socket of that
+port: the kernel spreads new connections over them; each holds its own sockets, WebRTC peers, codecs, jitter buffers
+and playout, and reaches every engine through model/engine/pool.py, which places each new session). Then it watches
+them: a worker that dies is started again (its sessions' slots were freed by the engines when its channels closed);
+an engine process that dies is reported by every worker's /health, its sessions (only its own) end with
+`engine_stopped`, the workers keep placing sessions on the other engines, and it is started again.
 The first SIGTERM drains: every worker stops admitting (a flag they watch), the supervisor waits until the engine
 holds no session, up to `--drain-timeout-s`, restarting no worker meanwhile. Then, or on a second SIGTERM or on
 SIGINT, it stops the workers first (each tells its clients `session.closed` and closes them within the shutdown
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from app.probes import agent_answer
-from app.settings import Settings
+from app.settings import Settings, split_csv
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,24 @@ async def _until_sigterm(work: asyncio.Future) -> None:
         await work
 
 
-def engine_main(settings: Settings, path: str) -> None:
-    """The engine process: load the model, start the engine, serve it on the channel until SIGTERM."""
-    _child_setup(settings, "engine")
+def engine_devices(settings: Settings) -> list[str]:
+    """Where engine processes run: one per `--gpus` entry (indices, "all", or device names), else `--device`."""
+    spec = settings.gpus.strip()
+    if not spec:
+        return [settings.device]
+    if spec == "all":
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise SystemExit("--gpus all: no CUDA device is visible")
+        return [f"cuda:{i}" for i in range(count)]
+    return [f"cuda:{part}" if part.isdigit() else part for part in split_csv(spec)]
+
+
+def engine_main(settings: Settings, path: str, index: int) -> None:
+    """An engine process: load the model, start the engine, serve it on the channel until SIGTERM."""
+    _child_setup(settings, f"engine {index}")
     from app.server import build_engine, load_for
     from model.engine.process import EngineHost
 
@@ -97,7 +113,7 @@ def engine_main(settings: Settings, path: str) -> None:
         engine.stop()
 
 
-def worker_main(settings: Settings, path: str, worker: int, drain: ProcessEvent) -> None:
+def worker_main(settings: Settings, paths: list[str], devices: list[str], worker: int, drain: ProcessEvent) -> None:
     """A worker process: an aiohttp server on its own socket of the shared port, the engine over the channel; it
     stops admitting once the supervisor sets `drain`."""
     _child_setup(settings, f"worker {worker}")
@@ -112,8 +128,8 @@ def worker_main(settings: Settings, path: str, worker: int, drain: ProcessEvent)
         await asyncio.Event().wait()
 
     async def main() -> None:
-        await _until_sigterm(asyncio.ensure_future(serve(settings, sock=sock, engine_path=path, worker=worker,
-                                                         until=drain_when_told)))
+        await _until_sigterm(asyncio.ensure_future(serve(settings, sock=sock, engines=(paths, devices),
+                                                         worker=worker, until=drain_when_told)))
 
     asyncio.run(main())
 
@@ -124,16 +140,17 @@ def _loopback(host: str) -> str:
 
 
 class Supervisor:
-    """Starts the engine process and the workers, restarts any that die, and stops them in order."""
+    """Starts the engine processes and the workers, restarts any that die, and stops them in order."""
 
     def __init__(self, settings: Settings) -> None:
         self._mp = multiprocessing.get_context("spawn")
         self._folder = Path(tempfile.mkdtemp(prefix="personaplex-"))
-        self.path = str(self._folder / "engine.sock")
+        self.devices = engine_devices(settings)
+        self.paths = [str(self._folder / f"engine-{i}.sock") for i in range(len(self.devices))]
         self._port_holder = port_socket(settings.host, settings.port, listen=False)
         self.port = self._port_holder.getsockname()[1]
         self.settings = replace(settings, port=self.port)
-        self.engine: BaseProcess | None = None
+        self.engines: list[BaseProcess | None] = [None] * len(self.devices)
         self.workers: list[BaseProcess | None] = [None] * settings.workers
         self._restarts: dict[str, deque[float]] = {}
         self.stopping = threading.Event()
@@ -141,13 +158,15 @@ class Supervisor:
         self._drain = self._mp.Event()          # the workers' copy of `draining`
         self._agent: socketserver.ThreadingTCPServer | None = None
 
-    def _start_engine(self) -> None:
-        self.engine = self._mp.Process(target=engine_main, args=(self.settings, self.path),
-                                       name="personaplex-engine", daemon=False)
-        self.engine.start()
+    def _start_engine(self, n: int) -> None:
+        settings = replace(self.settings, device=self.devices[n])
+        engine = self._mp.Process(target=engine_main, args=(settings, self.paths[n], n),
+                                  name=f"personaplex-engine-{n}", daemon=False)
+        engine.start()
+        self.engines[n] = engine
 
     def _start_worker(self, n: int) -> None:
-        worker = self._mp.Process(target=worker_main, args=(self.settings, self.path, n, self._drain),
+        worker = self._mp.Process(target=worker_main, args=(self.settings, self.paths, self.devices, n, self._drain),
                                   name=f"personaplex-worker-{n}", daemon=False)
         worker.start()
         self.workers[n] = worker
@@ -161,11 +180,13 @@ class Supervisor:
         return True
 
     def start(self) -> None:
-        self._start_engine()
+        for n in range(len(self.engines)):
+            self._start_engine(n)
         for n in range(len(self.workers)):
             self._start_worker(n)
-        logger.info("listening on http://%s:%d (%d worker processes, engine process %d)", self.settings.host,
-                    self.port, len(self.workers), self.engine.pid if self.engine else 0)
+        logger.info("listening on http://%s:%d (%d worker processes; engine processes %s)", self.settings.host,
+                    self.port, len(self.workers), ", ".join(f"{e.pid} on {d}" for e, d in zip(
+                        self.engines, self.devices, strict=True) if e is not None))
         if self.settings.agent_port:
             self._start_agent()
 
@@ -210,13 +231,14 @@ class Supervisor:
         while not self.stopping.wait(0.1):
             if self.draining.is_set():
                 return self._drain_sessions()
-            if self.engine is not None and not self.engine.is_alive():
-                logger.error("the engine process exited (%s); its sessions ended; starting it again",
-                             self.engine.exitcode)
-                if not self._may_restart("engine"):
-                    logger.error("the engine process keeps failing: stopping the server")
-                    return 1
-                self._start_engine()
+            for n, engine in enumerate(self.engines):
+                if engine is not None and not engine.is_alive():
+                    logger.error("engine %d (%s, pid %d) exited (%s); its sessions ended; starting it again",
+                                 n, self.devices[n], engine.pid, engine.exitcode)
+                    if not self._may_restart(f"engine-{n}"):
+                        logger.error("engine %d keeps failing: stopping the server", n)
+                        return 1
+                    self._start_engine(n)
             for n, worker in enumerate(self.workers):
                 if worker is not None and not worker.is_alive():
                     logger.error("worker %d (pid %d) exited (%s); its sessions' slots are free; starting it again",
@@ -243,8 +265,8 @@ class Supervisor:
         return 0
 
     def _live_sessions(self) -> int | None:
-        """Sessions the engine holds now; 0 when no engine or worker is alive; None when unknown."""
-        if self.engine is None or not self.engine.is_alive() or not any(w and w.is_alive() for w in self.workers):
+        """Sessions the engines hold now; 0 when no engine or worker is alive; None when unknown."""
+        if not any(e and e.is_alive() for e in self.engines) or not any(w and w.is_alive() for w in self.workers):
             return 0
         report = self.ready_report()
         return report["sessions"]["in_use"] if report else None
@@ -261,11 +283,14 @@ class Supervisor:
             worker.join(max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.kill()
-        if self.engine is not None and self.engine.is_alive():
-            self.engine.terminate()
-            self.engine.join(15.0)
-            if self.engine.is_alive():
-                self.engine.kill()
+        engines = [e for e in self.engines if e is not None and e.is_alive()]
+        for engine in engines:
+            engine.terminate()
+        deadline = time.monotonic() + 15.0
+        for engine in engines:
+            engine.join(max(0.0, deadline - time.monotonic()))
+            if engine.is_alive():
+                engine.kill()
         if self._agent is not None:
             self._agent.shutdown()
             self._agent.server_close()

@@ -34,7 +34,7 @@ from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
 from app.twilio import twilio_handler
 from app.worker_routing import worker_socket
 from model.engine import Engine, EngineConfig, EngineError, EngineStats
-from model.engine.client import RemoteEngine
+from model.engine.pool import EnginePool
 from model.loading import PersonaPlex, load_model
 from model.random_model import random_personaplex
 from model.tiny import write_tiny_checkpoint
@@ -107,10 +107,10 @@ def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
 async def _startup(app: web.Application) -> None:
     ctx = app[CONTEXT]
     ctx.tasks.add(asyncio.ensure_future(ctx.metrics.loop_lag.run()))
-    if isinstance(ctx.engine, RemoteEngine):  # a worker: the engine process has the model
-        remote = ctx.engine
-        remote.counters_source = ctx.metrics.snapshot
-        task = asyncio.ensure_future(remote.run())
+    if isinstance(ctx.engine, EnginePool):  # a worker: the engine processes have the model
+        pool = ctx.engine
+        pool.set_counters_source(ctx.metrics.snapshot)
+        task = asyncio.ensure_future(pool.run())
         ctx.tasks.add(task)
         return
     loop = asyncio.get_running_loop()
@@ -156,7 +156,7 @@ async def _engine_stats(ctx: ServerContext) -> EngineStats | None:
     if engine is None:
         return None
     try:
-        if isinstance(engine, RemoteEngine):
+        if isinstance(engine, EnginePool):
             return await asyncio.wait_for(engine.fresh_stats(), 1.0)
         return engine.stats()
     except (EngineError, asyncio.TimeoutError):
@@ -164,13 +164,13 @@ async def _engine_stats(ctx: ServerContext) -> EngineStats | None:
 
 
 def processes(ctx: ServerContext) -> list[dict[str, object]]:
-    """The server's processes: the engine's and every worker's in a multi-process server, else this one."""
+    """The server's processes: the engines' and every worker's in a multi-process server, else this one."""
     engine = ctx.engine
-    if not isinstance(engine, RemoteEngine):
+    if not isinstance(engine, EnginePool):
         return [{"role": "main", "pid": os.getpid(), "loop_lag_ms": ctx.metrics.loop_lag.quantiles()}]
     found: list[dict[str, object]] = [{"role": "main", "pid": os.getppid()}]
-    if engine.engine_pid:
-        found.append({"role": "engine", "pid": engine.engine_pid})
+    found += [{"role": "engine", "engine": view.index, "device": view.device, "pid": view.pid}
+              for view in engine.engines_now() if view.pid]
     for number, worker in sorted(engine.workers.items(), key=lambda item: int(item[0])):
         found.append({"role": "worker", "worker": int(number), "pid": worker.pid, "sessions": worker.sessions,
                       "input_late_frames": worker.late_frames, "loop_lag_ms": worker.counters.get("loop_lag_ms", {}),
@@ -189,7 +189,7 @@ def _status(ctx: ServerContext, stats: EngineStats | None) -> str:
     if ctx.draining:
         return DRAINING
     if stats is None:
-        return "engine_down" if isinstance(ctx.engine, RemoteEngine) and ctx.engine.connects else "starting"
+        return "engine_down" if isinstance(ctx.engine, EnginePool) and ctx.engine.connects else "starting"
     return READY if ctx.ready else "engine_down"
 
 
@@ -214,8 +214,28 @@ async def health(request: web.Request) -> web.Response:
         "tick": {"ticks": s.ticks, "late_ticks": s.late_ticks, "batch": s.batch, "last_ms": s.tick_ms,
                  "p50_ms": s.tick_ms_p50, "p99_ms": s.tick_ms_p99},
         "session_start_ms": {"live": s.start_ms, "first_frame": s.first_frame_ms},
+        "engines": engines_report(ctx),
         "processes": processes(ctx),
     }, status=200 if ready else 503)
+
+
+def engines_report(ctx: ServerContext) -> list[dict[str, object]]:
+    """Each engine process on its own (several with --gpus): its device, whether it ticks, its slots and ticks."""
+    engine = ctx.engine
+    if not isinstance(engine, EnginePool):
+        return []
+    report: list[dict[str, object]] = []
+    for view in engine.engines_now():
+        entry: dict[str, object] = {"engine": view.index, "device": view.device, "pid": view.pid,
+                                    "running": view.running}
+        if view.stats is not None:
+            s = view.stats
+            entry["sessions"] = {"in_use": s.sessions_in_use, "free": s.max_sessions - s.sessions_in_use,
+                                 "max": s.max_sessions}
+            entry["tick"] = {"ticks": s.ticks, "late_ticks": s.late_ticks, "p50_ms": s.tick_ms_p50,
+                             "p99_ms": s.tick_ms_p99}
+        report.append(entry)
+    return report
 
 
 async def live(request: web.Request) -> web.Response:
@@ -258,11 +278,12 @@ async def drain(ctx: ServerContext, hurry: asyncio.Event) -> None:
 async def metrics(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     stats = await _engine_stats(ctx)
-    others, name = {}, "main"
-    if isinstance(ctx.engine, RemoteEngine):
+    others, name, engines = {}, "main", []
+    if isinstance(ctx.engine, EnginePool):
         others = {f"worker-{n}": w.counters for n, w in ctx.engine.workers.items() if w.pid != os.getpid()}
         name = f"worker-{ctx.engine.worker}"
-    return web.Response(text=ctx.metrics.render(stats, others, name), content_type="text/plain",
+        engines = ctx.engine.engines_now()
+    return web.Response(text=ctx.metrics.render(stats, others, name, engines), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
 
 
@@ -279,6 +300,9 @@ async def models(request: web.Request) -> web.Response:
         "tiny": bool(info and info.is_tiny),
         "random_weights": bool(info and (info.random_weights or info.is_tiny)),
         "capabilities": capabilities(max_sessions),
+        "engines": [{"engine": view.index, "device": view.device, "running": view.running,
+                     "max_sessions": view.stats.max_sessions if view.stats else 0}
+                    for view in ctx.engine.engines_now()] if isinstance(ctx.engine, EnginePool) else [],
     }]})
 
 
@@ -295,7 +319,7 @@ async def voices(request: web.Request) -> web.Response:
 
 
 def create_app(settings: Settings, *, model: PersonaPlex | None = None,
-               engine: RemoteEngine | None = None) -> web.Application:
+               engine: EnginePool | None = None) -> web.Application:
     """The server; `model` skips loading (tests, embedding). Engine start and stop follow the app's lifetime; with
     `engine` (a worker process) the engine process has the model, and this app only talks to it."""
     app = web.Application(client_max_size=settings.max_message_bytes)
@@ -319,12 +343,13 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
     return app
 
 
-async def serve(settings: Settings, *, sock: socket.socket | None = None, engine_path: str | None = None,
-                worker: int = 0, until: Callable[[ServerContext], Awaitable[None]] | None = None) -> None:
+async def serve(settings: Settings, *, sock: socket.socket | None = None,
+                engines: tuple[list[str], list[str]] | None = None, worker: int = 0,
+                until: Callable[[ServerContext], Awaitable[None]] | None = None) -> None:
     """Run until `until(ctx)` returns (by default: until cancelled), then close every session and stop. In one
     process by default (with the agent-check port, when set); a worker process gets the listening socket it
-    shares with the other workers and the engine process's channel."""
-    engine = RemoteEngine(engine_path, worker, settings.input_lead_ms / 1000.0) if engine_path else None
+    shares with the other workers and the engine processes' channels and devices (`engines`)."""
+    engine = EnginePool(*engines, worker, settings.input_lead_ms / 1000.0) if engines else None
     app = create_app(settings, engine=engine)
     runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s,
                             access_log_class=RedactingAccessLogger)
@@ -332,7 +357,7 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None, engine
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     if engine is not None:  # where the other workers forward requests for this one's calls (app/worker_routing.py)
-        await web.UnixSite(runner, worker_socket(Path(engine.path).parent, worker)).start()
+        await web.UnixSite(runner, worker_socket(engine.folder, worker)).start()
     ctx = app[CONTEXT]
     agent = None
     if engine is None and settings.agent_port:

@@ -23,6 +23,8 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     device: str = "auto"                  # "auto": cuda when available, else cpu
+    gpus: str = ""                        # one engine process per GPU: "all", "0,1" (or devices: "cuda:0,cpu");
+                                          # empty: one engine on `device`
     dtype: str = "auto"                   # "auto": bfloat16 on cuda, float32 on cpu
     max_sessions: int = 4
     queue_timeout_s: float = 0.0          # >0: a connection waits this long for a free slot before `resource_exhausted`
@@ -60,7 +62,7 @@ _ENV_PREFIX = "PERSONAPLEX_"
 KV_CACHE_CHOICES = ("bf16", "fp8")
 
 
-def _csv(value: str) -> tuple[str, ...]:
+def split_csv(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
@@ -111,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-port", type=int,
                    help="TCP port answering HAProxy's agent-check with the free-slot weight, drain or down "
                         "(default: off)")
+    p.add_argument("--gpus",
+                   help="one engine process per GPU under one server: all, or indices such as 0,1 (devices such as "
+                        "cpu,cpu are taken as they are); new sessions go to the engine with the most free slots "
+                        "(default: one engine on --device)")
     p.add_argument("--workers", type=int,
                    help="worker processes for the network and media work, sharing the port, beside one engine process "
                         "that owns the GPU; 0 runs everything in one process (default: half the cores, 1 to 16)")
@@ -145,6 +151,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         raise SystemExit(f"--drain-timeout-s / PERSONAPLEX_DRAIN_TIMEOUT_S must be >= 0, got {s.drain_timeout_s:g}")
     if s.workers < 0:
         s.workers = default_workers()
+    if s.gpus and s.workers == 0:
+        raise SystemExit("--gpus runs one engine process per GPU beside worker processes: it needs --workers >= 1")
     return s
 
 
@@ -157,8 +165,8 @@ def default_workers(cores: int | None = None) -> int:
 def _coerce(name: str, value: object, default: object) -> object:
     if isinstance(default, tuple):
         if isinstance(value, str):
-            return _csv(value)
-        return tuple(v for item in value for v in _csv(item))  # type: ignore[union-attr]
+            return split_csv(value)
+        return tuple(v for item in value for v in split_csv(item))  # type: ignore[union-attr]
     if name in ("voices_dir", "cache_dir"):
         return Path(str(value)).expanduser()
     if isinstance(default, bool):

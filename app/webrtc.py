@@ -65,7 +65,7 @@ from media.tracks import (
     install_contained_encoder,
 )
 from model.engine import EngineError, FrameOutput, InvalidSessionParams, ResourceExhausted, Slot
-from model.engine.client import RemoteEngine
+from model.engine.pool import EnginePool
 
 logger = logging.getLogger(__name__)
 
@@ -603,9 +603,9 @@ def _other_worker(request: web.Request) -> str | None:
     """The private socket of the worker that holds this request's call, when that is another process."""
     engine = request.app[CONTEXT].engine
     owner = call_owner(request.match_info["call_id"])
-    if not isinstance(engine, RemoteEngine) or owner is None or owner == engine.worker:
+    if not isinstance(engine, EnginePool) or owner is None or owner == engine.worker:
         return None
-    return worker_socket(Path(engine.path).parent, owner)
+    return worker_socket(engine.folder, owner)
 
 
 async def hang_up(request: web.Request) -> web.Response:

@@ -152,3 +152,76 @@ async def test_call_routes_answer_from_any_worker(tiny_checkpoint, tmp_path, met
         await pc.close()
         out = await stop(proc)
     assert proc.returncode == 0, out
+
+
+def _engines(report: dict) -> dict[int, dict]:
+    return {e["engine"]: e for e in report.get("engines", [])}
+
+
+async def test_one_engine_per_device_places_by_free_slots_and_one_failing_takes_only_its_own(tiny_checkpoint,
+                                                                                             tmp_path):
+    """`--gpus` with two devices (here two CPU engines): sessions spread over both engine processes, /health,
+    /metrics and /v1/models report each engine and the total, and killing one engine ends only its sessions (with
+    `engine_stopped`) while the other's run on and new sessions land on it."""
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--gpus", "cpu,cpu", "--workers", "2",
+                                 "--max-sessions", "3")
+    try:
+        async with aiohttp.ClientSession() as http:
+            report = await wait_ready(http, url, workers=2)
+            while not (len(_engines(report)) == 2 and all(e["running"] for e in _engines(report).values())):
+                await asyncio.sleep(0.3)
+                report = await health(http, url) or {}
+            assert report["sessions"]["max"] == 6
+            callers = []
+            for _ in range(4):
+                caller = DuplexCaller(url)
+                await caller.open()
+                callers.append(caller)
+                await asyncio.sleep(0.6)  # every worker sees the last placement in the stats pushed meanwhile
+            streams = [asyncio.ensure_future(c.stream(8.0)) for c in callers]
+            await asyncio.sleep(1.0)
+            report = await health(http, url)
+            per_engine = {n: e["sessions"]["in_use"] for n, e in _engines(report).items()}
+            assert per_engine == {0: 2, 1: 2}, report["engines"]
+            assert report["sessions"]["in_use"] == 4
+            async with http.get(url + "/metrics", headers={"Connection": "close"}) as r:
+                text = await r.text()
+            assert 'personaplex_engine_up{device="cpu",engine="1"} 1' in text, text[-1500:]
+            assert 'personaplex_engine_sessions_in_use{engine="0"} 2' in text
+            async with http.get(url + "/v1/models") as r:
+                listed = (await r.json())["data"][0]["engines"]
+            assert [(e["engine"], e["max_sessions"]) for e in listed] == [(0, 3), (1, 3)]
+
+            victim = _engines(report)[0]["pid"]
+            at_kill = {id(c): len(c.frames) for c in callers}
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while sum(c.ended for c in callers) < 2:
+                assert time.monotonic() < deadline, [c.error for c in callers]
+                await asyncio.sleep(0.05)
+            dropped = [c for c in callers if c.ended]
+            survivors = [c for c in callers if not c.ended]
+            assert len(dropped) == 2 and all(c.error and c.error["code"] == "engine_stopped" for c in dropped)
+            report = await health(http, url)
+            assert report["ready"] and not _engines(report)[0]["running"], report
+            late = DuplexCaller(url)  # placed on the engine still up
+            await late.open()
+            late_stream = asyncio.ensure_future(late.stream(1.5))
+            await asyncio.gather(*streams, late_stream)
+            await asyncio.sleep(0.3)
+            for caller in survivors:  # the other engine's sessions never noticed
+                assert caller.error is None and caller.gaps() == [] and len(caller.frames) > at_kill[id(caller)] + 10
+            assert late.error is None and late.frames
+            for caller in [*callers, late]:
+                await caller.close()
+            # the supervisor starts the dead engine again
+            deadline = time.monotonic() + 90
+            while not (report and _engines(report).get(0, {}).get("running")):
+                assert time.monotonic() < deadline, report
+                await asyncio.sleep(0.3)
+                report = await health(http, url)
+            assert _engines(report)[0]["pid"] != victim
+    finally:
+        out = await stop(proc)
+    assert proc.returncode == 0, out
+    assert "engine 0 (cpu" in out and "starting it again" in out

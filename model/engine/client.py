@@ -191,6 +191,15 @@ class RemoteEngine:
     def max_sessions(self) -> int:
         return self._max_sessions
 
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None and self._stats is not None
+
+    @property
+    def sessions_here(self) -> int:
+        """This worker's sessions on this engine now."""
+        return len(self._slots)
+
     async def wait_connected(self, timeout_s: float) -> bool:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._connected.wait(), timeout_s)
