@@ -17,11 +17,14 @@ from typing import Any
 from aiohttp import web
 
 from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
+from app.context import CONTEXT, ServerContext
 from app.conversation import Backpressure
 from app.errors import ProtocolError
 from app.realtime import capabilities
+from app.session import Session
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, format_from, with_update
-from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL, WsSession
+from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
+from app.websocket import serve
 from media.codecs import AudioFormat
 from model.engine import EngineError, FrameOutput, InvalidSessionParams
 
@@ -33,14 +36,14 @@ def format_object(fmt: AudioFormat) -> dict[str, Any]:
             "frame_bytes": fmt.bytes_per_sample * fmt.sample_rate * 80 // 1000}
 
 
-class DuplexSession(WsSession):
+class DuplexSession(Session):
     route = "/v1/duplex"
 
-    def __init__(self, request: web.Request) -> None:
-        super().__init__(request)
+    def __init__(self, ctx: ServerContext) -> None:
+        super().__init__(ctx)
         self.session_id = f"duplex_{uuid.uuid4().hex[:24]}"
         self.config: SessionConfig | None = None
-        self.transport = "binary"
+        self.output_transport = "binary"
         self.decoder: InputDecoder | None = None
         self.encoder: OutputEncoder | None = None
         self.frames_sent = 0
@@ -125,7 +128,7 @@ class DuplexSession(WsSession):
         conv = self.new_conversation(slot)
         self.decoder = InputDecoder(config.input_format)
         self.encoder = OutputEncoder(config.output_format)
-        self.transport = transport
+        self.output_transport = transport
         conv.add_listener(self._on_frame, self._on_engine_error)
         self.conversation = conv   # a disconnect during the prefill frees the slot
         self._early = []           # frames the engine made before session.created went out (the first)
@@ -185,7 +188,7 @@ class DuplexSession(WsSession):
             self._early.append(frame)
             return
         audio = self.encoder.encode(frame.audio)
-        if self.transport == "binary":
+        if self.output_transport == "binary":
             self.send_audio_nowait(audio)
         else:
             self.send_audio_nowait({"type": "response.output_audio.delta", "frame": frame.index,
@@ -206,4 +209,4 @@ _NEEDS_SESSION = ("input_audio_buffer.append", "input_audio_buffer.clear", "conv
 
 
 async def duplex_handler(request: web.Request) -> web.StreamResponse:
-    return await DuplexSession(request).handle()
+    return await serve(request, DuplexSession(request.app[CONTEXT]))

@@ -23,8 +23,10 @@ from aiohttp import web
 
 from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
 from app.auth import BETA_SUBPROTOCOL, offered_subprotocols
-from app.conversation import Backpressure, State
+from app.context import CONTEXT, ServerContext
+from app.conversation import Backpressure, Conversation, State
 from app.errors import MAX_ECHO_CHARS, ProtocolError
+from app.session import Session
 from app.session_config import (
     SAMPLING_KEYS,
     ConfigUpdate,
@@ -34,7 +36,8 @@ from app.session_config import (
     format_from,
     with_update,
 )
-from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL, WsSession
+from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
+from app.websocket import serve
 from media.codecs import AudioFormat
 from model.engine import EngineError, FrameOutput, InvalidSessionParams
 
@@ -107,12 +110,14 @@ def is_beta(request: web.Request) -> bool:
     return "realtime=v1" in header or BETA_SUBPROTOCOL in offered_subprotocols(request)
 
 
-class RealtimeSession(WsSession):
+class RealtimeSession(Session):
+    """The Realtime dialect; `beta` picks the beta event names."""
+
     route = "/v1/realtime"
 
-    def __init__(self, request: web.Request) -> None:
-        super().__init__(request)
-        self.beta = is_beta(request)
+    def __init__(self, ctx: ServerContext, beta: bool) -> None:
+        super().__init__(ctx)
+        self.beta = beta
         self.names = BETA_NAMES if self.beta else GA_NAMES
         self.session_id = f"sess_{uuid.uuid4().hex[:24]}"
         self.config: SessionConfig = SessionConfig()
@@ -125,10 +130,13 @@ class RealtimeSession(WsSession):
 
     async def on_open(self) -> None:
         slot = await self.reserve()
-        if slot is None:
-            return
-        self.conversation = self.new_conversation(slot)
-        self.conversation.add_listener(self._on_frame, self._on_engine_error)
+        if slot is not None:
+            await self.greet(self.new_conversation(slot))
+
+    async def greet(self, conversation: Conversation) -> None:
+        """Take `conversation` (admitted, not started) and say `session.created`."""
+        self.conversation = conversation
+        conversation.add_listener(self._on_frame, self._on_engine_error)
         self.config = default_config(self.ctx)
         self.decoder = InputDecoder(self.config.input_format)
         self.encoder = OutputEncoder(self.config.output_format)
@@ -354,8 +362,9 @@ class RealtimeSession(WsSession):
         assert self.response is not None and self.encoder is not None
         r = self.response
         ids = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
-        self.send_audio_nowait({"type": self.names["audio_delta"], **ids,
-                                "delta": b64encode(self.encoder.encode(frame.audio))})
+        if self.sends_audio:
+            self.send_audio_nowait({"type": self.names["audio_delta"], **ids,
+                                    "delta": b64encode(self.encoder.encode(frame.audio))})
         if frame.text:
             r.transcript.append(frame.text)
             self.send_nowait({"type": self.names["transcript_delta"], **ids, "delta": frame.text})
@@ -449,4 +458,4 @@ async def realtime_handler(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"type": "invalid_request_error", "code": "unsupported_event",
                                             "message": "Realtime API is not available: this server serves "
                                                        "duplex sessions only (?duplex=1)"}}, status=400)
-    return await RealtimeSession(request).handle()
+    return await serve(request, RealtimeSession(request.app[CONTEXT], is_beta(request)))

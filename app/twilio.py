@@ -20,10 +20,13 @@ from typing import Any
 from aiohttp import web
 
 from app.audio import InputDecoder, b64decode, b64encode
+from app.context import CONTEXT, ServerContext
 from app.conversation import Backpressure, State
 from app.errors import ProtocolError
+from app.session import Session
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, default_config, with_update
-from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, WsSession
+from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY
+from app.websocket import serve
 from app.wire import WireError, parse_value
 from media.codecs import AudioFormat
 from media.playout import PlayoutBuffer
@@ -40,12 +43,12 @@ ULAW = AudioFormat("pcmu", RATE)
 MAX_NAME_CHARS = 128   # streamSid and mark names: echoed in every media event / mark, so kept short
 
 
-class TwilioSession(WsSession):
+class TwilioSession(Session):
     route = "/v1/twilio"
     type_key = "event"
 
-    def __init__(self, request: web.Request) -> None:
-        super().__init__(request)
+    def __init__(self, ctx: ServerContext) -> None:
+        super().__init__(ctx)
         self.stream_sid: str | None = None
         self.decoder = InputDecoder(ULAW)
         self.resampler = Resampler(24000, RATE)
@@ -205,4 +208,4 @@ def _param_value(value: object) -> object:
 
 
 async def twilio_handler(request: web.Request) -> web.StreamResponse:
-    return await TwilioSession(request).handle()
+    return await serve(request, TwilioSession(request.app[CONTEXT]))

@@ -1,0 +1,472 @@
+"""One WebRTC call: the WebRTC transport (peer connection, `oai-events` data channel, RTP media track) carrying the
+Realtime dialect (`CallDialect`, the `app.realtime` dialect with WebRTC's differences).
+
+`Call` is the transport: it negotiates the peer, drains the session's outbox into the data channel only as fast as
+SCTP takes it (what the peer does not read stays in the outbox, where its bound sees it; aiortc's own send queue is
+unbounded), reads the channel under the session's flood guard and size bound, feeds received RTP audio to the
+conversation, plays the model's audio on the outbound track, sends `session.stats` every second, and ends the call
+(flush, peer closed, slot freed) on DELETE, ICE failure or timeout, peer close, or shutdown.
+
+What differs in the dialect on WebRTC: the microphone arrives on the RTP track (appends are refused), the model's
+audio leaves on the RTP track (no audio deltas), the conversation starts with the first RTP audio, `response.cancel`
+also empties the playout buffer, and input comes under the jitter buffer's own network bounds (late audio is
+worthless on a call) instead of the WebSocket's refuse-past-backlog.
+
+Media: aiortc's receive jitter buffer is bypassed (`media.tracks.InboundAudio`): each 20 ms packet is decoded as
+it arrives, resampled to 24 kHz and lands at its pts in the conversation's jitter buffer; engine frames go to a
+`PlayoutBuffer` read 20 ms at a time by the paced `OutboundAudioTrack` (mono Opus at 24 kHz), whose read grid is
+aligned to the engine's writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc.rtcconfiguration import RTCIceTransportPolicy
+from aiortc.rtcrtpsender import RTCRtpSender
+
+from app.context import CONTEXT
+from app.conversation import Conversation, State
+from app.errors import ProtocolError
+from app.outbox import Message
+from app.realtime import RealtimeSession, is_beta
+from app.settings import Settings
+from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
+from app.worker_routing import new_call_id
+from media.jitter import FRAME, JitterStats
+from media.playout import PlayoutBuffer, PlayoutConfig
+from media.tracks import (
+    RATE,
+    ContainedOpusEncoder,
+    InboundAudio,
+    OutboundAudioTrack,
+    install_contained_encoder,
+)
+from model.engine import FrameOutput, InvalidSessionParams, Slot
+
+logger = logging.getLogger(__name__)
+
+CALLS_ROUTE = "/v1/realtime/calls"
+CHANNEL_LABEL = "oai-events"
+FLUSH_WAIT_S = 2.0   # for the queued events to drain when a call ends
+
+# The outbound track reads right after each engine frame lands (OutboundAudioTrack.align), so the prebuffer is all
+# the slack a late tick needs: 10 ms (a tick's duration varies by a few ms); an underrun adds 20 ms (media.playout).
+PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
+# A context's frame 0 comes straight after the prompt prefill, 0-80 ms behind the tick grid: playing it would leave
+# that much standing latency for the rest of the call (the playout buffer sheds only beyond prebuffer + 160 ms).
+# It is the model's answer to the first 80 ms of the call, i.e. to nothing yet: its transcript is still sent.
+FIRST_PLAYED_FRAME = 1
+READ_AFTER_WRITE_MS = 2.0   # where a read lands after the write it should find
+REPACE_FRAMES = 25          # 2 s of frames between read-grid corrections
+CHANNEL_BUFFER_BYTES = 256 << 10   # data-channel bytes in flight before the writer waits for SCTP to drain
+_RTP_ONLY = ("input_audio_buffer.append", "input_audio_buffer.commit", "input.commit")
+
+
+@dataclass(frozen=True)
+class WebRTCConfig:
+    ice_servers: tuple[RTCIceServer, ...] = ()
+    relay_only: bool = False
+    connect_timeout_s: float = 20.0        # ICE + DTLS must be up this long after the answer, or the call ends
+    stats_interval_s: float = 1.0          # `session.stats` on the data channel
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WebRTCConfig:
+        """ICE servers and timeouts from the server settings (`--stun-url`, `--turn-url`, …, or their env twins)."""
+        servers = []
+        if settings.stun_url:
+            servers.append(RTCIceServer(urls=settings.stun_url))
+        if settings.turn_url:
+            servers.append(RTCIceServer(urls=settings.turn_url, username=settings.turn_username or None,
+                                        credential=settings.turn_credential or None))
+        if settings.ice_relay_only and not settings.turn_url:
+            raise ValueError("ice_relay_only needs a TURN server (turn_url)")
+        return cls(ice_servers=tuple(servers), relay_only=settings.ice_relay_only,
+                   connect_timeout_s=settings.ice_connect_timeout_s)
+
+    def browser_ice_servers(self) -> list[dict[str, Any]]:
+        out = []
+        for s in self.ice_servers:
+            entry: dict[str, Any] = {"urls": s.urls}
+            if s.username:
+                entry.update(username=s.username, credential=s.credential)
+            out.append(entry)
+        return out
+
+
+class OfferError(Exception):
+    """The POST body is not a usable offer; answered with HTTP `status` and a JSON error."""
+
+    def __init__(self, message: str, code: str = "bad_event", status: int = 400) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+class TimedPlayout:
+    """The call's PlayoutBuffer as the outbound track's source, timing each engine frame from its write until its
+    first sample is handed to the encoder (the server's output-side added latency)."""
+
+    def __init__(self, playout: PlayoutBuffer) -> None:
+        self.playout = playout
+        self._pending: deque[tuple[int, float]] = deque()   # (first sample position, written at)
+        self.waits_ms: deque[float] = deque(maxlen=750)      # the last minute of frames
+
+    def write(self, samples: np.ndarray) -> None:
+        start = self.playout.stats().written_samples
+        if self.playout.write(samples):
+            self._pending.append((start, time.monotonic()))
+
+    def read(self, n: int) -> np.ndarray:
+        out = self.playout.read(n)
+        if self._pending:
+            drained = self.playout.stats().drained_samples
+            now = time.monotonic()
+            while self._pending and self._pending[0][0] < drained:
+                self.waits_ms.append((now - self._pending.popleft()[1]) * 1000.0)
+        return out
+
+    def clear(self) -> None:
+        self.playout.clear()
+        self._pending.clear()
+
+
+def _summary(values: deque[float] | list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p95": None}
+    arr = np.asarray(values)
+    return {"mean": round(float(arr.mean()), 2), "p50": round(float(np.percentile(arr, 50)), 2),
+            "p95": round(float(np.percentile(arr, 95)), 2)}
+
+
+
+class CallDialect(RealtimeSession):
+    """The Realtime dialect on a WebRTC call (see the module docstring for what differs)."""
+
+    route = CALLS_ROUTE
+
+    def __init__(self, call: Call, beta: bool) -> None:
+        super().__init__(call.ctx, beta)
+        self.call = call
+
+    async def on_open(self) -> None:
+        # The slot was admitted by the POST.
+        await self.greet(Conversation(self.call.slot, metrics=self.ctx.metrics))
+
+    async def on_event(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        if kind in _RTP_ONLY:
+            raise ProtocolError("unsupported_event", f"{kind}: on a WebRTC call the microphone audio travels on the "
+                                "RTP track", param="type")
+        await super().on_event(event)
+        if kind in ("input_audio_buffer.clear", "input.cancel"):
+            self.call.input_cleared()
+        if kind in ("response.cancel", "output_audio_buffer.clear"):
+            self.call.playout.clear()                      # the cancelled context's audio must not play on
+
+    def _started(self, task: asyncio.Task[None]) -> None:
+        super()._started(task)
+        if not task.cancelled() and task.exception() is not None and not self.closed:
+            self.spawn(self.close(CLOSE_NORMAL, "start_failed"))   # no retry on every packet
+
+    def _on_frame(self, frame: FrameOutput) -> None:
+        if not self.closed:
+            self.call.on_frame(frame)
+        super()._on_frame(frame)
+
+
+class Call:
+    """One WebRTC call: the peer connection and media, as the transport of its `CallDialect` session."""
+
+    carries_audio = False                   # the model's audio leaves on the RTP track
+
+    def __init__(self, request: web.Request, slot: Slot, config: WebRTCConfig, offer_sdp: str,
+                 calls: dict[str, Call]) -> None:
+        self.ctx = request.app[CONTEXT]
+        self.settings = self.ctx.settings
+        self.offer_sdp = offer_sdp
+        self.carries_events = "m=application" in offer_sdp   # no channel offered: events have nowhere to go
+        self.call_id = new_call_id(getattr(self.ctx.engine, "worker", None))
+        self.slot = slot
+        self.webrtc = config
+        self.calls = calls
+        self.address: str | None = None      # counted in ctx.addresses while the call lives
+        policy = RTCIceTransportPolicy.RELAY if config.relay_only else RTCIceTransportPolicy.ALL
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=list(config.ice_servers), iceTransportPolicy=policy))
+        self.playout = TimedPlayout(PlayoutBuffer(RATE, PLAYOUT))
+        self.track = OutboundAudioTrack(self.playout)
+        self.opus = ContainedOpusEncoder()
+        self.inbound: InboundAudio | None = None
+        self.channel: Any = None
+        self.input_waits_ms: deque[float] = deque(maxlen=750)
+        self._arrivals: deque[tuple[int, int, float]] = deque(maxlen=64)   # recent pushes: (pts, end, arrival)
+        self._origin: int | None = None      # input timeline position the engine's read count starts from
+        self._tick_s = 0.0                   # the engine's recent tick duration (its read came that much earlier)
+        self._underruns_seen = 0
+        self._paced_at = 0                   # frame index of the last read-grid correction
+        self.opened_at = time.monotonic()
+        self.connected_at: float | None = None
+        self.end_reason: str | None = None
+        self._incoming: asyncio.Queue[str | bytes] = asyncio.Queue()
+        self._channel_drained = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.session = CallDialect(self, is_beta(request))
+        self.session.attach(self)
+
+    @property
+    def closed(self) -> bool:
+        return self.session.closed
+
+    @property
+    def conversation(self) -> Conversation | None:
+        return self.session.conversation
+
+    # ---- set-up ----------------------------------------------------------------------------------------------
+
+    async def open(self, session: dict[str, Any] | None) -> None:
+        """Conversation and config; `session` is applied like a `session.update` (a ProtocolError if bad)."""
+        dialect = self.session
+        await dialect.on_open()
+        if session is not None:
+            await dialect.on_session_update({"type": "session.update", "session": session})
+        assert self.ctx.engine is not None
+        try:
+            self.ctx.engine.validate(dialect.config.params())
+        except InvalidSessionParams as e:
+            raise ProtocolError(e.code, e.message, param="session") from None
+
+    async def negotiate(self) -> str:
+        """Apply the offer, wire the media, return the answer SDP (ICE candidates included: aiortc gathers first)."""
+        pc = self.pc
+        mic = pc.addTransceiver(self.track, direction="sendrecv")
+        mic.setCodecPreferences([c for c in RTCRtpSender.getCapabilities("audio").codecs
+                                 if c.mimeType.lower() == "audio/opus"])
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=self.offer_sdp, type="offer"))
+        except Exception as e:
+            raise OfferError(f"the offer was not accepted ({type(e).__name__}: {e}); audio must offer Opus") from None
+        if mic.receiver.track is None:
+            raise OfferError("the offer's audio does not send: the microphone must be sendrecv")
+        for other in pc.getTransceivers():
+            if other is not mic:
+                other.direction = "inactive"          # video, or extra audio lines: not ours to decode
+        install_contained_encoder(mic.sender, self.opus)
+        self.inbound = InboundAudio(mic.receiver, self)
+        pc.on("datachannel", self._on_datachannel)
+        pc.on("connectionstatechange", self._on_connection_state)
+        try:
+            await pc.setLocalDescription(await pc.createAnswer())
+        except Exception as e:   # aiortc fails this way on offers it parsed but cannot answer (a broken BUNDLE)
+            raise OfferError(f"the offer cannot be answered ({type(e).__name__}: {e})") from None
+        self._spawn(self._receive_audio())
+        self._spawn(self._connect_deadline())
+        return pc.localDescription.sdp
+
+    def _spawn(self, coro: Any) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    # ---- peer events -----------------------------------------------------------------------------------------
+
+    def _on_connection_state(self) -> None:
+        state = self.pc.connectionState
+        if state == "connected" and self.connected_at is None:
+            self.connected_at = time.monotonic()
+        elif state in ("failed", "closed") and not self.closed:
+            self.session.spawn(self.hang_up(CLOSE_NORMAL, "ice_failed" if state == "failed" else "peer_closed"))
+
+    async def _connect_deadline(self) -> None:
+        await asyncio.sleep(self.webrtc.connect_timeout_s)
+        if self.connected_at is None and not self.closed:
+            await self.hang_up(CLOSE_NORMAL, "ice_timeout")
+
+    async def _receive_audio(self) -> None:
+        assert self.inbound is not None
+        await self.inbound.ended()                        # the receiver stopped: RTCP BYE, peer gone
+        if not self.closed:
+            self.session.spawn(self.hang_up(CLOSE_NORMAL, "peer_closed"))
+
+    def _on_datachannel(self, channel: Any) -> None:
+        if channel.label != CHANNEL_LABEL or self.channel is not None:
+            channel.close()
+            return
+        self.channel = channel
+        channel.on("message", self._incoming.put_nowait)
+        channel.on("close", lambda: self.session.spawn(self.hang_up(CLOSE_NORMAL, "peer_closed")))
+        channel.bufferedAmountLowThreshold = CHANNEL_BUFFER_BYTES
+        channel.on("bufferedamountlow", self._channel_drained.set)
+        self.session.outbox.start(self._send_channel)
+        self._spawn(self._read_channel())
+        self._spawn(self._send_stats())
+
+    # ---- the data channel ------------------------------------------------------------------------------------
+
+    async def _send_channel(self, message: Message) -> bool:
+        """The outbox's writer: into the channel only as fast as SCTP drains it."""
+        channel = self.channel
+        if channel.readyState != "open":
+            return False
+        channel.send(message)
+        if channel.bufferedAmount > CHANNEL_BUFFER_BYTES:
+            self._channel_drained.clear()
+            await self._channel_drained.wait()
+        return True
+
+    async def _read_channel(self) -> None:
+        dialect = self.session
+        limit = self.settings.max_message_bytes
+        while not self.closed:
+            data = await self._incoming.get()
+            if not dialect.flood.admit():
+                continue
+            try:
+                if isinstance(data, bytes):
+                    await dialect.send_error(ProtocolError("binary_unsupported",
+                                                           f"{CHANNEL_LABEL} takes JSON text only"))
+                elif len(data) > limit:
+                    await dialect.send_error(ProtocolError(
+                        "event_too_large", f"message of {len(data)} bytes; the bound is {limit} bytes"))
+                else:
+                    await dialect.dispatch_text(data)
+            except Exception as e:   # a bug must not silently end the reader: the call keeps its events
+                logger.exception("call %s: event failed", self.call_id)
+                dialect.send_error_nowait(ProtocolError("internal_error", f"{type(e).__name__}: {e}"))
+
+    # ---- media -----------------------------------------------------------------------------------------------
+
+    def push(self, pts: int | None, samples: np.ndarray, now: float | None = None) -> None:
+        """Received audio (24 kHz, at its pts): the first of it starts the conversation."""
+        conv = self.conversation
+        if self.closed or conv is None or conv.state in (State.FAILED, State.CLOSED):
+            return
+        if conv.state is State.IDLE:
+            self.session._start()
+        now = time.monotonic() if now is None else now
+        conv.push(pts, samples, now)
+        if pts is not None:
+            if self._origin is None and conv.input is not None:
+                self._origin = pts - self._consumed(conv.input.stats())
+            self._arrivals.append((pts, pts + samples.size, now))
+
+    def input_cleared(self) -> None:
+        self._origin = None                                # the input buffer starts a new timeline
+
+    @staticmethod
+    def _consumed(st: JitterStats) -> int:
+        """Input positions the engine has moved past: frames read plus windows shed."""
+        return st.frames_out * FRAME + round(st.overrun_drops_ms * RATE / 1000)
+
+    def _time_input_wait(self, st: JitterStats, now: float) -> None:
+        """How long the newest sample of the frame the engine just read had waited in the jitter buffer."""
+        if self._origin is None:
+            return
+        newest = self._origin + self._consumed(st) - 1
+        for start, end, arrival in reversed(self._arrivals):
+            if start <= newest < end:
+                self.input_waits_ms.append((now - self._tick_s - arrival) * 1000.0)
+                return
+
+    def on_frame(self, frame: FrameOutput) -> None:
+        """An engine frame: time the input it answered, play its audio."""
+        conv = self.conversation
+        if conv is not None and conv.input is not None:
+            if frame.index % 25 == 0 and self.ctx.engine is not None:
+                self._tick_s = self.ctx.engine.stats().tick_ms_p50 / 1000.0
+            self._time_input_wait(conv.input.stats(), time.monotonic())
+        if frame.index >= FIRST_PLAYED_FRAME:
+            self._pace_reads(frame.index)
+            self.playout.write(frame.audio)
+
+    def _pace_reads(self, index: int) -> None:
+        """Keep the track's 20 ms reads just after the engine's 80 ms writes.
+
+        At the first played frame, and after the playout buffer ran dry (a late tick, another session's prefill),
+        this write restarts playback: the next read is put right after it. Ticks then come at a phase that moves
+        with the engine's load; when every frame of the last two seconds waited longer than the prebuffer for its
+        first read, the reads are brought forward by the smallest excess (a write later than the reads only eats
+        into the prebuffer, and past it is an underrun, which re-aligns)."""
+        playout = self.playout.playout.stats()
+        if index == FIRST_PLAYED_FRAME or playout.underruns != self._underruns_seen:
+            self.track.align(time.monotonic(), READ_AFTER_WRITE_MS / 1000.0)
+            self._underruns_seen = playout.underruns
+            self._paced_at = index
+        elif index - self._paced_at >= REPACE_FRAMES and len(self.playout.waits_ms) >= REPACE_FRAMES:
+            recent = list(self.playout.waits_ms)[-REPACE_FRAMES:]
+            excess_ms = min(recent) - playout.prebuffer_ms - READ_AFTER_WRITE_MS
+            if excess_ms > 3.0:
+                self.track.advance(excess_ms / 1000.0)
+            self._paced_at = index
+
+    # ---- counters --------------------------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        conv = self.conversation
+        rtp: dict[str, Any] = {}
+        if not self.closed:
+            with contextlib.suppress(Exception):
+                for s in (await self.pc.getStats()).values():
+                    if s.type == "inbound-rtp" and s.kind == "audio":
+                        rtp = {"packets_received": s.packetsReceived, "packets_lost": s.packetsLost,
+                               "jitter_ms": round(s.jitter * 1000.0 / 48000, 2)}
+        engine = self.ctx.engine.stats() if self.ctx.engine is not None else None
+        track = self.track.stats
+        return {
+            "type": "session.stats",
+            "call_id": self.call_id,
+            "state": "closed" if self.closed else (conv.state.value if conv else "idle"),
+            "connected": self.connected_at is not None,
+            "input": asdict(conv.input.stats()) if conv is not None and conv.input is not None else None,
+            "output": {**asdict(self.playout.playout.stats()), "frames_sent": track.frames, "stalls": track.stalls,
+                       "skipped_ms": track.skipped_ms, "encode_failures": self.opus.failures},
+            "inbound": asdict(self.inbound.stats) if self.inbound is not None else None,
+            "rtp": rtp,
+            "latency_ms": {"input_added": _summary(self.input_waits_ms),
+                           "output_added": _summary(self.playout.waits_ms)},
+            "engine": None if engine is None else {"tick_ms_p50": engine.tick_ms_p50, "tick_ms_p99": engine.tick_ms_p99,
+                                                   "late_ticks": engine.late_ticks, "batch": engine.batch},
+            "conversation": conv.counters() if conv is not None else None,
+        }
+
+    async def _send_stats(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(self.webrtc.stats_interval_s)
+            if not self.closed:
+                self.session.send_nowait(await self.stats())
+
+    # ---- ending ----------------------------------------------------------------------------------------------
+
+    async def hang_up(self, code: int = CLOSE_NORMAL, reason: str = "hang_up", *, send_closed: bool = True) -> None:
+        """End the call from outside the dialect (DELETE, the peer, the deadline): `session.closed` on the
+        channel, slot freed, peer closed; idempotent."""
+        await self.session.close(code, reason, send_closed=send_closed)
+
+    async def close(self, code: int, reason: str) -> None:
+        """The transport's end of `Session.close`: flush the channel (bounded), close the peer, forget the call."""
+        self.end_reason = reason
+        await self.session.outbox.stop(FLUSH_WAIT_S)
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self.track.stop()
+        with contextlib.suppress(Exception):
+            await self.pc.close()
+        self.calls.pop(self.call_id, None)
+        address, self.address = self.address, None
+        if address is not None:
+            self.ctx.addresses.release(address)
+        if self in self.ctx.sockets:
+            self.ctx.sockets.discard(self)
+            self.ctx.metrics.connections[CALLS_ROUTE] -= 1
+        logger.info("call %s ended: %s", self.call_id, reason)
+
+    async def shutdown(self) -> None:
+        await self.hang_up(CLOSE_GOING_AWAY, "server_shutdown")
