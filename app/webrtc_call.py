@@ -213,6 +213,7 @@ class Call:
         self._tick_s = 0.0                   # the engine's recent tick duration (its read came that much earlier)
         self._underruns_seen = 0
         self._paced_at = 0                   # frame index of the last read-grid correction
+        self._playing = False                # a frame was played (frames before the peer connected are not)
         self.opened_at = time.monotonic()
         self.connected_at: float | None = None
         self.end_reason: str | None = None
@@ -269,6 +270,10 @@ class Call:
             raise OfferError(f"the offer cannot be answered ({type(e).__name__}: {e})") from None
         self._spawn(self._receive_audio())
         self._spawn(self._connect_deadline())
+        # The model starts now, not at the first microphone packet: its prompt prefill overlaps ICE and DTLS, so
+        # the call's first words come one frame after the media is up. Until then it hears silence, and its
+        # frames are not played (on_frame), so no latency stands in the playout buffer.
+        self.session._start()
         return pc.localDescription.sdp
 
     def _spawn(self, coro: Any) -> None:
@@ -343,7 +348,8 @@ class Call:
     # ---- media -----------------------------------------------------------------------------------------------
 
     def push(self, pts: int | None, samples: np.ndarray, now: float | None = None) -> None:
-        """Received audio (24 kHz, at its pts): the first of it starts the conversation."""
+        """Received audio (24 kHz, at its pts); the conversation started at the answer (again after a failed
+        start, at the next packet)."""
         conv = self.conversation
         if self.closed or conv is None or conv.state in (State.FAILED, State.CLOSED):
             return
@@ -381,20 +387,22 @@ class Call:
             if frame.index % 25 == 0 and self.ctx.engine is not None:
                 self._tick_s = self.ctx.engine.stats().tick_ms_p50 / 1000.0
             self._time_input_wait(conv.input.stats(), time.monotonic())
-        if frame.index >= FIRST_PLAYED_FRAME:
-            self._pace_reads(frame.index)
+        if frame.index >= FIRST_PLAYED_FRAME and self.connected_at is not None:
+            self._pace_reads(frame.index, first=not self._playing)
+            self._playing = True
             self.playout.write(frame.audio)
 
-    def _pace_reads(self, index: int) -> None:
+    def _pace_reads(self, index: int, first: bool) -> None:
         """Keep the track's 20 ms reads just after the engine's 80 ms writes.
 
-        At the first played frame, and after the playout buffer ran dry (a late tick, another session's prefill),
+        At the first played frame (of the call, or of a context after `response.cancel`), and after the playout
+        buffer ran dry (a late tick, another session's prefill),
         this write restarts playback: the next read is put right after it. Ticks then come at a phase that moves
         with the engine's load; when every frame of the last two seconds waited longer than the prebuffer for its
         first read, the reads are brought forward by the smallest excess (a write later than the reads only eats
         into the prebuffer, and past it is an underrun, which re-aligns)."""
         playout = self.playout.playout.stats()
-        if index == FIRST_PLAYED_FRAME or playout.underruns != self._underruns_seen:
+        if first or index == FIRST_PLAYED_FRAME or playout.underruns != self._underruns_seen:
             self.track.align(time.monotonic(), READ_AFTER_WRITE_MS / 1000.0)
             self._underruns_seen = playout.underruns
             self._paced_at = index

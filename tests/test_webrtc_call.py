@@ -8,6 +8,7 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from process_support import open_call
 from server_support import wait_in_use
 from webrtc_support import ensure_ice_host_address
 
@@ -231,3 +232,27 @@ async def test_the_page_and_its_config_are_served(server):
                 assert res.status == 200
         async with http.get(server.url + "/v1/realtime/webrtc-config") as res:
             assert (await res.json())["ice_servers"] == []
+
+
+async def test_the_model_starts_at_the_answer_not_at_the_first_microphone_packet(server):
+    """The prompt prefill overlaps ICE and DTLS: the conversation is live and the engine makes frames for a call
+    whose peer has not even applied the answer yet (so no microphone packet can have arrived)."""
+    aiortc = pytest.importorskip("aiortc")
+    pc = aiortc.RTCPeerConnection()
+    try:
+        async with aiohttp.ClientSession() as http:
+            headers = await open_call(http, server.url, pc)
+            location = server.url + headers["Location"]
+            stats: dict = {}
+            deadline = time.monotonic() + 20
+            while not (stats.get("state") == "live" and (stats.get("conversation") or {}).get("frames_out", 0) > 2):
+                assert time.monotonic() < deadline, stats
+                await asyncio.sleep(0.1)
+                async with http.get(location) as r:
+                    stats = await r.json()
+            assert stats["connected"] is False and stats["rtp"] == {}
+            assert stats["output"]["frames_sent"] == 0     # nothing is played before the peer is connected
+            async with http.delete(location) as r:
+                assert r.status == 204
+    finally:
+        await pc.close()
