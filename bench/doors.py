@@ -196,10 +196,12 @@ class DoorClient:
             return math.ceil(self.silence_after_first_s / FRAME_S - 1e-6)
         return max(0, self.frames_in - self.frames_out)
 
-    async def stream(self, audio: np.ndarray, t0: float, pace: float = 1.0) -> None:
+    async def stream(self, audio: np.ndarray, t0: float, pace: float = 1.0,
+                     pieces: list[bytes] | None = None) -> None:
         """One piece per grid point t0 + k * send_period_s / pace (1.0: real time); a piece due late is sent late
-        (no catch-up)."""
-        for k, piece in enumerate(self.pieces(audio)):
+        (no catch-up). `pieces`: `self.pieces(audio)` made beforehand (a minute of resampling and encoding, done
+        here, would hold this process's loop while other sessions wait for their audio)."""
+        for k, piece in enumerate(self.pieces(audio) if pieces is None else pieces):
             due = t0 + k * self.send_period_s / pace
             delay = due - time.monotonic()
             if delay > 0:
@@ -474,7 +476,8 @@ class WebRTCClient(DoorClient):
     def location_id(self) -> str | None:
         return self.call.location.rsplit("/", 1)[-1] if self.call and self.call.location else None
 
-    async def stream(self, audio: np.ndarray, t0: float, pace: float = 1.0) -> None:
+    async def stream(self, audio: np.ndarray, t0: float, pace: float = 1.0,
+                     pieces: list[bytes] | None = None) -> None:
         """The track speaks by itself, in real time, from the connect on; this just lets `audio`'s length go by."""
         self.first_send = self.call.connected_at if self.call else None
         await asyncio.sleep(max(0.0, t0 + audio.size / RATE - time.monotonic()))

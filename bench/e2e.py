@@ -32,7 +32,7 @@ import resource
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,18 @@ class ProcJob:
     audio: np.ndarray
     seconds: float
     drain_s: float
+    pieces: dict[int, list[bytes]] = field(default_factory=dict)  # per session, made before the start
+
+    def session_audio(self, p: Planned) -> np.ndarray:
+        """The job's audio from the session's own point on (each session starts at another), whole frames."""
+        return np.roll(self.audio, p.index * RATE // 3)[: int(self.seconds * RATE) // 1920 * 1920]
+
+    def prepare(self) -> None:
+        """Every WebSocket session's pieces (resampled and encoded), so that none is made while sessions run."""
+        for p in self.sessions:
+            if p.door != "webrtc":
+                self.pieces[p.index] = DOORS[p.door]("", self.url, self.headers, PERSONA).pieces(
+                    self.session_audio(p))
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -118,13 +130,13 @@ def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: 
 async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0: float) -> dict[str, Any]:
     """Open at its time, stream, drain, close; its report (or why it has none)."""
     await asyncio.sleep(max(0.0, t0 + p.open_at_s - time.monotonic()))
-    audio = np.roll(job.audio, p.index * RATE // 3)[: int(job.seconds * RATE) // 1920 * 1920]
+    audio = job.session_audio(p)
     client = make_client(p.door, f"{p.door}{p.index}", job.url, job.headers, audio)
     try:
         refused = await client.open(http)
         if refused is not None:
             return {"index": p.index, "door": p.door, "name": client.name, "refused": refused.get("error", refused)}
-        await client.stream(audio, time.monotonic())
+        await client.stream(audio, time.monotonic(), pieces=job.pieces.get(p.index))
         await client.wait_output(job.drain_s)
         await asyncio.wait_for(client.close(), 15)
     except Exception as e:   # one broken session is a finding of the run, not the end of it
@@ -147,7 +159,9 @@ async def run_proc(job: ProcJob, t0: float) -> dict[str, Any]:
 
 
 def proc_main(conn: Connection, job: ProcJob) -> None:
-    """A client process: say it is ready, take the common start time, run its sessions, send back the reports."""
+    """A client process: prepare its sessions' audio, say it is ready, take the common start time, run its
+    sessions, send back the reports."""
+    job.prepare()
     conn.send("ready")
     t0 = conn.recv()
     conn.send(asyncio.run(run_proc(job, t0)))
