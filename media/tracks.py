@@ -215,12 +215,19 @@ class OutboundAudioTrack(MediaStreamTrack):
         The writer's frames (80 ms from the engine, on its own clock) land at a fixed phase of this grid; left
         alone, each waits 0–20 ms for a read on top of the playout prebuffer. Call it as the first frame is
         written: that read then finds the frame and each later frame waits just the prebuffer (+ `after_s`).
-        The RTP timestamps stay continuous: the packets leave up to 20 ms earlier (or `after_s` later) than they
-        would have, once, which the receiver's jitter buffer takes as a step in network delay."""
+        A move of less than a packet keeps the RTP timestamps continuous: the packets leave up to 20 ms earlier
+        (or later) than they would have, once, which the receiver's jitter buffer takes as a step in network
+        delay. A later move (a write that comes after the playout ran dry) skips the timestamps of the whole
+        packets it spans, as a stall does: the receiver conceals the gap and keeps its delay, where a step of
+        that size would stand in its buffer as latency for the rest of the call."""
         if self._start is None:
             return
         pts = self._pts if self._sleeping is not None else self._pts + OUT_SAMPLES
-        self._start = written_at + after_s - pts / RATE
+        later = written_at + after_s - (self._start + pts / RATE)
+        skipped = max(0, int(later * RATE) // OUT_SAMPLES * OUT_SAMPLES)
+        self._pts += skipped
+        self.stats.skipped_ms += skipped * 1000 / RATE
+        self._start = written_at + after_s - (pts + skipped) / RATE
         self.stats.aligned += 1
         if self._sleeping is not None and not self._sleeping.done():
             self._sleeping.set_result(None)

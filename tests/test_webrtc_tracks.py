@@ -274,6 +274,20 @@ async def test_loss_is_concealed_and_a_late_packet_fills_its_gap_in_the_jitter_b
         await close(a, b)
 
 
+async def test_a_realign_a_packet_or_more_later_skips_timestamps_instead_of_standing_as_delay():
+    offset = [0.0]
+    track = OutboundAudioTrack(ArraySource(tone(1.0)), clock=lambda: time.monotonic() + offset[0])
+    first = [(await track.recv()).pts for _ in range(3)]   # read at start, +20, +40 ms; the next is due at +60
+    # The playout ran dry: the next frame is written 57 ms after that read was due.
+    written = track.stats.started_at + 0.060 + 0.057
+    track.align(written, after_s=0.0)
+    offset[0] = written + 0.001 - time.monotonic()   # the clock is at the new due time
+    after = await track.recv()
+    assert first == [0, 480, 960]
+    assert after.pts == 960 + OUT_SAMPLES + 2 * OUT_SAMPLES   # the two whole packets it spans are skipped
+    assert track.stats.skipped_ms == pytest.approx(40.0) and track.stats.aligned == 1
+
+
 async def test_align_moves_the_read_grid_to_just_after_a_write_without_a_timestamp_gap():
     track = OutboundAudioTrack(ArraySource(tone(1.0)))
     pts = [(await track.recv()).pts for _ in range(3)]
