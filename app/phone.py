@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from app.audio import InputDecoder
+from app.audio import InputDecoder, b64decode
 from app.conversation import Backpressure, State
 from app.errors import ProtocolError
 from app.pacer import Pacer
@@ -130,6 +130,32 @@ class PhoneLine(Session):
     async def on_disconnect(self) -> None:
         if self.pacer is not None:
             self.pacer.stop()
+
+
+def media_streams_start(event: dict[str, Any], sid_key: str, params_key: str) -> tuple[str, dict[str, Any],
+                                                                                      dict[str, Any]]:
+    """(stream id, `start` object, parameters) of a Media-Streams-style `start` event (Twilio, Telnyx)."""
+    start = event.get("start")
+    if not isinstance(start, dict):
+        raise ProtocolError("bad_event", "`start` needs a `start` object", param="start")
+    sid = event.get(sid_key, start.get(sid_key))
+    if not isinstance(sid, str) or not sid or len(sid) > MAX_NAME_CHARS:
+        raise ProtocolError("bad_event", f"`start` needs a `{sid_key}` (at most {MAX_NAME_CHARS} characters)",
+                            param=f"start.{sid_key}")
+    params = start.get(params_key) or {}
+    if not isinstance(params, dict):
+        raise ProtocolError("bad_event", f"`{params_key}` must be an object", param=f"start.{params_key}")
+    return sid, start, params
+
+
+def inbound_payload(event: dict[str, Any]) -> bytes | None:
+    """The caller's audio in a Media-Streams-style `media` event (Twilio, Telnyx); None for another track."""
+    media = event.get("media")
+    if not isinstance(media, dict):
+        raise ProtocolError("bad_event", "`media` needs a `media` object", param="media")
+    if media.get("track", "inbound") not in ("inbound", "inbound_track"):
+        return None
+    return b64decode(media.get("payload"), param="media.payload")
 
 
 def _param_value(value: object) -> object:

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.audio import b64decode, b64encode
+from app.audio import b64encode
 from app.context import CONTEXT
 from app.errors import ProtocolError
-from app.phone import MAX_NAME_CHARS, PhoneLine
+from app.phone import PhoneLine, inbound_payload, media_streams_start
 from app.reorder import Reorder
 from app.transport import CLOSE_NORMAL
 from app.websocket import serve
@@ -78,33 +78,21 @@ class TelnyxSession(PhoneLine):
     async def on_start(self, event: dict[str, Any]) -> None:
         if self.conversation is not None:
             raise ProtocolError("session_already_created", "this stream already started")
-        start = event.get("start")
-        if not isinstance(start, dict):
-            raise ProtocolError("bad_event", "`start` needs a `start` object", param="start")
-        sid = event.get("stream_id")
-        if not isinstance(sid, str) or not sid or len(sid) > MAX_NAME_CHARS:
-            raise ProtocolError("bad_event", f"`start` needs a `stream_id` (at most {MAX_NAME_CHARS} characters)",
-                                param="stream_id")
+        sid, start, params = media_streams_start(event, "stream_id", "custom_parameters")
         line, big_endian = _line_format(start.get("media_format"))
-        params = start.get("custom_parameters") or {}
-        if not isinstance(params, dict):
-            raise ProtocolError("bad_event", "`custom_parameters` must be an object", param="start.custom_parameters")
         config = self.call_config(params, "start.custom_parameters.")
         self.stream_id, self.line, self.big_endian = sid, line, big_endian
         if not await self.begin(config, line):
             self.stream_id = None
 
     def on_media(self, event: dict[str, Any]) -> None:
-        media = event.get("media")
-        if not isinstance(media, dict):
-            raise ProtocolError("bad_event", "`media` needs a `media` object", param="media")
-        if media.get("track", "inbound") not in ("inbound", "inbound_track"):
+        payload = inbound_payload(event)
+        if payload is None:
             return
-        payload = b64decode(media.get("payload"), param="media.payload")
         if self.big_endian:
             payload = _swap16(payload, "media.payload")
-        chunk = media.get("chunk")
-        n = int(chunk) if isinstance(chunk, (str, int)) and str(chunk).isdigit() else None
+        chunk = event["media"].get("chunk")
+        n = int(chunk) if isinstance(chunk, (str, int)) and str(chunk).isdigit() and len(str(chunk)) <= 12 else None
         for data in self.order.put(n, payload) if n is not None else [payload]:
             self.hear(data, "media.payload")
 

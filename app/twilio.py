@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.audio import b64decode, b64encode
+from app.audio import b64encode
 from app.context import CONTEXT
 from app.errors import ProtocolError
-from app.phone import MAX_NAME_CHARS, PhoneLine
+from app.phone import MAX_NAME_CHARS, PhoneLine, inbound_payload, media_streams_start
 from app.transport import CLOSE_NORMAL
 from app.websocket import serve
 from media.codecs import AudioFormat
@@ -69,34 +69,22 @@ class TwilioSession(PhoneLine):
     async def on_start(self, event: dict[str, Any]) -> None:
         if self.conversation is not None:
             raise ProtocolError("session_already_created", "this stream already started")
-        start = event.get("start")
-        if not isinstance(start, dict):
-            raise ProtocolError("bad_event", "`start` needs a `start` object", param="start")
-        sid = event.get("streamSid", start.get("streamSid"))
-        if not isinstance(sid, str) or not sid or len(sid) > MAX_NAME_CHARS:
-            raise ProtocolError("bad_event", f"`start` needs a `streamSid` (at most {MAX_NAME_CHARS} characters)",
-                                param="start.streamSid")
+        sid, start, params = media_streams_start(event, "streamSid", "customParameters")
         media_format = start.get("mediaFormat", {"encoding": "audio/x-mulaw", "sampleRate": RATE, "channels": 1})
         if not isinstance(media_format, dict) or media_format.get("channels", 1) != 1 or \
                 media_format.get("encoding") != "audio/x-mulaw" or media_format.get("sampleRate") != RATE:
             raise ProtocolError("unsupported_audio_format",
                                 f"Media Streams audio must be audio/x-mulaw at 8000 Hz mono, got {media_format!r}",
                                 param="start.mediaFormat")
-        params = start.get("customParameters") or {}
-        if not isinstance(params, dict):
-            raise ProtocolError("bad_event", "`customParameters` must be an object", param="start.customParameters")
         config = self.call_config(params, "start.customParameters.")
         self.stream_sid = sid
         if not await self.begin(config, ULAW):
             self.stream_sid = None
 
     def on_media(self, event: dict[str, Any]) -> None:
-        media = event.get("media")
-        if not isinstance(media, dict):
-            raise ProtocolError("bad_event", "`media` needs a `media` object", param="media")
-        if media.get("track", "inbound") not in ("inbound", "inbound_track"):
-            return
-        self.hear(b64decode(media.get("payload"), param="media.payload"), "media.payload")
+        payload = inbound_payload(event)
+        if payload is not None:
+            self.hear(payload, "media.payload")
 
     # ---- output ----------------------------------------------------------------------------------------------
 
