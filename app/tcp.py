@@ -95,9 +95,9 @@ class TcpTransport:
                 await session.dispatch_binary(header + payload)
 
     async def _send(self, message: Message) -> bool:
-        data = message if isinstance(message, bytes) else message.encode()
+        assert isinstance(message, bytes)   # no events here (`carries_events`): only the dialect's frames
         try:
-            self.writer.write(data)
+            self.writer.write(message)
             await self.writer.drain()
         except (ConnectionError, RuntimeError):
             return False

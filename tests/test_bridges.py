@@ -347,6 +347,32 @@ async def test_audiosocket_malformed_frame_hangs_up_and_frees_the_slot(start_ser
         await wait_in_use(http, server.url, 0, timeout=1.0)
 
 
+async def test_audiosocket_that_never_reads_is_dropped_with_frames_only(start_server):
+    """Asterisk stops reading: the output bound ends the call and frees the slot, and nothing but frames was ever
+    written (the output-backpressure error is an event, which this transport has no way to carry)."""
+    port = free_port()
+    server = await start_server(audiosocket_port=port, max_output_bytes=4096, max_output_backlog_s=1.0)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(frame(0x01, uuid.uuid4().bytes) + frame(0x10, b"\0" * 320))
+    writer.transport.pause_reading()                                  # it never reads again
+    async with aiohttp.ClientSession() as http:
+        await wait_in_use(http, server.url, 1, timeout=10)
+        await wait_in_use(http, server.url, 0, timeout=60)
+        async with http.get(server.url + "/metrics") as r:
+            assert 'personaplex_errors_total{code="output_backpressure"} 1' in await r.text()
+    writer.transport.resume_reading()
+    data = await asyncio.wait_for(reader.read(), 10)                 # everything, up to the server's close
+    at = 0
+    while at < len(data):                                            # whole frames, each 20 ms of audio, to the end
+        kind, size = data[at], int.from_bytes(data[at + 1:at + 3], "big")
+        assert kind == 0x10 and size == 320 and at + 3 + size <= len(data), (at, len(data), data[at:at + 40])
+        at += 3 + size
+    writer.close()
+
+
 # ---- a full server -----------------------------------------------------------------------------------------------
 
 async def test_full_server_refuses_every_bridge(start_server):
