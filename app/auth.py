@@ -24,6 +24,9 @@ KEY_SUBPROTOCOL = "openai-insecure-api-key."
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 
 
+TELNYX_TOKEN_HEADER = "x-telnyx-streaming-auth-token"
+
+
 def offered_subprotocols(request: web.Request) -> list[str]:
     raw = request.headers.get("Sec-WebSocket-Protocol", "")
     return [p.strip() for p in raw.split(",") if p.strip()]
@@ -35,6 +38,8 @@ def presented_key(request: web.Request) -> str | None:
         return header[7:].strip()
     if "api_key" in request.query:
         return request.query["api_key"]
+    if TELNYX_TOKEN_HEADER in request.headers:   # Telnyx's `stream_auth_token`, the one credential it can send
+        return request.headers[TELNYX_TOKEN_HEADER]
     for proto in offered_subprotocols(request):
         if proto.startswith(KEY_SUBPROTOCOL):
             return proto[len(KEY_SUBPROTOCOL):]
@@ -89,7 +94,9 @@ class AddressLimit:
 
     def take(self, request: web.Request, limit: int) -> str | None:
         """The address now counted, or None when it already has `limit` open (0: no limit)."""
-        address = request.remote or ""
+        return self.take_address(request.remote or "", limit)
+
+    def take_address(self, address: str, limit: int) -> str | None:
         if limit > 0 and self.open[address] >= limit:
             return None
         self.open[address] += 1

@@ -1,6 +1,6 @@
 """One live conversation, independent of the transport: an engine `Slot`, its input jitter buffer, an output fan-out.
 
-Every transport (the three WebSocket dialects, WebRTC) holds one `Conversation` per connection:
+Every session (each WebSocket dialect, each bridge, a WebRTC call) holds one `Conversation` per connection:
 
     slot = await engine.reserve_wait(timeout_s)       # admission (raises ResourceExhausted)
     conv = Conversation(slot, metrics=metrics, input_policy=InputPolicy(backlog_s=2.0))

@@ -52,6 +52,7 @@ class Metrics:
         self.rejections: Counter[tuple[str, str]] = Counter()    # (route, code)
         self.errors: Counter[str] = Counter()                    # code sent to a client
         self.connections: Counter[str] = Counter()               # route, open sockets now
+        self.dtmf: Counter[str] = Counter()                      # route, telephone key presses received
         self.closed_totals: Counter[str] = Counter()             # frames_in/frames_out/underruns of closed sessions
         self.live: set[CountedConversation] = set()
         self.loop_lag = LoopLag()
@@ -74,6 +75,7 @@ class Metrics:
         """These counters as plain dicts, to cross to other processes (`render(..., others=[...])`)."""
         return {"admissions": dict(self.admissions), "errors": dict(self.errors),
                 "connections": dict(self.connections), "frames": dict(self.frame_totals()),
+                "dtmf": dict(self.dtmf),
                 "loop_lag_ms": self.loop_lag.quantiles(),
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
@@ -84,11 +86,12 @@ class Metrics:
         others = others or {}
         out: list[str] = []
         admissions, errors, connections = Counter(self.admissions), Counter(self.errors), Counter(self.connections)
-        rejections, totals = Counter(self.rejections), self.frame_totals()
+        rejections, totals, dtmf = Counter(self.rejections), self.frame_totals(), Counter(self.dtmf)
         for other in others.values():
             admissions.update(other.get("admissions", {}))
             errors.update(other.get("errors", {}))
             connections.update(other.get("connections", {}))
+            dtmf.update(other.get("dtmf", {}))
             totals.update(other.get("frames", {}))
             rejections.update({tuple(key.split(_KEY_JOIN, 1)): n for key, n in other.get("rejections", {}).items()})
 
@@ -107,6 +110,8 @@ class Metrics:
                (("", {"code": c}, n) for c, n in sorted(errors.items())))
         family("personaplex_connections", "gauge", "Open WebSocket connections, by route.",
                (("", {"route": r}, n) for r, n in sorted(connections.items())))
+        family("personaplex_dtmf_total", "counter", "Telephone key presses received, by route.",
+               (("", {"route": r}, n) for r, n in sorted(dtmf.items())))
         family("personaplex_frames_in_total", "counter", "80 ms input frames the engine consumed.",
                [("", {}, totals["frames_in"])])
         family("personaplex_frames_out_total", "counter", "80 ms output frames the engine produced.",

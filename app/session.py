@@ -166,7 +166,8 @@ class Session:
             self.conversation.close()
         message = (f"output unread for more than {self.settings.max_output_backlog_s:g} s or "
                    f"{self.settings.max_output_bytes} bytes; closing")
-        self.outbox.put_last(dumps(error_event("output_backpressure", message)))
+        if self.transport is None or self.transport.carries_events:
+            self.outbox.put_last(dumps(error_event("output_backpressure", message)))
         self.spawn(self.close(CLOSE_POLICY, "output_backpressure"))
 
     # ---- closing ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class Settings:
     input_lead_ms: float = 8.0            # workers send each tick's input this long before the engine's deadline
     max_output_bytes: int = 8 << 20       # output bytes queued for a client that does not read before the socket closes
     max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
+    audiosocket_port: int = 0             # Asterisk AudioSocket TCP door; 0: off
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
@@ -126,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-bytes", type=int, help=f"unread output per session (default {d.max_output_bytes})")
     p.add_argument("--max-connections-per-ip", type=int,
                    help=f"open connections per client address, 0 = no limit (default {d.max_connections_per_ip})")
+    p.add_argument("--audiosocket-port", type=int,
+                   help="TCP port for Asterisk AudioSocket calls, on --host (default: off)")
     return p
 
 

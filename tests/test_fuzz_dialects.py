@@ -1,4 +1,5 @@
-"""Property-based fuzzing of every client event of the WebSocket dialects (Realtime, duplex, Twilio) over a real
+"""Property-based fuzzing of every client event of the WebSocket dialects (Realtime, duplex, Twilio, and the bridges
+Telnyx, Vonage, FreeSWITCH) over a real
 socket, against one server per module (tiny model, loopback): arbitrary JSON, wrong types, NaN/Infinity, huge
 strings, deep nesting, truncated text, binary junk, and raw bytes cut mid-frame. Invariant: each message gets clear
 error events (registered codes, no `internal_error`, short echoes) or a documented close, and a bystander
@@ -40,16 +41,27 @@ DUPLEX_TYPES = ["session.create", "session.close", "close", "session.heartbeat",
 DUPLEX_FIELDS = ["session", "audio", "event_id", "reason"]
 TWILIO_TYPES = ["connected", "start", "media", "mark", "clear", "dtmf", "stop"]
 TWILIO_FIELDS = ["start", "streamSid", "media", "mark", "dtmf", "sequenceNumber", "stop", "event_id"]
+TELNYX_TYPES = ["connected", "start", "media", "dtmf", "mark", "error", "stop"]
+TELNYX_FIELDS = ["start", "stream_id", "media", "mark", "dtmf", "sequence_number", "stop", "payload", "event_id"]
+VONAGE_TYPES = ["websocket:connected", "websocket:dtmf", "websocket:notify", "websocket:cleared"]
+VONAGE_FIELDS = ["content-type", "digit", "duration", "payload", "persona", "voice", "event_id"]
 DIALECTS = {
     "realtime": ("/v1/realtime?duplex=1", "type", REALTIME_TYPES, REALTIME_FIELDS),
     "duplex": ("/v1/duplex", "type", DUPLEX_TYPES, DUPLEX_FIELDS),
     "twilio": ("/v1/twilio", "event", TWILIO_TYPES, TWILIO_FIELDS),
+    "telnyx": ("/v1/telnyx", "event", TELNYX_TYPES, TELNYX_FIELDS),
+    "vonage": ("/v1/vonage", "event", VONAGE_TYPES, VONAGE_FIELDS),
+    "freeswitch": ("/v1/freeswitch?rate=16000", "type", ["dtmf"], ["digit", "event_id"]),
 }
 # Well-formed events the fuzz builds on: a started session takes a wider path through each dialect.
 OPENERS: dict[str, list[dict[str, Any]]] = {
     "realtime": [],
     "duplex": [{"type": "session.create", "session": {"pacing": "input"}}],
     "twilio": [{"event": "start", "streamSid": "MZfuzz", "start": {"streamSid": "MZfuzz"}}],
+    "telnyx": [{"event": "start", "stream_id": "fuzz", "start": {
+        "media_format": {"encoding": "PCMU", "sample_rate": 8000, "channels": 1}}}],
+    "vonage": [{"event": "websocket:connected", "content-type": "audio/l16;rate=8000"}],
+    "freeswitch": [{}],      # the metadata
 }
 
 
@@ -124,6 +136,9 @@ def _fuzz_dialect(dialect: str):
 test_fuzz_realtime_events = _fuzz_dialect("realtime")
 test_fuzz_duplex_events = _fuzz_dialect("duplex")
 test_fuzz_twilio_events = _fuzz_dialect("twilio")
+test_fuzz_telnyx_events = _fuzz_dialect("telnyx")
+test_fuzz_vonage_events = _fuzz_dialect("vonage")
+test_fuzz_freeswitch_events = _fuzz_dialect("freeswitch")
 
 
 @FUZZ
