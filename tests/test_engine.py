@@ -6,6 +6,7 @@ import asyncio
 import collections
 import gc
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -24,6 +25,8 @@ from model.engine import (
     SamplingParams,
     SessionParams,
 )
+from model.engine.api import ENGINE_STALLED_S
+from model.engine.core import ENGINE_SWITCH_INTERVAL_S
 from model.loading import load_model
 from model.tiny import write_tiny_checkpoint
 
@@ -436,6 +439,53 @@ async def test_the_engine_thread_runs_the_garbage_collector_between_ticks(make_e
     del allocations
     engine.stop()
     assert gc.isenabled()
+
+
+def test_threads_hand_over_the_gil_every_half_millisecond_while_an_engine_runs(tiny_model):
+    """Each torch op of a CPU tick gives up the GIL and waits to take it back; at Python's 5 ms a busy event loop
+    made every one of those waits 5 ms (a 14 ms tick took ~750 ms). The last engine to stop restores the interval."""
+    before = sys.getswitchinterval()
+    first, second = Engine(tiny_model, EngineConfig(max_sessions=1)), Engine(tiny_model, EngineConfig(max_sessions=1))
+    first.start()
+    try:
+        assert sys.getswitchinterval() == pytest.approx(ENGINE_SWITCH_INTERVAL_S)
+        second.start()
+        second.stop()
+        assert sys.getswitchinterval() == pytest.approx(ENGINE_SWITCH_INTERVAL_S)  # the first still runs
+    finally:
+        first.stop()
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
+async def test_realtime_a_busy_python_thread_does_not_stall_the_ticks(make_engine):
+    """A thread of the same process that never waits (the event loop under a burst of clients) leaves the engine
+    ticking: it never counts as stalled (ENGINE_STALLED_S without a tick), however loaded the machine. Real time:
+    3 s of ticks; the bound allows ~25x the worst gap measured on a loaded 2-core machine (~80 ms)."""
+    engine = make_engine()
+    sink = Collector()
+    await engine.reserve().start(SessionParams(sampling=GREEDY), QueueSource(), sink.on_output, sink.on_error)
+    stamps: list[float] = []
+    engine.add_tick_listener(lambda record, next_tick_at: stamps.append(time.monotonic()))
+    stop = threading.Event()
+
+    def spin() -> None:
+        count = 0
+        while not stop.is_set():
+            count += 1
+
+    spinner = threading.Thread(target=spin)
+    started = time.monotonic()
+    spinner.start()
+    try:
+        while time.monotonic() - started < 3.0:
+            assert engine.running, "the engine went ENGINE_STALLED_S without a tick"
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        spinner.join()
+    ticks = [started, *(t for t in stamps if t > started), time.monotonic()]
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < ENGINE_STALLED_S
+    assert not sink.errors
 
 
 async def test_a_step_hands_out_the_frame_of_the_input_it_took(make_engine, tiny_model):

@@ -369,7 +369,7 @@ class BlockingSource:
 
 
 async def test_an_engine_that_stops_ticking_is_not_ready_realtime(server):
-    """A tick stuck for over ENGINE_STALLED_S (5 s) makes /health 503 with ready false, and ready again once it
+    """A tick stuck for over ENGINE_STALLED_S (2 s) makes /health 503 with ready false, and ready again once it
     ticks: a balancer stops sending calls to a server whose engine hangs, not only to one whose thread died."""
     engine = server.ctx.engine
     slot, source = engine.reserve(), BlockingSource()

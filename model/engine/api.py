@@ -71,9 +71,9 @@ class FrameSource(Protocol):
 
 
 # An engine whose last tick is older than this is not running, whatever its thread or process says (a tick stuck
-# in a step, a source that blocks): health checks report it down. Not 2 s: the tiny model on a loaded 2-core CI
-# machine once went 2 s without a tick (a fresh-clone run of the suite), and new sessions were refused for it.
-ENGINE_STALLED_S = 5.0
+# in a step, a source that blocks): health checks report it down. A CPU engine beside a busy event loop once went
+# 2 s without one on a loaded 2-core machine: its ticks waited for the GIL (core.ENGINE_SWITCH_INTERVAL_S).
+ENGINE_STALLED_S = 2.0
 
 
 @dataclass
