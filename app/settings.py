@@ -54,6 +54,7 @@ class Settings:
     input_lead_ms: float = 8.0            # workers send each tick's input this long before the engine's deadline
     max_output_bytes: int = 8 << 20       # output bytes queued for a client that does not read before the socket closes
     max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
+    engine_stalled_s: float = 2.0         # this long without an engine tick and /health reports the engine down
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-bytes", type=int, help=f"unread output per session (default {d.max_output_bytes})")
     p.add_argument("--max-connections-per-ip", type=int,
                    help=f"open connections per client address, 0 = no limit (default {d.max_connections_per_ip})")
+    p.add_argument("--engine-stalled-s", type=float,
+                   help=f"/health reports the engine down (503) after this long without a tick "
+                        f"(default {d.engine_stalled_s:g})")
     return p
 
 

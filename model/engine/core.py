@@ -35,7 +35,6 @@ import torch
 from model.batch_step import bucket
 from model.config import FRAME_SAMPLES
 from model.engine.api import (
-    ENGINE_STALLED_S,
     EngineConfig,
     EngineError,
     EngineStats,
@@ -131,11 +130,11 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        """Whether the tick thread is up and ticking (for health checks): a tick stuck for ENGINE_STALLED_S counts
-        as down."""
+        """Whether the tick thread is up and ticking (for health checks): a tick stuck for the config's
+        stalled_after_s counts as down."""
         if self._thread is None or not self._thread.is_alive():
             return False
-        return time.monotonic() - self.counters.last_tick_at < ENGINE_STALLED_S
+        return time.monotonic() - self.counters.last_tick_at < self.config.stalled_after_s
 
     @property
     def next_tick_at(self) -> float:
@@ -267,8 +266,10 @@ class Engine:
         self.slots.move(session, "closed")
 
     def stats(self) -> EngineStats:
-        return self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
-                                      self.scheduler.step_seconds())
+        stats = self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
+                                       self.scheduler.step_seconds())
+        stats.stalled_after_s = self.config.stalled_after_s
+        return stats
 
     def recent_ticks(self, count: int) -> list[TickRecord]:
         """The last `count` realtime ticks (at most the last 2000), oldest first: for benchmarks, which read them
