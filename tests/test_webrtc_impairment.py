@@ -28,7 +28,8 @@ def _ice_address():
     ensure_ice_host_address()
 
 
-async def test_loss_and_jitter_on_a_live_call(server, speech_24k):
+async def test_realtime_loss_and_jitter_on_a_live_call(server, speech_24k):
+    """Real time: the impairment, the buffer's growth and its recovery run on the wall clock."""
     rng = random.Random(7)
     call = RealtimeCall(server.url, speech_24k, loop_audio=True)
     await call.connect()
