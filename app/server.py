@@ -106,7 +106,8 @@ def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
     fp8 = settings.kv_cache == "fp8"
     if fp8 and model.device.type != "cuda":
         logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)
-    return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda"))
+    return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda",
+                                      stalled_after_s=settings.engine_stalled_s))
 
 
 async def _startup(app: web.Application) -> None:

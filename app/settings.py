@@ -57,6 +57,7 @@ class Settings:
     max_output_bytes: int = 8 << 20       # output bytes queued for a client that does not read before the socket closes
     max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
     audiosocket_port: int = 0             # Asterisk AudioSocket TCP door; 0: off
+    engine_stalled_s: float = 2.0         # this long without an engine tick and /health reports the engine down
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"open connections per client address, 0 = no limit (default {d.max_connections_per_ip})")
     p.add_argument("--audiosocket-port", type=int,
                    help="TCP port for Asterisk AudioSocket calls, on --host (default: off)")
+    p.add_argument("--engine-stalled-s", type=float,
+                   help=f"/health reports the engine down (503) after this long without a tick "
+                        f"(default {d.engine_stalled_s:g})")
     return p
 
 

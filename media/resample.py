@@ -9,10 +9,54 @@ per-chunk resampling, which gives only ~30 dB SNR at chunk edges (measurements: 
 
 from __future__ import annotations
 
+import errno
+
 import av
 import numpy as np
 
 _EMPTY = np.zeros(0, dtype=np.float32)
+
+
+class MonoResampler:
+    """PyAV's `AudioResampler` (abuffer -> aformat -> abuffersink, the same output) to float32 mono at `rate`, on a
+    filter graph that starts no threads. FFmpeg gives every graph a pool of worker threads by default (3 on 2
+    cores), which none of these filters uses; a session's graphs live until the garbage collector frees its
+    call's reference cycles, so a worker kept ~100 idle threads after a soak."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._graph: av.filter.Graph | None = None
+
+    def resample(self, frame: av.AudioFrame | None) -> list[av.AudioFrame]:
+        """The converted frames that are ready; `None` flushes the tail."""
+        if self._graph is None:
+            if frame is None:
+                return []
+            self._graph = self._build(frame)
+        self._graph.push(frame)
+        out: list[av.AudioFrame] = []
+        while True:
+            try:
+                out.append(self._graph.pull())
+            except EOFError:
+                return out
+            except av.FFmpegError as exc:
+                if exc.errno != errno.EAGAIN:
+                    raise
+                return out
+
+    def _build(self, first: av.AudioFrame) -> av.filter.Graph:
+        graph = av.filter.Graph()
+        graph.threads = 1
+        extra = {} if first.time_base is None else {"time_base": str(first.time_base)}
+        source = graph.add("abuffer", sample_rate=str(first.sample_rate), sample_fmt=first.format.name,
+                           channel_layout=first.layout.name, **extra)
+        convert = graph.add("aformat", sample_rates=str(self.rate), sample_fmts="flt", channel_layouts="mono")
+        sink = graph.add("abuffersink")
+        source.link_to(convert)
+        convert.link_to(sink)
+        graph.configure()
+        return graph
 
 
 class Resampler:
@@ -21,7 +65,7 @@ class Resampler:
             raise ValueError(f"sample rates must be positive, got {in_rate} -> {out_rate}")
         self.in_rate = int(in_rate)
         self.out_rate = int(out_rate)
-        self._swr: av.AudioResampler | None = None
+        self._swr: MonoResampler | None = None
         self.samples_in = 0
         self.samples_out = 0
         self.reset()
@@ -57,7 +101,7 @@ class Resampler:
         self.samples_in = 0
         self.samples_out = 0
         if self.in_rate != self.out_rate:
-            self._swr = av.AudioResampler(format="flt", layout="mono", rate=self.out_rate)
+            self._swr = MonoResampler(self.out_rate)
 
     def _collect(self, frames: list[av.AudioFrame]) -> np.ndarray:
         if not frames:

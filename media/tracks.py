@@ -34,6 +34,8 @@ from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.rtp import RtpPacket
 
+from media.resample import MonoResampler
+
 logger = logging.getLogger(__name__)
 
 AIORTC_VERSION = "1.16.0"
@@ -121,7 +123,7 @@ class InboundAudio:
         self._clock = clock
         self._decoder = av.CodecContext.create("libopus", "r")
         self._decoder.layout = "mono"
-        self._resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
+        self._resampler = MonoResampler(RATE)
         self._mapper = ReorderingTimestampMapper()
         self._delay: int | None = None
         self._next: int | None = None                       # RTP time the next in-order packet should carry

@@ -62,8 +62,11 @@ class RunningServer:
 
 
 def server_settings(checkpoint: Path, **overrides: Any) -> Settings:
+    # engine_stalled_s: the tiny CPU engine shares its process and the GIL with the test's event loop; beside a busy
+    # loop on a 2-core machine that other processes keep busy, its ticks were measured up to 1.8 s apart (the fuzz
+    # suites), so a server under test reports its engine down only after 10 s (the stall test sets the default 2 s).
     base = Settings(model=str(checkpoint), host="127.0.0.1", port=0, max_sessions=2, first_message_timeout_s=10.0,
-                    shutdown_timeout_s=3.0)
+                    shutdown_timeout_s=3.0, engine_stalled_s=10.0)
     return replace(base, **overrides)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -91,3 +93,19 @@ async def wait_in_use(http: aiohttp.ClientSession, url: str, n: int, timeout: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"sessions in use stayed {await sessions_in_use(http, url)}, expected {n}")
         await asyncio.sleep(0.02)
+
+
+async def eventually(check: Callable[[], Any | Awaitable[Any]], timeout_s: float, what: str,
+                     every_s: float = 0.02) -> Any:
+    """Poll `check` (a function or coroutine function) until it returns a truthy value, which is returned; an
+    AssertionError naming `what` and the last value after `timeout_s`: a wait for an event, not a timed claim."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s (last: {str(value)[:2000]})")
+        await asyncio.sleep(every_s)

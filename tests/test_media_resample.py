@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,18 @@ def test_input_validation() -> None:
     assert r.process(np.zeros(0, np.float32)).size == 0
     with pytest.raises(ValueError, match="positive"):
         Resampler(0, 24000)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_resamplers_start_no_threads() -> None:
+    """FFmpeg gives every filter graph a pool of worker threads by default (3 a graph on 2 cores), which a resampler
+    never uses; a session's resamplers live until the garbage collector frees its call, so a worker held ~100 idle
+    threads after a soak."""
+    def threads() -> int:
+        return len(list(Path("/proc/self/task").iterdir()))
+
+    before = threads()
+    resamplers = [Resampler(8000, 24000) for _ in range(5)] + [Resampler(24000, 48000) for _ in range(5)]
+    outputs = [r.process(np.zeros(960, np.float32)) for r in resamplers]
+    assert all(out.size for out in outputs)
+    assert threads() - before < 3  # the test process's own threads may come and go; a pool a graph would be 30

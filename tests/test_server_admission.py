@@ -19,6 +19,7 @@ from server_support import b64, closed_with, encode, expect_error, next_event, u
 
 from model.config import MIMI_NAME
 from model.engine import FrameOutput, SessionParams
+from model.engine.api import ENGINE_STALLED_S
 
 REALTIME = "/v1/realtime?duplex=1"
 
@@ -368,9 +369,10 @@ class BlockingSource:
         return 1
 
 
-async def test_an_engine_that_stops_ticking_is_not_ready_realtime(server):
-    """A tick stuck for over ENGINE_STALLED_S (5 s) makes /health 503 with ready false, and ready again once it
-    ticks: a balancer stops sending calls to a server whose engine hangs, not only to one whose thread died."""
+async def test_an_engine_that_stops_ticking_is_not_ready_realtime(start_server):
+    """A tick stuck for over ENGINE_STALLED_S (2 s, the default) makes /health 503 with ready false, and ready again
+    once it ticks: a balancer stops sending calls to a server whose engine hangs, not only to one whose thread died."""
+    server = await start_server(engine_stalled_s=ENGINE_STALLED_S)
     engine = server.ctx.engine
     slot, source = engine.reserve(), BlockingSource()
     sink: list[FrameOutput] = []

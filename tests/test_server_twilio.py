@@ -27,7 +27,8 @@ def start_event(sid: str = "MZ0001", **params: str) -> dict[str, Any]:
         "customParameters": params}}
 
 
-async def test_fake_bridge_call(server, speech_24k):
+async def test_realtime_fake_bridge_call(server, speech_24k):
+    """Real time: the media it sends back is paced on the wall clock (checked with room for a loaded machine)."""
     caller = ULAW.encode(Resampler(24000, 8000).process(np.tile(speech_24k, 2)[: 24000 * 2]))
     sid = "MZ42"
     received: list[tuple[float, dict[str, Any]]] = []
@@ -72,10 +73,11 @@ async def test_fake_bridge_call(server, speech_24k):
     assert {len(p) for p in payloads} == {160}
     audio = ULAW.decode(b"".join(payloads))
     assert float(np.sqrt(np.mean(audio ** 2))) > 1e-4
-    # Paced at real time: one 20 ms chunk per 20 ms of wall clock, never a burst.
+    # Paced at real time: one 20 ms chunk per 20 ms of wall clock, never a burst (and, however loaded the machine
+    # that runs both ends, at least half of real time).
     span = media[-1][0] - media[0][0]
     assert len(media) <= span / 0.02 + 6, (len(media), span)
-    assert len(media) >= span / 0.02 * 0.7, (len(media), span)
+    assert len(media) >= span / 0.02 * 0.5, (len(media), span)
     marks = [e["mark"]["name"] for e in events if e["event"] == "mark"]
     assert marks == ["greeting", "before-clear"]
     greeting_at = next(i for i, e in enumerate(events) if e["event"] == "mark")

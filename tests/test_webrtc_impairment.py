@@ -28,7 +28,8 @@ def _ice_address():
     ensure_ice_host_address()
 
 
-async def test_loss_and_jitter_on_a_live_call(server, speech_24k):
+async def test_realtime_loss_and_jitter_on_a_live_call(server, speech_24k):
+    """Real time: the impairment, the buffer's growth and its recovery run on the wall clock."""
     rng = random.Random(7)
     call = RealtimeCall(server.url, speech_24k, loop_audio=True)
     await call.connect()
@@ -61,8 +62,9 @@ async def test_loss_and_jitter_on_a_live_call(server, speech_24k):
                           "target_ms_after": st.target_ms, "buffer_back_under_120ms_after_s": back_s}))
         # concealed ≈ lost: every dropped packet (and any delayed past its read) is 20 ms of concealed silence
         assert len(tap.dropped) > 5 and len(tap.delayed) > 100
-        # (a packet that comes after its read is late-dropped, fully or in part: counted once as concealed)
-        assert lost_ms - 20.0 <= st.concealed_ms <= lost_ms + late_ms + 20.0, (st, len(tap.dropped))
+        # (a packet that comes after its read is late-dropped, fully or in part: counted once as concealed; a lost
+        # one in a window shed on overrun, when a loaded machine's slow ticks let the buffer overrun, is not)
+        assert lost_ms - 20.0 - st.overrun_drops_ms <= st.concealed_ms <= lost_ms + late_ms + 20.0, st
         # the timeline is never shortened: every position from the first packet to the newest is read out,
         # shed on purpose (counted, silent windows first) or still waiting; loss takes none of it away
         span_ms = inbound.frames * 20.0 + lost_ms

@@ -70,10 +70,9 @@ class FrameSource(Protocol):
     def frames_ready(self) -> int: ...
 
 
-# An engine whose last tick is older than this is not running, whatever its thread or process says (a tick stuck
-# in a step, a source that blocks): health checks report it down. Not 2 s: the tiny model on a loaded 2-core CI
-# machine once went 2 s without a tick (a fresh-clone run of the suite), and new sessions were refused for it.
-ENGINE_STALLED_S = 5.0
+# By default, an engine whose last tick is older than this is not running, whatever its thread or process says (a
+# tick stuck in a step, a source that blocks): health checks report it down (EngineConfig.stalled_after_s).
+ENGINE_STALLED_S = 2.0
 
 
 @dataclass
@@ -94,6 +93,7 @@ class EngineConfig:
     # before a tick makes that tick ~8 ms longer on the H200, so only as many run as keep the tick (its recent
     # duration plus theirs) within this share of the tick period; in a burst of opens at full load that is none.
     first_half_tick_budget: float = 0.5
+    stalled_after_s: float = ENGINE_STALLED_S  # this long without a tick and health checks report the engine down
 
 
 @dataclass
@@ -147,6 +147,7 @@ class EngineStats:
     # first frame handed out. What a burst of opens costs the callers, as the engine sees it.
     start_ms: dict[str, float] = field(default_factory=dict)
     first_frame_ms: dict[str, float] = field(default_factory=dict)
+    stalled_after_s: float = ENGINE_STALLED_S  # the engine's EngineConfig.stalled_after_s, for its remote users
 
 
 def check_params(params: SessionParams, max_top_k_text: int, max_top_k_audio: int) -> None:

@@ -37,7 +37,7 @@ from model.engine import (
     SessionParams,
     SlotStats,
 )
-from model.engine.api import ENGINE_STALLED_S, check_params
+from model.engine.api import check_params
 from model.engine.channel import (
     Close,
     Counters,
@@ -185,7 +185,7 @@ class RemoteEngine:
         """Connected, and the engine ticked lately (a stuck engine process counts as down)."""
         if self._writer is None or self._stats is None:
             return False
-        return time.monotonic() - self._stats.last_tick_at < ENGINE_STALLED_S
+        return time.monotonic() - self._stats.last_tick_at < self._stats.stalled_after_s
 
     @property
     def max_sessions(self) -> int:

@@ -24,6 +24,7 @@ import asyncio
 import gc
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -34,7 +35,6 @@ import torch
 from model.batch_step import bucket
 from model.config import FRAME_SAMPLES
 from model.engine.api import (
-    ENGINE_STALLED_S,
     EngineConfig,
     EngineError,
     EngineStats,
@@ -59,21 +59,32 @@ log = logging.getLogger(__name__)
 
 TickListener = Callable[[TickRecord, float], None]
 
-_collector_lock = threading.Lock()
-_collector_owners = 0
+# While an engine runs, a thread that waits for the GIL asks its holder to drop it after this long (Python's default:
+# 5 ms). Each torch op of a CPU tick releases the GIL and takes it back (~150 a tick on the tiny model); beside a
+# busy Python thread of the same process (the event loop under a burst of clients) every take waited a whole
+# interval: a 14 ms tick took ~750 ms, and over 2 s on a loaded 2-core machine, where health then reported the
+# engine stalled. At 0.5 ms that tick takes ~60 ms; the cost is more frequent switches between busy threads.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
+_owners_lock = threading.Lock()
+_owners = 0
+_switch_interval_before = 0.0
 
 
-def _collector_owned(running: bool) -> None:
+def _process_owned(running: bool) -> None:
     """While an engine runs, its thread starts the garbage collector (_collect_garbage), not allocation counts:
     an automatic collection falls inside a tick as often as not, and one of the older generations takes
-    milliseconds over a loaded server."""
-    global _collector_owners
-    with _collector_lock:
-        _collector_owners += 1 if running else -1
-        if _collector_owners > 0:
+    milliseconds over a loaded server. And threads hand over the GIL every ENGINE_SWITCH_INTERVAL_S."""
+    global _owners, _switch_interval_before
+    with _owners_lock:
+        _owners += 1 if running else -1
+        if running and _owners == 1:
             gc.disable()
-        else:
+            _switch_interval_before = sys.getswitchinterval()
+            sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+        elif not running and _owners == 0:
             gc.enable()
+            sys.setswitchinterval(_switch_interval_before)
 
 
 def _collect_garbage() -> None:
@@ -119,11 +130,11 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        """Whether the tick thread is up and ticking (for health checks): a tick stuck for ENGINE_STALLED_S counts
-        as down."""
+        """Whether the tick thread is up and ticking (for health checks): a tick stuck for the config's
+        stalled_after_s counts as down."""
         if self._thread is None or not self._thread.is_alive():
             return False
-        return time.monotonic() - self.counters.last_tick_at < ENGINE_STALLED_S
+        return time.monotonic() - self.counters.last_tick_at < self.config.stalled_after_s
 
     @property
     def next_tick_at(self) -> float:
@@ -156,7 +167,7 @@ class Engine:
         # create. stop() hands it all back.
         gc.collect()
         gc.freeze()
-        _collector_owned(True)
+        _process_owned(True)
         self._running = True
         self.scheduler.start_clock()
         self.counters.last_tick_at = time.monotonic()  # a first tick that never ends is a stall too
@@ -169,7 +180,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-            _collector_owned(False)
+            _process_owned(False)
             gc.unfreeze()
         # Work queued for the thread will never run: answer everyone who waits on it.
         stopped = EngineError("the engine stopped", "engine_stopped")
@@ -255,8 +266,10 @@ class Engine:
         self.slots.move(session, "closed")
 
     def stats(self) -> EngineStats:
-        return self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
-                                      self.scheduler.step_seconds())
+        stats = self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
+                                       self.scheduler.step_seconds())
+        stats.stalled_after_s = self.config.stalled_after_s
+        return stats
 
     def recent_ticks(self, count: int) -> list[TickRecord]:
         """The last `count` realtime ticks (at most the last 2000), oldest first: for benchmarks, which read them
