@@ -53,6 +53,7 @@ class Metrics:
         self.errors: Counter[str] = Counter()                    # code sent to a client
         self.connections: Counter[str] = Counter()               # route, open sockets now
         self.closed_totals: Counter[str] = Counter()             # frames_in/frames_out/underruns of closed sessions
+        self.sip: Counter[str] = Counter()                       # SIP door events: dtmf, malformed, rtp drops...
         self.live: set[CountedConversation] = set()
         self.loop_lag = LoopLag()
 
@@ -73,7 +74,7 @@ class Metrics:
     def snapshot(self) -> dict[str, dict[str, int]]:
         """These counters as plain dicts, to cross to other processes (`render(..., others=[...])`)."""
         return {"admissions": dict(self.admissions), "errors": dict(self.errors),
-                "connections": dict(self.connections), "frames": dict(self.frame_totals()),
+                "connections": dict(self.connections), "frames": dict(self.frame_totals()), "sip": dict(self.sip),
                 "loop_lag_ms": self.loop_lag.quantiles(),
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
@@ -83,8 +84,9 @@ class Metrics:
         others = others or {}
         out: list[str] = []
         admissions, errors, connections = Counter(self.admissions), Counter(self.errors), Counter(self.connections)
-        rejections, totals = Counter(self.rejections), self.frame_totals()
+        rejections, totals, sip = Counter(self.rejections), self.frame_totals(), Counter(self.sip)
         for other in others.values():
+            sip.update(other.get("sip", {}))
             admissions.update(other.get("admissions", {}))
             errors.update(other.get("errors", {}))
             connections.update(other.get("connections", {}))
@@ -106,6 +108,9 @@ class Metrics:
                (("", {"code": c}, n) for c, n in sorted(errors.items())))
         family("personaplex_connections", "gauge", "Open WebSocket connections, by route.",
                (("", {"route": r}, n) for r, n in sorted(connections.items())))
+        family("personaplex_sip_events_total", "counter",
+               "SIP door events: telephone-events, malformed messages, RTP packets dropped (by reason).",
+               (("", {"event": e}, n) for e, n in sorted(sip.items())))
         family("personaplex_frames_in_total", "counter", "80 ms input frames the engine consumed.",
                [("", {}, totals["frames_in"])])
         family("personaplex_frames_out_total", "counter", "80 ms output frames the engine produced.",

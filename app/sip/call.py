@@ -1,0 +1,259 @@
+"""One SIP call's media: its RTP/RTCP ports, the conversation behind them, and the 20 ms sender.
+
+Inbound RTP goes through `media.rtp.RtpReceiver` into the conversation's jitter buffer at its RTP time. The first
+valid packet latches the send address (RFC 7362: behind NAT the packets come from where ours must go), and we send
+from the port we receive on (symmetric RTP, RFC 4961). Outbound: engine frames (24 kHz) are resampled to the codec's
+rate into a playout buffer; a sender task takes 20 ms from it every 20 ms of wall clock, silence when the model has
+nothing, so the caller never hears a gap. While the call is on hold (we answered recvonly/inactive) the timestamps go
+on advancing but nothing is sent. A sender that wakes late moves its clock on instead of bursting. RTCP: a sender
+report every 5 s from the RTCP port; what arrives there is counted, not read.
+
+`latency_ms()` gives what the SIP path adds on each side: inbound, a datagram's decode and push; outbound, the wait
+from an engine frame's arrival to the RTP packet carrying its first sample (bench/sip_latency.py reports both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
+
+from app.conversation import Conversation, InputPolicy
+from app.metrics import Metrics
+from app.sip.sdp import Choice
+from media.playout import PlayoutBuffer, PlayoutConfig
+from media.resample import Resampler
+from media.rtp import MODEL_RATE, AudioCodec, RtpReceiver, TelephoneEvent, build_rtp
+from model.engine import EngineError, FrameOutput, SessionParams, Slot
+
+logger = logging.getLogger(__name__)
+
+PACKET_S = 0.020
+STALL_S = 0.040          # a send this late moves the clock on instead of catching up in a burst
+RTCP_INTERVAL_S = 5.0
+# The sender reads every 20 ms at a phase unrelated to the engine's ticks, so 10 ms of prebuffer is the slack a late
+# tick needs; an underrun adds 20 ms (media.playout).
+PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
+_NTP_EPOCH = 2208988800
+
+
+class PortRange:
+    """Even RTP ports (RTCP on the next odd one) handed out from `first-last`."""
+
+    def __init__(self, spec: str) -> None:
+        try:
+            first, last = (int(p) for p in spec.split("-", 1))
+        except ValueError:
+            raise ValueError(f"--rtp-ports takes FIRST-LAST, got {spec!r}") from None
+        if not 1024 <= first < last <= 65535:
+            raise ValueError(f"--rtp-ports {spec!r}: need 1024 <= FIRST < LAST <= 65535")
+        self.ports = list(range(first + first % 2, last, 2))
+        self._next = 0
+
+    def candidates(self) -> list[int]:
+        """Every port once, starting after the last one handed out (a port freed a moment ago is tried last)."""
+        n = len(self.ports)
+        order = [self.ports[(self._next + i) % n] for i in range(n)]
+        self._next = (self._next + 1) % n
+        return order
+
+
+class _Socket(asyncio.DatagramProtocol):
+    def __init__(self, on_datagram: Callable[[bytes, tuple[str, int]], None]) -> None:
+        self.on_datagram = on_datagram
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.on_datagram(data, addr[:2])
+
+    def error_received(self, exc: Exception) -> None:
+        pass  # ICMP port unreachable from a caller that went away: the BYE or the timers end the call
+
+
+@dataclass
+class CallStats:
+    dtmf: list[str] = field(default_factory=list)
+    packets_sent: int = 0
+    rtcp_received: int = 0
+    latched: bool = False
+
+
+class MediaSession:
+    """RTP for one call: `open()` binds the ports, `start()` the conversation, `close()` frees everything."""
+
+    def __init__(self, slot: Slot, choice: Choice, metrics: Metrics, host: str,
+                 on_event: Callable[[TelephoneEvent], None], on_failure: Callable[[EngineError], None]) -> None:
+        self.choice = choice
+        self.host = host
+        self.port = 0
+        self.stats = CallStats()
+        self._metrics = metrics
+        self._on_event = on_event
+        self._on_failure = on_failure
+        self.conversation = Conversation(slot, metrics=metrics, input_policy=InputPolicy())
+        self.remote = choice.remote
+        self.remote_rtcp = choice.remote_rtcp
+        self.receiver: RtpReceiver | None = None
+        self._rtp: _Socket | None = None
+        self._rtcp: _Socket | None = None
+        self._codec = AudioCodec(choice.codec)
+        self._to_codec = Resampler(MODEL_RATE, choice.codec.sample_rate)
+        self.playout = PlayoutBuffer(choice.codec.sample_rate, PLAYOUT)
+        self._ssrc = random.getrandbits(32)
+        self._seq = random.getrandbits(16)
+        self._ts = random.getrandbits(32)
+        self._octets = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._frames: deque[tuple[int, float]] = deque(maxlen=64)     # (playout position, arrival) of engine frames
+        self.out_latency: deque[float] = deque(maxlen=2000)            # seconds, per frame
+        self.in_cost: deque[float] = deque(maxlen=2000)                # seconds, per datagram
+        self.closed = False
+
+    async def open(self, ports: PortRange) -> None:
+        """Bind an even RTP port and the RTCP port after it; OSError when the whole range is taken."""
+        loop = asyncio.get_running_loop()
+        for port in ports.candidates():
+            rtp = rtcp = None
+            try:
+                _, rtp = await loop.create_datagram_endpoint(lambda: _Socket(self._on_rtp),
+                                                             local_addr=(self.host, port))
+                _, rtcp = await loop.create_datagram_endpoint(lambda: _Socket(self._on_rtcp),
+                                                              local_addr=(self.host, port + 1))
+            except OSError:
+                for sock in (rtp, rtcp):
+                    if sock is not None and sock.transport is not None:
+                        sock.transport.close()
+                continue
+            self._rtp, self._rtcp, self.port = rtp, rtcp, port
+            return
+        raise OSError("no free RTP port pair in --rtp-ports")
+
+    def start(self, params: SessionParams) -> asyncio.Task[None]:
+        """The conversation's prefill (the caller waits for it before answering 200) and the sender."""
+        conv = self.conversation
+        conv.add_listener(self._on_frame, self._on_failure)
+        task = conv.start(params)
+        assert conv.input is not None
+        self.receiver = RtpReceiver(self.choice.codec, self.choice.payload_type, self.choice.dtmf_pt, conv.input,
+                                    on_event=self._dtmf)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._send_loop()), loop.create_task(self._rtcp_loop())]
+        return task
+
+    def update(self, choice: Choice) -> None:
+        """A re-INVITE's answer: a new codec, direction or address takes effect now."""
+        if choice.codec != self.choice.codec:
+            self._codec = AudioCodec(choice.codec)
+            self._to_codec = Resampler(MODEL_RATE, choice.codec.sample_rate)
+            self.playout = PlayoutBuffer(choice.codec.sample_rate, PLAYOUT)
+        if self.receiver is not None:
+            if choice.codec != self.choice.codec or choice.payload_type != self.choice.payload_type:
+                self.receiver.set_codec(choice.codec, choice.payload_type)
+            self.receiver.dtmf_pt = choice.dtmf_pt
+        if choice.remote != self.choice.remote:
+            self.remote, self.remote_rtcp, self.stats.latched = choice.remote, choice.remote_rtcp, False
+        self.choice = choice
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.conversation.close()
+        for task in self._tasks:
+            task.cancel()
+        for sock in (self._rtp, self._rtcp):
+            if sock is not None and sock.transport is not None:
+                sock.transport.close()
+
+    # ---- inbound ---------------------------------------------------------------------------------------------
+
+    def _on_rtp(self, data: bytes, addr: tuple[str, int]) -> None:
+        if self.closed or self.receiver is None:
+            return
+        began = time.perf_counter()
+        try:
+            valid = self.receiver.receive(data)
+        except ValueError:           # audio the jitter buffer refused (NaN from a broken decoder): dropped
+            self.receiver.stats.drop("refused")
+            valid = False
+        if valid:
+            self.in_cost.append(time.perf_counter() - began)
+            if not self.stats.latched:
+                self.remote, self.remote_rtcp, self.stats.latched = addr, (addr[0], addr[1] + 1), True
+
+    def _on_rtcp(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.stats.rtcp_received += 1
+
+    def _dtmf(self, event: TelephoneEvent) -> None:
+        self.stats.dtmf.append(event.name)
+        self._metrics.sip["dtmf"] += 1
+        self._on_event(event)
+
+    # ---- outbound --------------------------------------------------------------------------------------------
+
+    def _on_frame(self, frame: FrameOutput) -> None:
+        if self.closed:
+            return
+        self._frames.append((self.playout.stats().written_samples, time.monotonic()))
+        self.playout.write(self._to_codec.process(frame.audio))
+
+    async def _send_loop(self) -> None:
+        due = time.monotonic()
+        while not self.closed:
+            n = self.choice.codec.samples_per_packet
+            chunk = self.playout.read(n)
+            now = time.monotonic()
+            drained = self.playout.stats().drained_samples
+            while self._frames and self._frames[0][0] < drained:
+                self.out_latency.append(now - self._frames.popleft()[1])
+            if self.choice.sends and self._rtp is not None and self._rtp.transport is not None:
+                payload = self._codec.encode(chunk)
+                self._rtp.transport.sendto(build_rtp(self.choice.payload_type, self._seq, self._ts, self._ssrc,
+                                                     payload, marker=self.stats.packets_sent == 0), self.remote)
+                self.stats.packets_sent += 1
+                self._octets += len(payload)
+            self._seq = (self._seq + 1) & 0xFFFF
+            self._ts = (self._ts + self.choice.codec.ticks_per_packet) & 0xFFFFFFFF
+            due += PACKET_S
+            if now - due > STALL_S:
+                missed = int((now - due) / PACKET_S)
+                self._ts = (self._ts + missed * self.choice.codec.ticks_per_packet) & 0xFFFFFFFF
+                due += missed * PACKET_S
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+
+    async def _rtcp_loop(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(RTCP_INTERVAL_S)
+            if self._rtcp is None or self._rtcp.transport is None or not self.choice.sends:
+                continue
+            now = time.time() + _NTP_EPOCH
+            ntp = (int(now) << 32) | int((now % 1) * (1 << 32))
+            sr = RtcpSrPacket(ssrc=self._ssrc, sender_info=RtcpSenderInfo(
+                ntp_timestamp=ntp, rtp_timestamp=self._ts, packet_count=self.stats.packets_sent,
+                octet_count=self._octets & 0xFFFFFFFF))
+            self._rtcp.transport.sendto(bytes(sr), self.remote_rtcp)
+
+    def latency_ms(self) -> dict[str, float]:
+        def p50(values: deque[float]) -> float:
+            return round(float(np.median(values)) * 1000.0, 2) if values else 0.0
+        return {"inbound_p50_ms": p50(self.in_cost), "outbound_p50_ms": p50(self.out_latency)}
+
+    def snapshot(self) -> dict[str, object]:
+        rx = self.receiver.stats if self.receiver is not None else None
+        return {"codec": self.choice.codec.rtpmap(), "payload_type": self.choice.payload_type,
+                "direction": self.choice.direction, "rtp_port": self.port, "remote": list(self.remote),
+                "latched": self.stats.latched, "packets_sent": self.stats.packets_sent,
+                "packets_received": rx.packets if rx else 0, "dropped": dict(rx.dropped) if rx else {},
+                "lost": rx.lost if rx else 0, "seq_jumps": rx.seq_jumps if rx else 0,
+                "rtcp_received": self.stats.rtcp_received, "dtmf": list(self.stats.dtmf),
+                "conversation": self.conversation.counters(), **self.latency_ms()}
