@@ -63,7 +63,7 @@ MAX_CACHED = 10000                # responses kept for retransmitted requests (b
 RETRY_AFTER_S = "30"
 _DIALOG_METHODS = ("BYE", "UPDATE", "INFO")
 _RPORT = re.compile(r";\s*rport(?=[;\s]|$)")
-_LENGTH = re.compile(rb"^(?:content-length|l)[ \t]*:[ \t]*(\d+)[ \t]*$", re.I | re.M)
+_LENGTH = re.compile(rb"^(?:content-length|l)[ \t]*:[ \t]*(\d+)[ \t]*\r?$", re.I | re.M)
 
 
 class Refusal(Exception):
