@@ -49,3 +49,9 @@ def test_prefill_bench_prints_chunks_and_whole_prompts() -> None:
     prompt = next(line for line in lines if line["bench"] == "prompt_prefill")
     assert chunk["chunk_frames"] == 16 and chunk["wall_ms_p50"] > 0
     assert prompt["prompt_frames"] == 57 and prompt["pieces"] == [64] and prompt["wall_ms_p50"] > 0
+
+
+def test_sip_latency_bench_prints_the_sip_paths_added_latency() -> None:
+    [line] = bench_lines("bench.sip_latency", "--seconds", "2")
+    assert line["bench"] == "sip_latency" and line["clients"][0]["packets_per_s"] > 0
+    assert line["added_p50_ms"] == round(line["inbound_p50_ms"] + line["outbound_p50_ms"] + line["resampler_ms"], 2)

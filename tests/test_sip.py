@@ -199,6 +199,29 @@ async def test_digest_authentication(sip_server: StartServer, caller: Any) -> No
     rtp.close()
 
 
+async def test_the_request_uri_picks_the_agent_and_x_headers_when_allowed(sip_server: StartServer, caller: Any,
+                                                                          tmp_path: Path) -> None:
+    persona = tmp_path / "sales.txt"
+    persona.write_text("You sell tickets.")
+    srv = await sip_server(sip_agents=(f"sales=,{persona}",), sip_x_headers=True)
+    client = await caller(srv)
+    d = client.dialog("nobody")
+    final = (await client.invite(d, offer("127.0.0.1", 40000, PCMU_OFFER)))[-1]
+    assert final.code == 404
+    d = client.dialog("sales")
+    final = (await client.invite(d, offer("127.0.0.1", 40000, PCMU_OFFER), {"X-Voice": "no-such-voice"}))[-1]
+    assert final.code == 400
+    d, rtp, _, _ = await connect(client, user="sales")
+    [call] = await calls(srv)
+    assert call["agent"] == "sales"
+    assert srv.app[SIP].dialogs[d.call_id].media.conversation.params.persona == "You sell tickets."
+    d2, rtp2, _, _ = await connect(client, user="sales", headers={"X-Persona": "You are a pirate."})
+    assert srv.app[SIP].dialogs[d2.call_id].media.conversation.params.persona == "You are a pirate."
+    for dialog, peer in ((d, rtp), (d2, rtp2)):
+        assert (await client.bye(dialog)).code == 200
+        peer.close()
+
+
 # ---- call flow ------------------------------------------------------------------------------------------------------
 
 async def test_cancel_before_the_answer_gets_487_and_frees_the_slot(sip_server: StartServer, caller: Any) -> None:
@@ -314,7 +337,7 @@ async def test_hostile_rtp_is_dropped_and_counted_and_other_calls_go_on(sip_serv
     stranger = RtpPeer()
     await stranger.open()
     silence = enc.encode(np.zeros(160, np.float32))
-    for i in range(20):
+    for _ in range(20):
         stranger.send_packet(0, silence, remote1, 160)                   # another SSRC
     rtp1.send_raw(build_rtp(0, rtp1.seq, rtp1.ts, rtp1.ssrc, b"\xff" * 3000), remote1)   # oversized
     rtp1.send_raw(b"\x80\x00garbage", remote1)                           # too short to be RTP

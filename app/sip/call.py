@@ -6,7 +6,8 @@ from the port we receive on (symmetric RTP, RFC 4961). Outbound: engine frames (
 rate into a playout buffer; a sender task takes 20 ms from it every 20 ms of wall clock, silence when the model has
 nothing, so the caller never hears a gap. While the call is on hold (we answered recvonly/inactive) the timestamps go
 on advancing but nothing is sent. A sender that wakes late moves its clock on instead of bursting. RTCP: a sender
-report every 5 s from the RTCP port; what arrives there is counted, not read.
+report every 5 s from the RTCP port; what arrives there is counted, not read. A caller that should be sending and
+has sent no RTP for 30 s is taken as gone: the call ends with our BYE, so its slot does not stay taken.
 
 `latency_ms()` gives what the SIP path adds on each side: inbound, a datagram's decode and push; outbound, the wait
 from an engine frame's arrival to the RTP packet carrying its first sample (bench/sip_latency.py reports both).
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 PACKET_S = 0.020
 STALL_S = 0.040          # a send this late moves the clock on instead of catching up in a burst
 RTCP_INTERVAL_S = 5.0
+RTP_TIMEOUT_S = 30.0     # no RTP this long from a caller that should be sending: it is gone (no BYE came)
 # The sender reads every 20 ms at a phase unrelated to the engine's ticks, so 10 ms of prebuffer is the slack a late
 # tick needs; an underrun adds 20 ms (media.playout).
 PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
@@ -92,7 +94,8 @@ class MediaSession:
     """RTP for one call: `open()` binds the ports, `start()` the conversation, `close()` frees everything."""
 
     def __init__(self, slot: Slot, choice: Choice, metrics: Metrics, host: str,
-                 on_event: Callable[[TelephoneEvent], None], on_failure: Callable[[EngineError], None]) -> None:
+                 on_event: Callable[[TelephoneEvent], None], on_failure: Callable[[EngineError], None],
+                 on_timeout: Callable[[], None]) -> None:
         self.choice = choice
         self.host = host
         self.port = 0
@@ -100,6 +103,8 @@ class MediaSession:
         self._metrics = metrics
         self._on_event = on_event
         self._on_failure = on_failure
+        self._on_timeout = on_timeout
+        self._heard_at = time.monotonic()   # the last valid RTP packet (or the start, or a direction change)
         self.conversation = Conversation(slot, metrics=metrics, input_policy=InputPolicy())
         self.remote = choice.remote
         self.remote_rtcp = choice.remote_rtcp
@@ -160,6 +165,7 @@ class MediaSession:
             if choice.codec != self.choice.codec or choice.payload_type != self.choice.payload_type:
                 self.receiver.set_codec(choice.codec, choice.payload_type)
             self.receiver.dtmf_pt = choice.dtmf_pt
+        self._heard_at = time.monotonic()
         if choice.remote != self.choice.remote:
             self.remote, self.remote_rtcp, self.stats.latched = choice.remote, choice.remote_rtcp, False
         self.choice = choice
@@ -187,6 +193,7 @@ class MediaSession:
             self.receiver.stats.drop("refused")
             valid = False
         if valid:
+            self._heard_at = time.monotonic()
             self.in_cost.append(time.perf_counter() - began)
             if not self.stats.latched:
                 self.remote, self.remote_rtcp, self.stats.latched = addr, (addr[0], addr[1] + 1), True
@@ -232,8 +239,13 @@ class MediaSession:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
 
     async def _rtcp_loop(self) -> None:
+        """Every 5 s: a sender report, and the check for a caller that vanished without BYE."""
         while not self.closed:
             await asyncio.sleep(RTCP_INTERVAL_S)
+            if self.choice.direction in ("sendrecv", "recvonly") and \
+                    time.monotonic() - self._heard_at > RTP_TIMEOUT_S:
+                self._on_timeout()
+                return
             if self._rtcp is None or self._rtcp.transport is None or not self.choice.sends:
                 continue
             now = time.time() + _NTP_EPOCH

@@ -370,7 +370,8 @@ class SipServer:
             slot = await admit(self.ctx)
             media = MediaSession(slot, choice, self.ctx.metrics, self.settings.host,
                                  on_event=lambda e: self._on_dtmf(req.call_id, e),
-                                 on_failure=lambda e: self._on_engine_failure(req.call_id, e))
+                                 on_failure=lambda e: self._on_engine_failure(req.call_id, e),
+                                 on_timeout=lambda: self._on_rtp_timeout(req.call_id))
             dialog = self._dialog(req, tx, tag, agent.name if agent else "", media)
             try:
                 await media.open(self.ports)
@@ -694,6 +695,12 @@ class SipServer:
         if dialog is not None:
             logger.warning("SIP call %s: the engine failed it (%s); hanging up", call_id, error.message)
             self._end(dialog, error.code, send_bye=dialog.confirmed)
+
+    def _on_rtp_timeout(self, call_id: str) -> None:
+        dialog = self.dialogs.get(call_id)
+        if dialog is not None:
+            self.ctx.metrics.sip["rtp_timeout"] += 1
+            self._end(dialog, "rtp_timeout", send_bye=True)
 
     # ---- addresses -------------------------------------------------------------------------------------------
 
