@@ -233,11 +233,14 @@ class SipServer:
     async def stop(self) -> None:
         for dialog in list(self.dialogs.values()):
             self._end(dialog, "shutdown", send_bye=dialog.confirmed)
-        for tx in self.invites.values():
+        for tx in list(self.invites.values()):
             if tx.timer is not None:
                 tx.timer.cancel()
             if tx.task is not None:
                 tx.task.cancel()
+            if not tx.final:                   # an INVITE still being answered: the trunk may try elsewhere
+                self._send(tx, tx.request, 503, "Service Unavailable", secrets.token_hex(6),
+                           [("Retry-After", RETRY_AFTER_S)])
         for timer in self.byes.values():
             timer.cancel()
         if self._udp is not None:
@@ -356,6 +359,11 @@ class SipServer:
     # ---- INVITE ----------------------------------------------------------------------------------------------
 
     def _new_invite(self, req: Request, peer: Peer, reply_to: tuple[str, int]) -> None:
+        if len(self.invites) >= MAX_CACHED:    # an INVITE flood: answered, but no transaction state kept
+            self.ctx.metrics.sip["invite_overload"] += 1
+            self._reply(req, peer, reply_to, 503, "Service Unavailable", to_tag=secrets.token_hex(6),
+                        headers=[("Retry-After", RETRY_AFTER_S)])
+            return
         tx = InviteTx(req.call_id, req.cseq.sequence, req.via[0].parameters.get("branch") or "", peer, reply_to, req)
         self.invites[(tx.call_id, tx.cseq)] = tx
         tx.task = asyncio.get_running_loop().create_task(self._answer(req, tx))
