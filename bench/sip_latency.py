@@ -7,6 +7,10 @@ own measurements (app/sip/call.py):
 - outbound: from an engine frame's arrival on the event loop to the RTP packet that carries its first sample
   (the playout prebuffer and the 20 ms send clock's phase);
 - resampler: the swr filters' held-back samples, codec rate <-> 24 kHz, both directions.
+The outbound wait includes the audio queued ahead of each frame when it lands (`outbound_queued_ahead_p50_ms`): with
+an engine that keeps time that is the packet still playing (<= 20 ms); after late ticks the engine's frames come
+bunched and the playout buffer holds them (up to its prebuffer + 160 ms), so on a loaded machine the engine's
+lateness shows up here. `engine_late_ticks` and `engine_tick_p99_ms` say how the engine kept time during the run.
 `added_p50_ms` is their sum, the figure held against the 40 ms target. The jitter buffer's own wait (every door has
 it) and the engine's 80 ms frame are not the SIP path's and are not counted. The caller also reports how evenly
 the server's packets arrived (inter-arrival p50/p99) and how many came per second.
@@ -80,7 +84,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     sip = app[SIP]
-    samples: dict[str, list[float]] = {"inbound": [], "outbound": [], "resampler": []}
+    samples: dict[str, list[float]] = {"inbound": [], "outbound": [], "ahead": [], "resampler": []}
 
     async def watch() -> None:
         while True:
@@ -91,8 +95,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     continue
                 samples["inbound"] = samples["inbound"][-20000:] + [t * 1000 for t in media.in_cost]
                 samples["outbound"] = samples["outbound"][-20000:] + [t * 1000 for t in media.out_latency]
+                samples["ahead"] = samples["ahead"][-20000:] + [t * 1000 for t in media.out_ahead]
                 media.in_cost.clear()
                 media.out_latency.clear()
+                media.out_ahead.clear()
                 held = media.receiver._resampler.held_back / MODEL_RATE + \
                     media._to_codec.held_back / media.choice.codec.sample_rate
                 samples["resampler"].append(held * 1000)
@@ -113,6 +119,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     return {"bench": "sip_latency", "model": args.model, "codec": args.codec, "calls": args.calls,
             "seconds": args.seconds, "inbound_p50_ms": p50("inbound"), "outbound_p50_ms": p50("outbound"),
             "outbound_p99_ms": round(float(np.percentile(samples["outbound"], 99)), 2) if samples["outbound"] else 0,
+            "outbound_queued_ahead_p50_ms": p50("ahead"),
             "resampler_ms": p50("resampler"), "added_p50_ms": round(added, 2), "target_ms": 40.0,
             "within_target": added <= 40.0, "clients": clients,
             # A late engine tick empties the playout buffer, whose prebuffer then grows (media/playout.py): on a

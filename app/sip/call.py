@@ -10,7 +10,8 @@ report every 5 s from the RTCP port; what arrives there is counted, not read. A 
 has sent no RTP for 30 s is taken as gone: the call ends with our BYE, so its slot does not stay taken.
 
 `latency_ms()` gives what the SIP path adds on each side: inbound, a datagram's decode and push; outbound, the wait
-from an engine frame's arrival to the RTP packet carrying its first sample (bench/sip_latency.py reports both).
+from an engine frame's arrival to the RTP packet carrying its first sample, and how much audio was queued ahead of
+it then (engine frames that came bunched after a late tick; bench/sip_latency.py reports them).
 """
 
 from __future__ import annotations
@@ -40,10 +41,23 @@ PACKET_S = 0.020
 STALL_S = 0.040          # a send this late moves the clock on instead of catching up in a burst
 RTCP_INTERVAL_S = 5.0
 RTP_TIMEOUT_S = 30.0     # no RTP this long from a caller that should be sending: it is gone (no BYE came)
-# The sender reads every 20 ms at a phase unrelated to the engine's ticks, so 10 ms of prebuffer is the slack a late
-# tick needs; an underrun adds 20 ms (media.playout).
+# The 20 ms send grid follows the engine's 80 ms frames as the WebRTC track does (app/webrtc.py): at the first played
+# frame and after an underrun the next packet leaves ALIGN_S after the frame landed; a frame then waits one packet
+# (20 ms, the previous frame's last) plus ALIGN_S. The tick's phase moves with the engine's load: when every frame
+# of the last REPACE_FRAMES waited more than that by over 3 ms, the grid is brought forward by the smallest excess.
+# The 10 ms prebuffer is the slack of a late tick; an underrun adds 20 ms (media.playout).
 PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
+ALIGN_S = 0.002
+REPACE_FRAMES = 25
+# Frame 0 comes straight after the prompt prefill, 0-80 ms behind the tick grid: playing it would leave that much
+# standing latency for the whole call. It answers the first 80 ms of the call, i.e. nothing yet.
+FIRST_PLAYED_FRAME = 1
 _NTP_EPOCH = 2208988800
+
+
+def _wake_up(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class PortRange:
@@ -86,6 +100,8 @@ class _Socket(asyncio.DatagramProtocol):
 class CallStats:
     dtmf: list[str] = field(default_factory=list)
     packets_sent: int = 0
+    stalls: int = 0              # the sender woke a stall late and skipped that time (and its audio)
+    shed_ms: float = 0.0         # standing output backlog dropped to keep the latency down
     rtcp_received: int = 0
     latched: bool = False
 
@@ -119,8 +135,13 @@ class MediaSession:
         self._ts = random.getrandbits(32)
         self._octets = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._due = 0.0                      # when the sender's next packet leaves
+        self._underruns_seen = 0
+        self._paced = 0                      # frames since the grid was last moved or checked
+        self._wake: asyncio.Future[None] | None = None
         self._frames: deque[tuple[int, float]] = deque(maxlen=64)     # (playout position, arrival) of engine frames
         self.out_latency: deque[float] = deque(maxlen=2000)            # seconds, per frame
+        self.out_ahead: deque[float] = deque(maxlen=2000)              # seconds of audio queued ahead of each frame
         self.in_cost: deque[float] = deque(maxlen=2000)                # seconds, per datagram
         self.closed = False
 
@@ -209,14 +230,40 @@ class MediaSession:
     # ---- outbound --------------------------------------------------------------------------------------------
 
     def _on_frame(self, frame: FrameOutput) -> None:
-        if self.closed:
+        if self.closed or frame.index < FIRST_PLAYED_FRAME:
             return
-        self._frames.append((self.playout.stats().written_samples, time.monotonic()))
+        now = time.monotonic()
+        stats = self.playout.stats()
+        self._frames.append((stats.written_samples, now))
+        self.out_ahead.append(stats.depth_ms / 1000.0)
         self.playout.write(self._to_codec.process(frame.audio))
+        if frame.index == FIRST_PLAYED_FRAME or stats.underruns != self._underruns_seen:
+            self._move_grid(now + ALIGN_S)
+            self._underruns_seen = stats.underruns
+            self._paced = 0
+        elif self._paced >= REPACE_FRAMES and len(self.out_latency) >= REPACE_FRAMES:
+            excess = min(list(self.out_latency)[-REPACE_FRAMES:]) - PACKET_S - ALIGN_S
+            packets = int(excess / PACKET_S)
+            if packets:     # a standing backlog (frames that came bunched after a stall): shed it, oldest first
+                self.playout.read(packets * self.choice.codec.samples_per_packet)
+                self.stats.shed_ms += packets * PACKET_S * 1000
+            if excess - packets * PACKET_S > 0.003:
+                self._move_grid(self._due - (excess - packets * PACKET_S))
+            self._paced = 0
+        self._paced += 1
+
+    def _move_grid(self, due: float) -> None:
+        """The next packet leaves at `due` (the timestamps stay continuous: packets leave earlier or later once,
+        which the receiver's jitter buffer takes as a step in delay)."""
+        self._due = due
+        if self._wake is not None:
+            _wake_up(self._wake)
 
     async def _send_loop(self) -> None:
-        due = time.monotonic()
+        """One packet per 20 ms; the RTP timestamps advance 20 ms per packet whatever the grid does."""
+        self._due = time.monotonic()
         while not self.closed:
+            await self._sleep_until_due()
             n = self.choice.codec.samples_per_packet
             chunk = self.playout.read(n)
             now = time.monotonic()
@@ -231,12 +278,24 @@ class MediaSession:
                 self._octets += len(payload)
             self._seq = (self._seq + 1) & 0xFFFF
             self._ts = (self._ts + self.choice.codec.ticks_per_packet) & 0xFFFFFFFF
-            due += PACKET_S
-            if now - due > STALL_S:
-                missed = int((now - due) / PACKET_S)
+            self._due += PACKET_S
+            if now - self._due > STALL_S:        # the loop was blocked: skip the packets' time and their audio
+                missed = int((now - self._due) / PACKET_S)
                 self._ts = (self._ts + missed * self.choice.codec.ticks_per_packet) & 0xFFFFFFFF
-                due += missed * PACKET_S
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+                self._due += missed * PACKET_S
+                self.playout.read(missed * n)
+                self.stats.stalls += 1
+
+    async def _sleep_until_due(self) -> None:
+        """Sleep until `_due`, which an alignment may move while we sleep."""
+        loop = asyncio.get_running_loop()
+        while (delay := self._due - time.monotonic()) > 0:
+            wake = self._wake = loop.create_future()
+            timer = loop.call_later(delay, _wake_up, wake)
+            try:
+                await wake
+            finally:
+                timer.cancel()
 
     async def _rtcp_loop(self) -> None:
         """Every 5 s: a sender report, and the check for a caller that vanished without BYE."""
@@ -258,7 +317,8 @@ class MediaSession:
     def latency_ms(self) -> dict[str, float]:
         def p50(values: deque[float]) -> float:
             return round(float(np.median(values)) * 1000.0, 2) if values else 0.0
-        return {"inbound_p50_ms": p50(self.in_cost), "outbound_p50_ms": p50(self.out_latency)}
+        return {"inbound_p50_ms": p50(self.in_cost), "outbound_p50_ms": p50(self.out_latency),
+                "outbound_queued_ahead_p50_ms": p50(self.out_ahead)}
 
     def snapshot(self) -> dict[str, object]:
         rx = self.receiver.stats if self.receiver is not None else None
@@ -267,5 +327,6 @@ class MediaSession:
                 "latched": self.stats.latched, "packets_sent": self.stats.packets_sent,
                 "packets_received": rx.packets if rx else 0, "dropped": dict(rx.dropped) if rx else {},
                 "lost": rx.lost if rx else 0, "seq_jumps": rx.seq_jumps if rx else 0,
-                "rtcp_received": self.stats.rtcp_received, "dtmf": list(self.stats.dtmf),
+                "rtcp_received": self.stats.rtcp_received, "stalls": self.stats.stalls,
+                "shed_ms": self.stats.shed_ms, "dtmf": list(self.stats.dtmf),
                 "conversation": self.conversation.counters(), **self.latency_ms()}
