@@ -380,3 +380,24 @@ async def test_sip_over_tcp(sip_server: StartServer) -> None:
     writer.write(b"INVITE sip:x SIP/2.0\r\nContent-Length: 99999999\r\n\r\n")   # refused: the connection ends
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
+
+
+async def test_with_worker_processes_worker_0_alone_holds_the_sip_door(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from tests.process_support import start_tiny, stop, wait_ready
+    port, base = free_port(), free_port(pair=True)
+    proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", "2", "--drain-timeout-s", "0",
+                                 "--sip-port", str(port), "--rtp-ports", f"{base}-{base + 20}")
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, url, workers=2)
+        client = SipClient(("127.0.0.1", port))
+        await client.open()
+        d, rtp, remote, _ = await connect(client)
+        await rtp.stream(PCMU, 0, speech_like(0.4, rate=8000), remote)
+        assert len(rtp.received) >= 10
+        assert (await client.bye(d)).code == 200
+        rtp.close()
+        client.close()
+    finally:
+        out = await stop(proc)
+    assert out.count("SIP on 127.0.0.1") == 1, out[-3000:]
