@@ -135,6 +135,10 @@ async def test_a_full_server_answers_486_and_a_draining_one_503(sip_server: Star
     other = client.dialog()
     busy = (await client.invite(other, offer("127.0.0.1", 40000, PCMU_OFFER)))[-1]
     assert (busy.code, busy.phrase) == (486, "Busy Here")
+    again = await client.response()                 # no ACK yet: Timer G sends the 486 again (after T1)
+    assert again.code == 486 and again.to_address.parameters.get("tag") == busy.to_address.parameters.get("tag")
+    client.request("INVITE", other, offer("127.0.0.1", 40000, PCMU_OFFER), branch=other.invite_branch)
+    assert (await client.response()).code == 486    # a retransmitted INVITE gets the last response again
     client.ack(other, busy)
     srv.ctx.draining = True
     third = client.dialog()
@@ -274,6 +278,22 @@ async def test_hold_resume_codec_change_dtmf_and_options(sip_server: StartServer
         assert 'personaplex_sip_events_total{event="dtmf"} 2' in await r.text()
     assert (await client.bye(d)).code == 200
     assert (await client.bye(d)).code == 481         # the dialog is gone
+    rtp.close()
+
+
+async def test_rtp_goes_where_the_callers_packets_come_from(sip_server: StartServer, caller: Any) -> None:
+    srv = await sip_server()
+    client = await caller(srv)
+    rtp = RtpPeer()
+    await rtp.open()
+    d = client.dialog()
+    final = (await client.invite(d, offer("127.0.0.1", 9, PCMU_OFFER)))[-1]   # behind NAT: the SDP port is wrong
+    client.ack(d, final)
+    media = parse_offer(final.body).media[0]
+    await rtp.stream(PCMU, 0, speech_like(0.4, rate=8000), ("127.0.0.1", media.port))
+    assert len(rtp.received) >= 10                  # latched onto our source port (symmetric RTP back to it)
+    assert (await calls(srv))[0]["remote"] == ["127.0.0.1", rtp.port]
+    assert (await client.bye(d)).code == 200
     rtp.close()
 
 
