@@ -98,12 +98,14 @@ def dtmf_packets(rtp: RtpPeer, to: tuple[str, int], event: int, pt: int = 101) -
 # ---- baresip --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(BARESIP is None, reason="baresip is not installed (apt-get install baresip-core)")
-@pytest.mark.parametrize("codec,rate", [("PCMU/8000/1", 8000), ("G722/16000/1", 16000), ("opus/48000/2", 48000)])
+@pytest.mark.parametrize("codec,rate,transport", [("PCMU/8000/1", 8000, "udp"), ("G722/16000/1", 16000, "tcp"),
+                                                  ("opus/48000/2", 48000, "udp")])
 async def test_baresip_call_hears_the_model_and_frees_the_slot(sip_server: StartServer, tmp_path: Path,
-                                                               codec: str, rate: int) -> None:
+                                                               codec: str, rate: int, transport: str) -> None:
     srv = await sip_server(max_sessions=1)
     seconds = 4
-    result = await baresip_call(tmp_path, f"sip:agent@127.0.0.1:{sip_port(srv)}", seconds=seconds, codec=codec)
+    uri = f"sip:agent@127.0.0.1:{sip_port(srv)}" + (";transport=tcp" if transport == "tcp" else "")
+    result = await baresip_call(tmp_path, uri, seconds=seconds, codec=codec)
     assert result.returncode == 0, result.log[-2000:]
     assert "Call established" in result.log, result.log[-2000:]
     await until_in_use(srv, 0, within_s=1.0)          # baresip has sent BYE and had its 200
