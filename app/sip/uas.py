@@ -272,7 +272,8 @@ class SipServer:
         except Exception:
             self.ctx.metrics.sip["malformed"] += 1
             logger.exception("SIP %s from %s: failed", msg.method, peer.addr)
-            self._reply(msg, peer, reply_to, 400, "Bad Request")
+            with contextlib.suppress(Exception):     # headers too broken to copy into a response: no answer
+                self._reply(msg, peer, reply_to, 400, "Bad Request")
 
     def _on_request(self, req: Request, data: bytes, peer: Peer, reply_to: tuple[str, int]) -> None:
         missing = [h for h in ("From", "To", "Call-ID", "CSeq") if not req.headers.get(h)]
@@ -393,6 +394,8 @@ class SipServer:
             except (ProtocolError, EngineError) as e:
                 logger.warning("SIP call %s: the conversation did not start: %s", req.call_id, e)
                 raise Refusal(500, "Server Internal Error", getattr(e, "code", "engine_error")) from None
+            if dialog.ended:                    # the engine failed the conversation as it started
+                raise Refusal(500, "Server Internal Error", "engine_error")
             dialog.offer_body = req.body
             dialog.answer_body = answer(offer, choice, self._advertised(tx.peer), media.port, dialog.session_id,
                                         dialog.version)
@@ -535,10 +538,12 @@ class SipServer:
 
     def _on_cancel(self, req: Request, peer: Peer, reply_to: tuple[str, int], key: tuple[str, str, str]) -> None:
         tx = self.invites.get((req.call_id, req.cseq.sequence))
-        if tx is None or tx.branch != key[1] or tx.final:
+        if tx is None or tx.branch != key[1]:
             self._reply(req, peer, reply_to, 481, "Call/Transaction Does Not Exist", cache=key)
             return
         self._reply(req, peer, reply_to, 200, "OK", cache=key)
+        if tx.final:
+            return                             # answered already: the CANCEL has no effect (RFC 3261 §9.2)
         if tx.task is not None:
             tx.task.cancel()
         self.ctx.metrics.rejections[(ROUTE, "cancelled")] += 1
