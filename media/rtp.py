@@ -157,9 +157,9 @@ class ReceiveStats:
     dropped: dict[str, int] = field(default_factory=dict)   # by reason
     seq_jumps: int = 0
     ssrc_changes: int = 0
+    events: int = 0              # telephone-events reported (each once)
     lost: int = 0                # packets missing by sequence number when a later one came
     late: int = 0                # arrived behind a newer packet
-    events: list[str] = field(default_factory=list)         # telephone-events, in order (their names)
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -291,6 +291,6 @@ class RtpReceiver:
         if packet.timestamp == self._event_ts:
             return
         self._event_ts = packet.timestamp
-        self.stats.events.append(event.name)
+        self.stats.events += 1
         if self._on_event is not None:
             self._on_event(event)
