@@ -54,6 +54,7 @@ class Metrics:
         self.connections: Counter[str] = Counter()               # route, open sockets now
         self.dtmf: Counter[str] = Counter()                      # route, telephone key presses received
         self.closed_totals: Counter[str] = Counter()             # frames_in/frames_out/underruns of closed sessions
+        self.sip: Counter[str] = Counter()                       # SIP door events: malformed, oversized, rtp drops...
         self.live: set[CountedConversation] = set()
         self.loop_lag = LoopLag()
 
@@ -75,7 +76,7 @@ class Metrics:
         """These counters as plain dicts, to cross to other processes (`render(..., others=[...])`)."""
         return {"admissions": dict(self.admissions), "errors": dict(self.errors),
                 "connections": dict(self.connections), "frames": dict(self.frame_totals()),
-                "dtmf": dict(self.dtmf),
+                "dtmf": dict(self.dtmf), "sip": dict(self.sip),
                 "loop_lag_ms": self.loop_lag.quantiles(),
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
@@ -86,8 +87,10 @@ class Metrics:
         others = others or {}
         out: list[str] = []
         admissions, errors, connections = Counter(self.admissions), Counter(self.errors), Counter(self.connections)
-        rejections, totals, dtmf = Counter(self.rejections), self.frame_totals(), Counter(self.dtmf)
+        rejections, totals = Counter(self.rejections), self.frame_totals()
+        dtmf, sip = Counter(self.dtmf), Counter(self.sip)
         for other in others.values():
+            sip.update(other.get("sip", {}))
             admissions.update(other.get("admissions", {}))
             errors.update(other.get("errors", {}))
             connections.update(other.get("connections", {}))
@@ -112,6 +115,9 @@ class Metrics:
                (("", {"route": r}, n) for r, n in sorted(connections.items())))
         family("personaplex_dtmf_total", "counter", "Telephone key presses received, by route.",
                (("", {"route": r}, n) for r, n in sorted(dtmf.items())))
+        family("personaplex_sip_events_total", "counter",
+               "SIP door events: malformed or oversized messages, refused INVITEs, RTP packets dropped (by reason).",
+               (("", {"event": e}, n) for e, n in sorted(sip.items())))
         family("personaplex_frames_in_total", "counter", "80 ms input frames the engine consumed.",
                [("", {}, totals["frames_in"])])
         family("personaplex_frames_out_total", "counter", "80 ms output frames the engine produced.",

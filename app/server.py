@@ -7,7 +7,8 @@ Routes: `GET /health`, `GET /health/live`, `GET /health/ready` (probes for a bal
 `GET /metrics`, `GET /v1/models`, `GET /v1/voices`, `WS /v1/realtime` (`?duplex=1`),
 `WS /v1/duplex`, `WS /v1/twilio`, the bridges `WS /v1/telnyx`, `WS /v1/vonage`, `WS /v1/freeswitch` and the
 Asterisk AudioSocket TCP door (`--audiosocket-port`); `app.webrtc.setup_webrtc(app)` adds the WebRTC routes when
-that module exists (it finds the shared `ServerContext` at `app[CONTEXT]`).
+that module exists (it finds the shared `ServerContext` at `app[CONTEXT]`); with `--sip-port`, `app.sip.setup_sip(app)`
+adds the SIP door.
 """
 
 from __future__ import annotations
@@ -348,6 +349,9 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
         from app.webrtc import setup_webrtc
         setup_webrtc(app)
     app.on_startup.append(_startup)
+    if settings.sip_port:  # after _startup: the SIP door needs the engine
+        from app.sip import setup_sip
+        setup_sip(app)
     app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)
     return app

@@ -58,6 +58,15 @@ class Settings:
     max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
     audiosocket_port: int = 0             # Asterisk AudioSocket TCP door; 0: off
     engine_stalled_s: float = 2.0         # this long without an engine tick and /health reports the engine down
+    sip_port: int = 0                     # SIP user agent server on UDP and TCP; 0: off (app/sip)
+    sip_address: str = ""                 # the address our SDP and Contact give; "": the bind address, else found
+    rtp_ports: str = "20000-29999"        # RTP on even ports of this range, RTCP on the next odd one
+    sip_agents: tuple[str, ...] = ()      # NAME=voice,persona-file: the request-URI user picks one
+    sip_allow: tuple[str, ...] = ()       # CIDRs that may call; empty: any source
+    sip_user: str = ""                    # digest authentication (with sip_password); "": none
+    sip_password: str = ""
+    sip_realm: str = "personaplex"
+    sip_x_headers: bool = False           # callers may set persona/voice with X-Persona / X-Voice
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
@@ -133,6 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-stalled-s", type=float,
                    help=f"/health reports the engine down (503) after this long without a tick "
                         f"(default {d.engine_stalled_s:g})")
+    p.add_argument("--sip-port", type=int, help="SIP user agent server port, UDP and TCP (default: off)")
+    p.add_argument("--sip-address", help="the address SDP and Contact advertise (default: the bind address, or the "
+                                         "local address towards each caller when bound to all)")
+    p.add_argument("--rtp-ports", help=f"RTP/RTCP port range FIRST-LAST (default {d.rtp_ports})")
+    p.add_argument("--sip-agent", action="append", dest="sip_agents",
+                   help="NAME=voice,persona-file: calls to sip:NAME@... get this voice and persona (repeat; an agent "
+                        "named 'default' takes other users; without agents every call gets the default voice)")
+    p.add_argument("--sip-allow", action="append", help="source CIDR allowed to call (repeat; default: any)")
+    p.add_argument("--sip-user", help="digest authentication user (with --sip-password)")
+    p.add_argument("--sip-password")
+    p.add_argument("--sip-realm", help=f"digest realm (default {d.sip_realm})")
+    p.add_argument("--sip-x-headers", action="store_true", default=None,
+                   help="let callers choose persona and voice with X-Persona / X-Voice headers")
     return p
 
 
@@ -170,6 +192,8 @@ def default_workers(cores: int | None = None) -> int:
 
 
 def _coerce(name: str, value: object, default: object) -> object:
+    if name == "sip_agents":  # each holds a comma itself: the environment list is split on ";"
+        return tuple(a.strip() for a in value.split(";") if a.strip()) if isinstance(value, str) else tuple(value)
     if isinstance(default, tuple):
         if isinstance(value, str):
             return split_csv(value)

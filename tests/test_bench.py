@@ -55,3 +55,9 @@ def test_gil_contention_bench_prints_ticks_alone_and_beside_a_busy_thread() -> N
     lines = bench_lines("bench.gil_contention", "--seconds", "0.5", "--intervals-ms", "0.5", tiny_flag=False)
     assert [(line["switch_interval_ms"], line["busy_thread"]) for line in lines] == [(0.5, False), (0.5, True)]
     assert all(line["max_gap_s"] > 0 for line in lines)
+
+
+def test_sip_latency_bench_prints_the_sip_paths_added_latency() -> None:
+    [line] = bench_lines("bench.sip_latency", "--seconds", "2")
+    assert line["bench"] == "sip_latency" and line["clients"][0]["packets_per_s"] > 0
+    assert line["added_p50_ms"] == round(line["inbound_p50_ms"] + line["outbound_p50_ms"] + line["resampler_ms"], 2)

@@ -1,0 +1,47 @@
+"""The SIP door (`--sip-port`): a user agent server for SIP trunks, with RTP media (issue 16).
+
+`setup_sip(app)` adds it to the aiohttp app: the SIP server starts after the engine (in a multi-process server, in
+worker 0 only: see app/sip/uas.py) and stops with the app; `GET /v1/sip/calls` lists the live calls and their media
+stats (API key as for /v1/models). Modules: uas (signalling, dialogs, access), sdp (offer/answer), digest (auth),
+call (one call's RTP and conversation); media/rtp.py has the codecs and the RTP receive side.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from app.auth import key_ok
+from app.context import CONTEXT
+from app.errors import http_error_body
+from app.sip.uas import SipServer
+from model.engine.pool import EnginePool
+
+SIP = web.AppKey("personaplex_sip", SipServer)
+
+
+def setup_sip(app: web.Application) -> None:
+    ctx = app[CONTEXT]
+    server = app[SIP] = SipServer(ctx)
+
+    async def start(app: web.Application) -> None:
+        if isinstance(ctx.engine, EnginePool) and ctx.engine.worker != 0:
+            return
+        await server.start()
+
+    async def stop(app: web.Application) -> None:
+        await server.stop()
+
+    app.on_startup.append(start)
+    app.on_shutdown.append(stop)
+    app.router.add_get("/v1/sip/calls", calls)
+
+
+async def calls(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    if not key_ok(request, ctx.settings.api_keys):
+        body, status = http_error_body("unauthorized", "a valid API key is required"), 401
+    else:
+        body, status = {"object": "list", "data": request.app[SIP].calls()}, 200
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json")

@@ -1,0 +1,190 @@
+"""A minimal SIP caller over UDP with its own RTP socket, for tests, benches and smoke checks of the SIP door.
+
+`SipClient.invite()` sends an INVITE (an SDP offer built from `codecs`, or any body) and returns every response up
+to the final one; `ack()`, `bye()`, `cancel()`, `options()` and `send_raw()` do what they say. `RtpPeer` sends
+20 ms packets on the clock and keeps what arrives, with the arrival times. No retransmissions: loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from aiortc.rtp import RtpPacket
+from sipmessage import Message, Response
+
+from media.rtp import AudioCodec, RtpCodec, build_rtp
+
+
+class _Queue(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[bytes, tuple[str, int], float]] = asyncio.Queue()
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.queue.put_nowait((data, addr, time.monotonic()))
+
+
+@dataclass
+class RtpPeer:
+    """An RTP endpoint: `send(codec, pt, samples)` in 20 ms packets, `received` keeps (arrival, packet)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    ssrc: int = field(default_factory=lambda: secrets.randbits(32))
+    seq: int = 0
+    ts: int = 0
+    received: list[tuple[float, RtpPacket]] = field(default_factory=list)
+    _sock: _Queue | None = None
+    _reader: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        _, self._sock = await asyncio.get_running_loop().create_datagram_endpoint(
+            _Queue, local_addr=(self.host, self.port))
+        assert self._sock.transport is not None
+        self.port = self._sock.transport.get_extra_info("sockname")[1]
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        while True:
+            data, _, at = await self._sock.queue.get()
+            try:
+                self.received.append((at, RtpPacket.parse(data)))
+            except ValueError:
+                continue
+
+    def send_raw(self, data: bytes, to: tuple[str, int]) -> None:
+        assert self._sock is not None and self._sock.transport is not None
+        self._sock.transport.sendto(data, to)
+
+    def send_packet(self, pt: int, payload: bytes, to: tuple[str, int], ticks: int, marker: bool = False) -> None:
+        self.send_raw(build_rtp(pt, self.seq, self.ts, self.ssrc, payload, marker), to)
+        self.seq += 1
+        self.ts += ticks
+
+    async def stream(self, codec: RtpCodec, pt: int, samples: np.ndarray, to: tuple[str, int]) -> None:
+        """Send `samples` (float32 at the codec's rate) as 20 ms packets paced by the clock."""
+        x = np.asarray(samples, dtype=np.float32)
+        enc = AudioCodec(codec)
+        n = codec.samples_per_packet
+        start = time.monotonic()
+        for i in range(x.size // n):
+            self.send_packet(pt, enc.encode(x[i * n:(i + 1) * n]), to, codec.ticks_per_packet, marker=i == 0)
+            await asyncio.sleep(max(0.0, start + (i + 1) * 0.02 - time.monotonic()))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None and self._sock.transport is not None:
+            self._sock.transport.close()
+
+
+def offer(address: str, port: int, codecs: list[tuple[int, str]], direction: str = "sendrecv",
+          dtmf_pt: int | None = 101, version: int = 1) -> bytes:
+    """An SDP offer: `codecs` as (payload type, rtpmap) e.g. (0, "PCMU/8000"), plus telephone-event/8000."""
+    pts = [pt for pt, _ in codecs] + ([dtmf_pt] if dtmf_pt is not None else [])
+    lines = ["v=0", f"o=test 1 {version} IN IP4 {address}", "s=-", f"c=IN IP4 {address}", "t=0 0",
+             f"m=audio {port} RTP/AVP {' '.join(map(str, pts))}"]
+    lines += [f"a=rtpmap:{pt} {name}" for pt, name in codecs]
+    if dtmf_pt is not None:
+        lines += [f"a=rtpmap:{dtmf_pt} telephone-event/8000", f"a=fmtp:{dtmf_pt} 0-15"]
+    lines += ["a=ptime:20", f"a={direction}"]
+    return ("\r\n".join(lines) + "\r\n").encode()
+
+
+@dataclass
+class Dialog:
+    call_id: str
+    from_tag: str
+    uri: str
+    cseq: int = 1
+    to_tag: str | None = None
+    invite_branch: str = ""
+
+
+class SipClient:
+    def __init__(self, server: tuple[str, int], host: str = "127.0.0.1") -> None:
+        self.server = server
+        self.host = host
+        self.port = 0
+        self.server_requests: list[Message] = []   # requests the server sent us (its BYE)
+        self._sock: _Queue | None = None
+
+    async def open(self) -> None:
+        _, self._sock = await asyncio.get_running_loop().create_datagram_endpoint(_Queue, local_addr=(self.host, 0))
+        assert self._sock.transport is not None
+        self.port = self._sock.transport.get_extra_info("sockname")[1]
+
+    def close(self) -> None:
+        if self._sock is not None and self._sock.transport is not None:
+            self._sock.transport.close()
+
+    def send_raw(self, data: bytes) -> None:
+        assert self._sock is not None and self._sock.transport is not None
+        self._sock.transport.sendto(data, self.server)
+
+    async def response(self, timeout: float = 5.0) -> Response:
+        """The next response (requests from the server, e.g. its BYE, are answered 200 and skipped)."""
+        assert self._sock is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            data, _, _ = await asyncio.wait_for(self._sock.queue.get(), max(0.01, deadline - time.monotonic()))
+            msg = Message.parse(data)
+            if isinstance(msg, Response):
+                return msg
+            self.server_requests.append(msg)
+
+    def request(self, method: str, d: Dialog, body: bytes = b"", headers: dict[str, str] | None = None,
+                branch: str | None = None, cseq: int | None = None, to_tag: str | None = None) -> str:
+        """Send a request in dialog `d` (`to_tag` overrides the dialog's); returns its Via branch."""
+        branch = branch or "z9hG4bK" + secrets.token_hex(8)
+        tag = to_tag or d.to_tag
+        to = f"<{d.uri}>" + (f";tag={tag}" if tag else "")
+        lines = [f"{method} {d.uri} SIP/2.0", f"Via: SIP/2.0/UDP {self.host}:{self.port};branch={branch};rport",
+                 "Max-Forwards: 70", f"From: <sip:tester@{self.host}>;tag={d.from_tag}", f"To: {to}",
+                 f"Call-ID: {d.call_id}", f"CSeq: {cseq if cseq is not None else d.cseq} {method}",
+                 f"Contact: <sip:tester@{self.host}:{self.port}>"]
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        if body:
+            lines.append("Content-Type: application/sdp")
+        lines.append(f"Content-Length: {len(body)}")
+        self.send_raw(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        return branch
+
+    def dialog(self, user: str = "agent") -> Dialog:
+        return Dialog(secrets.token_hex(8), secrets.token_hex(4), f"sip:{user}@{self.server[0]}:{self.server[1]}")
+
+    async def invite(self, d: Dialog, body: bytes, headers: dict[str, str] | None = None,
+                     timeout: float = 10.0) -> list[Response]:
+        """INVITE (a new CSeq when `d` already has a to-tag: a re-INVITE); every response up to the final one."""
+        if d.to_tag:
+            d.cseq += 1
+        d.invite_branch = self.request("INVITE", d, body, headers)
+        seen: list[Response] = []
+        while True:
+            resp = await self.response(timeout)
+            if resp.cseq.method != "INVITE" or resp.cseq.sequence != d.cseq:
+                continue
+            seen.append(resp)
+            if resp.code >= 200:
+                tag = resp.to_address.parameters.get("tag")
+                if tag and 200 <= resp.code < 300:
+                    d.to_tag = tag
+                return seen
+
+    def ack(self, d: Dialog, final: Response) -> None:
+        """ACK the INVITE's final response (a non-2xx one's ACK reuses the INVITE's branch)."""
+        branch = d.invite_branch if final.code >= 300 else None
+        self.request("ACK", d, cseq=d.cseq, branch=branch, to_tag=final.to_address.parameters.get("tag"))
+
+    async def bye(self, d: Dialog) -> Response:
+        d.cseq += 1
+        self.request("BYE", d)
+        return await self.response()
