@@ -1,7 +1,8 @@
 """`WS /v1/freeswitch`: FreeSWITCH `mod_audio_stream` (`uuid_audio_stream <uuid> start <url> mono <8k|16k> [meta]`).
 
 The stream's rate is not on the wire, so the URL says it: `ws://host:port/v1/freeswitch?rate=16000` (default 8000;
-any multiple of 8000 up to 48000, matching the `start` command's `8k`/`16k`/N). Only `mono` (the caller's leg) and
+any multiple of 8000 up to 48000, matching the `start` command's `8k`/`16k`/N; another: `error
+unsupported_audio_format` and close 1008, after the key is checked). Only `mono` (the caller's leg) and
 `mixed` streams are taken: a `stereo` stream cannot be told apart on the wire and would be heard as noise.
 In: the optional metadata as the first TEXT frame, a JSON object whose `persona` (or `instructions`), `voice` and
 sampling keys configure the call; then BINARY L16 (little-endian, FreeSWITCH's host order on x86), 20 ms per
@@ -26,6 +27,7 @@ from app.audio import b64encode
 from app.context import CONTEXT, ServerContext
 from app.errors import ProtocolError
 from app.phone import PhoneLine
+from app.transport import CLOSE_POLICY
 from app.websocket import serve
 from app.wire import WireError, parse_object
 from media.codecs import MAX_RATE, AudioFormat
@@ -37,10 +39,17 @@ class FreeSwitchSession(PhoneLine):
     route = ROUTE
     chunk_ms = 100      # each message becomes a file for the ESL application: fewer, longer ones
 
-    def __init__(self, ctx: ServerContext, line: AudioFormat) -> None:
+    def __init__(self, ctx: ServerContext, rate: str) -> None:
         super().__init__(ctx)
-        self.line = line
+        self.rate = rate
+        self.line = AudioFormat("pcm16", int(rate)) if _valid_rate(rate) else None
         self.started = False
+
+    async def on_open(self) -> None:
+        if self.line is None:
+            await self.send_error(ProtocolError("unsupported_audio_format", f"?rate= must be a multiple of 8000 "
+                                                f"from 8000 to {MAX_RATE}, got {self.rate[:16]!r}", param="rate"))
+            await self.close(CLOSE_POLICY, "unsupported_audio_format")
 
     async def dispatch_text(self, text: str) -> None:
         if self.started:
@@ -56,6 +65,7 @@ class FreeSwitchSession(PhoneLine):
     async def _start(self, params: dict[str, Any]) -> None:
         config = self.call_config(params, "metadata.")
         self.started = True
+        assert self.line is not None
         await self.begin(config, self.line)
 
     async def on_event(self, event: dict[str, Any]) -> None:
@@ -71,15 +81,15 @@ class FreeSwitchSession(PhoneLine):
             self.hear(data, "audio")
 
     def send_chunk(self, samples: np.ndarray) -> None:
+        assert self.line is not None
         self.send_nowait({"type": "streamAudio", "data": {
             "audioDataType": "raw", "sampleRate": self.line.sample_rate,
             "audioData": b64encode(self.line.encode(samples))}})
 
 
+def _valid_rate(rate: str) -> bool:
+    return rate.isdigit() and len(rate) <= 6 and int(rate) % 8000 == 0 and 8000 <= int(rate) <= MAX_RATE
+
+
 async def freeswitch_handler(request: web.Request) -> web.StreamResponse:
-    rate = request.query.get("rate", "8000")
-    if not rate.isdigit() or int(rate) % 8000 or not 8000 <= int(rate) <= MAX_RATE:
-        return web.json_response({"error": {"type": "invalid_request_error", "code": "unsupported_audio_format",
-                                            "message": f"?rate= must be a multiple of 8000 up to {MAX_RATE}"}},
-                                 status=400)
-    return await serve(request, FreeSwitchSession(request.app[CONTEXT], AudioFormat("pcm16", int(rate))))
+    return await serve(request, FreeSwitchSession(request.app[CONTEXT], request.query.get("rate", "8000")))

@@ -242,8 +242,10 @@ async def test_freeswitch_call(start_server, speech_24k):
 
 async def test_freeswitch_bad_inputs(server):
     async with aiohttp.ClientSession() as http:
-        async with http.get(server.url + "/v1/freeswitch?rate=11025") as r:
-            assert r.status == 400
+        async with http.ws_connect(server.ws("/v1/freeswitch?rate=11025")) as ws:
+            await expect_error(ws, "unsupported_audio_format")
+            code, _ = await closed_with(ws)
+            assert code == 1008
         async with http.ws_connect(server.ws("/v1/freeswitch?rate=16000")) as ws:
             await ws.send_str("{not json")
             await expect_error(ws, "invalid_json")
