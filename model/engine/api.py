@@ -94,6 +94,18 @@ class EngineConfig:
     # before a tick makes that tick ~8 ms longer on the H200, so only as many run as keep the tick (its recent
     # duration plus theirs) within this share of the tick period; in a burst of opens at full load that is none.
     first_half_tick_budget: float = 0.5
+    # The temporal transformer's KV in pages (model/engine/pages.py). Frames per page: the largest divisor of the
+    # context not above this (60 divides the 7B's 3000; bench/attention_kernel.py --pages measured the choice).
+    kv_page_frames: int = 60
+    # Pages in the pool; None: as many as the free device memory holds beside `kv_free_gib` (CUDA), or every
+    # session's full window (CPU).
+    kv_pages: int | None = None
+    kv_free_gib: float = 6.0  # device memory left free when the pool is sized from it (graphs, activations)
+    # Admission by memory: a session is admitted while the free pages cover this many seconds of growth for it and
+    # for every session still growing, and no session's window is shrunk.
+    kv_reserve_s: float = 5.0
+    # Under pressure a session's window shrinks, oldest frames first, to no less than this many frames.
+    kv_floor_frames: int = 750
 
 
 @dataclass
@@ -102,6 +114,8 @@ class SlotStats:
     frames_out: int = 0
     underruns: int = 0
     state: str = "reserved"  # reserved, prefill, live, closed or failed (slots.py)
+    window_shrinks: int = 0  # times the page pool shrank this session's context window (pages.py)
+    window_frames: int = 0  # its window after the last shrink or grow-back (0: never changed, the full context)
 
 
 @dataclass
@@ -147,6 +161,13 @@ class EngineStats:
     # first frame handed out. What a burst of opens costs the callers, as the engine sees it.
     start_ms: dict[str, float] = field(default_factory=dict)
     first_frame_ms: dict[str, float] = field(default_factory=dict)
+    # The KV page pool (pages.py): its pages, those free, context windows shrunk and grown back, and sessions
+    # refused because the free pages would not cover the live sessions' growth.
+    kv_pages: int = 0
+    kv_pages_free: int = 0
+    kv_window_shrinks: int = 0
+    kv_window_grows: int = 0
+    kv_refused: int = 0
 
 
 def check_params(params: SessionParams, max_top_k_text: int, max_top_k_audio: int) -> None:
