@@ -49,7 +49,7 @@ from model.engine.api import (
 from model.engine.prompt_cache import PromptCache
 from model.engine.runner import RowOutputs, Runner
 from model.engine.scheduler import Scheduler
-from model.engine.slots import Session, Slot, SlotTable
+from model.engine.slots import ENDED, Session, Slot, SlotTable
 from model.engine.stats import FIRST_HALF_HOST_PHASE, EngineCounters
 from model.loading import PersonaPlex
 from model.prompts import PromptPlan, persona_tokens, plan_prompt
@@ -259,7 +259,15 @@ class Engine:
             self._pending.discard(done)
 
     def release(self, session: Session) -> None:
-        self.slots.move(session, "closed")
+        ended = session.state in ENDED
+        if self.slots.move(session, "closed") and not ended:
+            self._return_pages(session.index)
+
+    def _return_pages(self, row: int) -> None:
+        """A session left `row`: its KV pages go back to the pool on the engine thread, before any later start
+        (commands run in order) and between ticks."""
+        self._commands.put(lambda: self.runner.reset_lm_row(row))
+        self._wake.set()
 
     def stats(self) -> EngineStats:
         return self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
@@ -614,6 +622,7 @@ class Engine:
         with self._lock:
             if not self.slots.move(session, "failed"):
                 return
+            self._return_pages(session.index)
             self.counters.count_error(error.cause)
             callback = session.on_error
         if callback is not None:

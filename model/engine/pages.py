@@ -78,11 +78,12 @@ class PagePool:
 
     def _covers(self, rows: list[int], extra_frames: int) -> bool:
         """Whether the free pages cover `reserve_frames` of growth of each of `rows` (a shrunk row grows back to
-        the full window) and `extra_frames` more."""
+        the full window) and a fresh row's first `extra_frames`."""
         rows_np = np.asarray(rows, dtype=np.int64)
         valid = np.minimum(self.pos[rows_np] - self.origin[rows_np], self.window[rows_np])
-        growth = int(np.minimum(self.context - valid, self.reserve_frames).sum()) + extra_frames
-        return len(self.free) >= math.ceil(growth / self.page) + 1
+        held = -(-valid // self.page)
+        grown = -(-np.minimum(valid + self.reserve_frames, self.context) // self.page)
+        return len(self.free) >= int((grown - held).sum()) + math.ceil(min(extra_frames, self.context) / self.page)
 
     # ----- taking and returning pages -----------------------------------------------------------------------
 
