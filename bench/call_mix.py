@@ -160,7 +160,8 @@ async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
     config = EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, kv_pages=args.kv_pages,
-                          kv_page_frames=args.page_frames, kv_floor_frames=args.floor_frames)
+                          kv_page_frames=args.page_frames, kv_floor_frames=args.floor_frames,
+                          kv_free_gib=args.kv_free_gib)
     engine = Engine(model, config)
     engine.start()
     memory = {} if args.tiny else gpu_memory_gb()
@@ -187,6 +188,8 @@ def main() -> None:
     parser.add_argument("--worst-case", type=int, default=0, help="then this many sessions at full context")
     parser.add_argument("--worst-seconds", type=float, default=30.0)
     parser.add_argument("--kv-pages", type=int, help="KV pool pages (default: from free GPU memory)")
+    parser.add_argument("--kv-free-gib", type=float, default=EngineConfig.kv_free_gib,
+                        help="GPU memory left free beside the KV pool")
     parser.add_argument("--page-frames", type=int, default=EngineConfig.kv_page_frames)
     parser.add_argument("--floor-frames", type=int, default=EngineConfig.kv_floor_frames,
                         help="the smallest context window a shrink leaves")

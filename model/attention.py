@@ -1,8 +1,10 @@
-"""Decode attention over per-row ring KV caches, and the optional FP8 storage of those caches.
+"""Decode attention over per-row ring KV caches kept in pages, and the optional FP8 storage of those caches.
 
-A row's valid keys always sit in ring slots [0, n_valid) with n_valid = min(pos + 1, context): rows start empty and
-fill slots in order, and once the ring wraps every slot is valid. So attention needs no mask, only a length per
-row, and a kernel that stops at that length costs what the real context costs. On CUDA a Triton split-K kernel
+A row's valid keys always sit in ring slots [0, n_valid) with n_valid = min(frames + 1, window): rows start empty
+and fill slots in order, and once the ring wraps every slot is valid. So attention needs no mask, only a length per
+row, and a kernel that stops at that length costs what the real context costs. Slot s of row r lives in page
+table[r, s // page] (`KVStore`): the engine's pool hands pages to rows as they grow (model/engine/pages.py); a
+contiguous store is one page per row. On CUDA a Triton split-K kernel
 does this (several programs per (row, head) so that small batches still fill the GPU, partial softmaxes merged
 after); elsewhere the same arithmetic runs through SDPA with a length mask.
 
@@ -10,7 +12,7 @@ FP8 storage (e4m3 with one fp32 scale per row, head and slot) halves the bytes a
 session holds; values are dequantised in the kernel.
 
 Writing a step's keys and values also lives here (`rope_and_store`): on CUDA one kernel per layer rotates q and
-k, quantises, and stores into each row's ring slot.
+k, quantises, and stores into each row's ring slot, through its page table too.
 """
 
 from __future__ import annotations
@@ -327,6 +329,16 @@ def merge_partials(acc: Tensor, m: Tensor, denom: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def _load_keys(K, V, ROW_TABLE, h, skp, skh, sks, ssp, ssh, offs, valid, d, PAGE: tl.constexpr):
+        """Keys and values [len(offs), D] of one row's slots `offs` through its page table, and where their scales
+        sit."""
+        page = tl.load(ROW_TABLE + offs // PAGE, mask=valid, other=0)
+        at = page * skp + h * skh + (offs % PAGE) * sks
+        k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        return k, v, page * ssp + h * ssh + offs % PAGE
+
+    @triton.jit
     def _partial_kernel(Q, K, V, KS, VS, NV, TABLE, ACC, M, L,
                         sqb, sqh, skp, skh, sks, ssp, ssh, stb,
                         H, SPAN, scale,
@@ -356,11 +368,7 @@ if triton is not None:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
                 offs = n0 + tl.arange(0, BLOCK_N)
                 valid = offs < end
-                page = tl.load(TABLE + b * stb + offs // PAGE, mask=valid, other=0)
-                at = page * skp + h * skh + (offs % PAGE) * sks
-                scale_at = page * ssp + h * ssh + offs % PAGE
-                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                k, v, scale_at = _load_keys(K, V, TABLE + b * stb, h, skp, skh, sks, ssp, ssh, offs, valid, d, PAGE)
                 s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
                 if HAS_SCALE:  # per-slot scales commute with the dots: apply them to scores and probabilities
                     s = s * tl.load(KS + scale_at, mask=valid, other=0.0)[None, :]
@@ -392,11 +400,7 @@ if triton is not None:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
                 offs = n0 + tl.arange(0, BLOCK_N)
                 valid = offs < end
-                page = tl.load(TABLE + b * stb + offs // PAGE, mask=valid, other=0)
-                at = page * skp + h * skh + (offs % PAGE) * sks
-                scale_at = page * ssp + h * ssh + offs % PAGE
-                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                k, v, scale_at = _load_keys(K, V, TABLE + b * stb, h, skp, skh, sks, ssp, ssh, offs, valid, d, PAGE)
                 s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
                 pv = v.to(tl.float32)
                 if HAS_SCALE:
