@@ -135,6 +135,8 @@ async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
     """`sessions` calls at full context for `seconds`."""
     mix = Mix(engine)
     context = engine.model.config.context
+    while engine.stats().kv_pages_free < engine.stats().kv_pages:  # the calls before returning their pages
+        await asyncio.sleep(0.05)
     tasks = [asyncio.ensure_future(mix.run(engine.reserve(), seconds + 600.0, i, context=context))
              for i in range(sessions)]
     while len(mix.live) < sessions and not all(t.done() for t in tasks):
