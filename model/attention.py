@@ -229,7 +229,7 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
     B, H, D = q.shape
     slots = store.slots
     cfg = KERNEL_FP8 if store.fp8 else KERNEL_BF16
-    block = cfg.block
+    block = min(cfg.block, 1 << (store.page.bit_length() - 1))  # a block spans two pages at most
     span = split_length(B, H, slots, block, cfg.target_programs)
     splits = math.ceil(slots / span)
     direct = splits == 1  # one program per (row, head): it normalises and writes the result, no merge
@@ -246,7 +246,7 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
     _partial_kernel[(B * H, splits)](
         q, k, v, ks, vs, n_valid, table, acc, m, denom,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
-        H, span, 1.0 / math.sqrt(D),
+        table.shape[1], H, span, 1.0 / math.sqrt(D),
         HAS_SCALE=store.fp8, BLOCK_N=block, D=D, PAGE=store.page, STAGES=cfg.stages, USE_DOT=cfg.use_dot,
         DIRECT=direct, num_warps=cfg.warps,
     )
@@ -328,19 +328,32 @@ def merge_partials(acc: Tensor, m: Tensor, denom: Tensor) -> Tensor:
 
 if triton is not None:
 
+    # Two ways to find a block's keys through the page table, each the faster on its path (bench/attention_kernel.py
+    # --pages, H200, 64 rows x 3000 slots, against the contiguous kernel before pages): the tensor-core path takes
+    # the block's one or two pages as scalars (+1 % in bf16; a table load per key cost it +10 %), the CUDA-core fp8
+    # path a table load per key (+5 %; the scalar pages' selects cost it +13 %).
+
     @triton.jit
-    def _load_keys(K, V, ROW_TABLE, h, skp, skh, sks, ssp, ssh, offs, valid, d, PAGE: tl.constexpr):
-        """Keys and values [len(offs), D] of one row's slots `offs` through its page table, and where their scales
-        sit."""
+    def _block_pages(ROW_TABLE, pages, h, skp, skh, ssp, ssh, n0, offs, PAGE: tl.constexpr):
+        """Offsets of keys n0 + [0, BLOCK_N) of one row, which span two pages at most (BLOCK_N <= PAGE): the
+        row's (key, scale) offsets of their page and head, and each key's slot in its page."""
+        first = n0 // PAGE
+        low = tl.load(ROW_TABLE + first)
+        high = tl.load(ROW_TABLE + tl.minimum(first + 1, pages - 1))
+        local = offs - first * PAGE
+        upper = local >= PAGE
+        page = tl.where(upper, high, low)
+        return page * skp + h * skh, page * ssp + h * ssh, tl.where(upper, local - PAGE, local)
+
+    @triton.jit
+    def _key_pages(ROW_TABLE, h, skp, skh, ssp, ssh, offs, valid, PAGE: tl.constexpr):
+        """_block_pages with one table load per key."""
         page = tl.load(ROW_TABLE + offs // PAGE, mask=valid, other=0)
-        at = page * skp + h * skh + (offs % PAGE) * sks
-        k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        return k, v, page * ssp + h * ssh + offs % PAGE
+        return page * skp + h * skh, page * ssp + h * ssh, offs % PAGE
 
     @triton.jit
     def _partial_kernel(Q, K, V, KS, VS, NV, TABLE, ACC, M, L,
-                        sqb, sqh, skp, skh, sks, ssp, ssh, stb,
+                        sqb, sqh, skp, skh, sks, ssp, ssh, stb, pages,
                         H, SPAN, scale,
                         HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                         STAGES: tl.constexpr, USE_DOT: tl.constexpr, DIRECT: tl.constexpr):
@@ -368,7 +381,11 @@ if triton is not None:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
                 offs = n0 + tl.arange(0, BLOCK_N)
                 valid = offs < end
-                k, v, scale_at = _load_keys(K, V, TABLE + b * stb, h, skp, skh, sks, ssp, ssh, offs, valid, d, PAGE)
+                at, scale_at, local = _block_pages(TABLE + b * stb, pages, h, skp, skh, ssp, ssh, n0, offs, PAGE)
+                at += local * sks
+                scale_at += local
+                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
                 if HAS_SCALE:  # per-slot scales commute with the dots: apply them to scores and probabilities
                     s = s * tl.load(KS + scale_at, mask=valid, other=0.0)[None, :]
@@ -400,7 +417,11 @@ if triton is not None:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
                 offs = n0 + tl.arange(0, BLOCK_N)
                 valid = offs < end
-                k, v, scale_at = _load_keys(K, V, TABLE + b * stb, h, skp, skh, sks, ssp, ssh, offs, valid, d, PAGE)
+                at, scale_at, local = _key_pages(TABLE + b * stb, h, skp, skh, ssp, ssh, offs, valid, PAGE)
+                at += local * sks
+                scale_at += local
+                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
                 s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
                 pv = v.to(tl.float32)
                 if HAS_SCALE:

@@ -132,7 +132,7 @@ def test_a_prompt_copied_while_a_tick_is_in_flight_starts_the_same_session(cuda_
 def test_a_session_reads_its_pages_in_any_order_across_the_ring_wrap(cuda_model, fp8_kv):
     """The kernels read and write through the page table: pages handed out in order or shuffled give the same
     tokens, over more frames than the ring holds (64)."""
-    config = {"max_sessions": 3, "fuse_kernels": False, "fp8_kv": fp8_kv}
+    config = {"max_sessions": 3, "fuse_kernels": False, "fp8_kv": fp8_kv, "kv_page_frames": 16}
     with torch.backends.cudnn.flags(enabled=False):
         ordered = asyncio.run(session_tokens(cuda_model, EngineConfig(**config), 90))
         shuffled = asyncio.run(session_tokens(cuda_model, EngineConfig(**config), 90, shuffle_pages=True))
@@ -140,7 +140,8 @@ def test_a_session_reads_its_pages_in_any_order_across_the_ring_wrap(cuda_model,
 
 
 async def shrink_and_grow(model) -> tuple[list, list]:
-    engine = Engine(model, EngineConfig(max_sessions=2, kv_pages=3, kv_reserve_s=0.08, kv_floor_frames=32))
+    engine = Engine(model, EngineConfig(max_sessions=2, kv_pages=3, kv_page_frames=32, kv_reserve_s=0.08,
+                                        kv_floor_frames=32))
     engine.start()
     try:
         long, long_sink, long_source = engine.reserve(), Collector(), QueueSource(speechlike(80, 4))

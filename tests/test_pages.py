@@ -160,8 +160,8 @@ def engine_with(tiny_model):  # noqa: F811
 
 
 async def test_admission_refuses_what_the_free_pages_cannot_cover(engine_with):
-    # The fixture's context is 64 frames: pages of 32. A 2 s reserve (25 frames) is one page per session.
-    engine = engine_with(max_sessions=3, kv_pages=3, kv_reserve_s=2.0)
+    # The fixture's context is 64 frames, in pages of 32. A 2 s reserve (25 frames) is one page per session.
+    engine = engine_with(max_sessions=3, kv_pages=3, kv_page_frames=32, kv_reserve_s=2.0)
     first = engine.reserve()
     await feed(first, speechlike(10, 1), 8)
     assert engine.runner.pages.held(first.index) == 2  # the prompt and its frames filled a page: the next is held
@@ -176,7 +176,7 @@ async def test_admission_refuses_what_the_free_pages_cannot_cover(engine_with):
 
 
 async def test_a_long_session_shrinks_for_a_newcomer_then_grows_back(engine_with):
-    engine = engine_with(max_sessions=2, kv_pages=3, kv_reserve_s=0.08, kv_floor_frames=32)
+    engine = engine_with(max_sessions=2, kv_pages=3, kv_page_frames=32, kv_reserve_s=0.08, kv_floor_frames=32)
     frames = speechlike(140, 4)
     long = engine.reserve()
     long_sink = Collector()

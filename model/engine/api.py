@@ -95,8 +95,10 @@ class EngineConfig:
     # duration plus theirs) within this share of the tick period; in a burst of opens at full load that is none.
     first_half_tick_budget: float = 0.5
     # The temporal transformer's KV in pages (model/engine/pages.py). Frames per page: the largest divisor of the
-    # context not above this (60 divides the 7B's 3000; bench/attention_kernel.py --pages measured the choice).
-    kv_page_frames: int = 60
+    # context not above this. 75 (6 s) divides the 7B's 3000 and holds a whole block of the decode kernel's keys
+    # (64 in bf16); every size from 75 to 250 read as fast (bench/attention_kernel.py --pages), and smaller pages
+    # waste less of a session's last page (37 frames on average, 2 % of the mean call's context).
+    kv_page_frames: int = 75
     # Pages in the pool; None: as many as the free device memory holds beside `kv_free_gib` (CUDA), or every
     # session's full window (CPU).
     kv_pages: int | None = None
