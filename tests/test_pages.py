@@ -204,3 +204,17 @@ async def _until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
+
+
+def test_the_pages_of_an_ended_session_count_as_free_before_they_return(tiny_model):  # noqa: F811
+    """A close returns its pages on the engine thread, later: a session admitted in between is not refused for
+    them (the engine here never runs its thread, so they stay held)."""
+    engine = Engine(tiny_model, EngineConfig(max_sessions=2, kv_page_frames=32))  # 2 full windows: 4 pages
+    first, second = engine.reserve(), engine.reserve()
+    pages = engine.runner.pages
+    for slot in (first, second):  # both at their full window of 64 frames
+        assert pages.ensure(slot.index, 64)
+        pages.advance([slot.index], 64)
+    first.close()
+    assert pages.held(first.index) == 2 and not pages.free
+    engine.reserve().close()

@@ -71,19 +71,23 @@ class PagePool:
 
     def admits(self, rows_in_use: list[int]) -> bool:
         """Whether the free pages cover `reserve_frames` more for a new session and for each growing row in use,
-        with no row shrunk."""
+        with no row shrunk. Pages of rows not in use count as free: their session ended, and the engine returns
+        them before any later start."""
         if any(self.window[r] < self.context for r in rows_in_use):
             return False
-        return self._covers(rows_in_use, self.reserve_frames)
+        ended = np.count_nonzero(self.table, axis=1)
+        ended[rows_in_use] = 0
+        return self._covers(rows_in_use, self.reserve_frames, int(ended.sum()))
 
-    def _covers(self, rows: list[int], extra_frames: int) -> bool:
-        """Whether the free pages cover `reserve_frames` of growth of each of `rows` (a shrunk row grows back to
-        the full window) and a fresh row's first `extra_frames`."""
+    def _covers(self, rows: list[int], extra_frames: int, returning: int = 0) -> bool:
+        """Whether the free pages (and `returning` more) cover `reserve_frames` of growth of each of `rows` (a
+        shrunk row grows back to the full window) and a fresh row's first `extra_frames`."""
         rows_np = np.asarray(rows, dtype=np.int64)
         valid = np.minimum(self.pos[rows_np] - self.origin[rows_np], self.window[rows_np])
         held = -(-valid // self.page)
         grown = -(-np.minimum(valid + self.reserve_frames, self.context) // self.page)
-        return len(self.free) >= int((grown - held).sum()) + math.ceil(min(extra_frames, self.context) / self.page)
+        needed = int((grown - held).sum()) + math.ceil(min(extra_frames, self.context) / self.page)
+        return len(self.free) + returning >= needed
 
     # ----- taking and returning pages -----------------------------------------------------------------------
 
