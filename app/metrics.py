@@ -184,6 +184,14 @@ class Metrics:
                (("", {"cause": c}, n) for c, n in sorted(s.errors_by_cause.items())))
         family("personaplex_engine_prompt_cache_total", "counter", "Session starts by prompt-cache result.",
                [("", {"result": "hit"}, s.prompt_cache_hits), ("", {"result": "miss"}, s.prompt_cache_misses)])
+        family("personaplex_engine_kv_pages", "gauge", "Pages of the KV page pool, by state.",
+               [("", {"state": "free"}, s.kv_pages_free), ("", {"state": "used"}, s.kv_pages - s.kv_pages_free)])
+        family("personaplex_engine_kv_window_changes_total", "counter",
+               "Context windows the KV page pool shrank under pressure, and grew back once pages freed.",
+               [("", {"change": "shrink"}, s.kv_window_shrinks), ("", {"change": "grow"}, s.kv_window_grows)])
+        family("personaplex_engine_kv_refused_total", "counter",
+               "Sessions refused because the free KV pages would not cover the live sessions' growth.",
+               [("", {}, s.kv_refused)])
         family("personaplex_engine_prompt_copies_in_flight_total", "counter",
                "Cached prompts copied into their slots while a tick ran on the device (the open did not wait for it).",
                [("", {}, s.prompt_copies_in_flight)])

@@ -1,6 +1,8 @@
-"""Decode-attention kernel alone on the GPU: ms and effective TB/s by launch shape, against cuDNN SDPA.
+"""Decode-attention kernel alone on the GPU: ms and effective TB/s by launch shape, against cuDNN SDPA; or, with
+--pages, the default launch shapes reading rows through shuffled pages of each size against contiguous rows.
 
     python -m bench.attention_kernel
+    python -m bench.attention_kernel --pages 20 40 60 100 120 --batches 64
 
 One layer of the 7B shape (32 heads x 128) over a 3000-slot ring; prints one JSON line per configuration.
 """
@@ -32,12 +34,48 @@ def timed(fn, iterations: int = 50) -> float:
     return start.elapsed_time(end) / iterations
 
 
+def random_store(B: int, H: int, C: int, D: int, fp8: bool, page: int | None) -> KVStore:
+    """Random keys and values for B full rows: contiguous, or in pages of `page` slots shuffled over the pool."""
+    pages = None if page is None else B * C // page
+    store = KVStore.empty((1, B, H, C, D), torch.bfloat16, "cuda", fp8, page, pages)
+    for t in store.tensors():
+        noise = torch.randn(t.shape, device="cuda")
+        t.copy_(noise.abs() * 0.05 if t.dim() == 4 else noise)  # scales small and positive
+    if page is not None:
+        store.table.copy_((torch.randperm(pages, device="cuda") + 1).view(B, -1))
+    return store
+
+
+def compare_pages(kinds: list[str], batches: list[int], pages: list[int], H: int, C: int, D: int) -> None:
+    """ms per layer of the default kernel over B full rows, contiguous and paged (best of 3 interleaved rounds)."""
+    for B, kind in itertools.product(batches, kinds):
+        fp8 = kind == "fp8"
+        n_valid = torch.full((B,), C, device="cuda")
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        layouts = [None, *(p for p in pages if C % p == 0)]
+        stores = {page: random_store(B, H, C, D, fp8, page) for page in layouts}
+        best = {page: float("inf") for page in layouts}
+        for _ in range(3):
+            for page, store in stores.items():
+                best[page] = min(best[page], timed(partial(decode_attention, q, store, 0, n_valid), 200))
+        base = best[None]
+        print(json.dumps({"bench": "attention_kernel_pages", "batch": B, "filled": C, "kv": kind,
+                          "contiguous_ms": round(base, 4),
+                          "paged": [{"page": p, "ms": round(best[p], 4), "vs_contiguous": round(best[p] / base, 4)}
+                                    for p in layouts[1:]]}), flush=True)
+        del stores
+
+
 def main() -> None:
     H, C, D = 32, 3000, 128
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 1])
+    parser.add_argument("--pages", type=int, nargs="+", help="page sizes (frames) to compare with contiguous rows")
     args = parser.parse_args()
+    if args.pages:
+        compare_pages(args.kv, args.batches, args.pages, H, C, D)
+        return
     for B, fill in [(b, f) for b in args.batches for f in (3000, 500)]:
         n_valid = torch.full((B,), fill, device="cuda")
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)

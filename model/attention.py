@@ -1,8 +1,10 @@
-"""Decode attention over per-row ring KV caches, and the optional FP8 storage of those caches.
+"""Decode attention over per-row ring KV caches kept in pages, and the optional FP8 storage of those caches.
 
-A row's valid keys always sit in ring slots [0, n_valid) with n_valid = min(pos + 1, context): rows start empty and
-fill slots in order, and once the ring wraps every slot is valid. So attention needs no mask, only a length per
-row, and a kernel that stops at that length costs what the real context costs. On CUDA a Triton split-K kernel
+A row's valid keys always sit in ring slots [0, n_valid) with n_valid = min(frames + 1, window): rows start empty
+and fill slots in order, and once the ring wraps every slot is valid. So attention needs no mask, only a length per
+row, and a kernel that stops at that length costs what the real context costs. Slot s of row r lives in page
+table[r, s // page] (`KVStore`): the engine's pool hands pages to rows as they grow (model/engine/pages.py); a
+contiguous store is one page per row. On CUDA a Triton split-K kernel
 does this (several programs per (row, head) so that small batches still fill the GPU, partial softmaxes merged
 after); elsewhere the same arithmetic runs through SDPA with a length mask.
 
@@ -10,7 +12,7 @@ FP8 storage (e4m3 with one fp32 scale per row, head and slot) halves the bytes a
 session holds; values are dequantised in the kernel.
 
 Writing a step's keys and values also lives here (`rope_and_store`): on CUDA one kernel per layer rotates q and
-k, quantises, and stores into each row's ring slot.
+k, quantises, and stores into each row's ring slot, through its page table too.
 """
 
 from __future__ import annotations
@@ -37,73 +39,131 @@ FP8_MAX = 448.0
 
 @dataclass
 class KVStore:
-    """One layer-stacked KV cache: values [layers, B, heads, slots, head_dim] and, for FP8, scales [.., slots]."""
+    """One layer-stacked KV cache in pages: values [layers, pages, heads, page, head_dim] and, for FP8, scales
+    [.., page]. `table` [B, slots / page] maps logical ring slot s of row r to offset s % page of page
+    table[r, s // page].
+
+    A contiguous store (`empty` without `pool_pages`) has one page of `slots` per row and an identity table: the
+    layout of a plain [layers, B, heads, slots, head_dim] ring. A pool (`pool_pages`) starts with every table entry
+    on page 0, a page never handed out: writes of inactive rows through an unmapped entry are masked, and it stays
+    zero. The engine's page pool (model/engine/pages.py) maps and releases the rest.
+    """
 
     k: Tensor
     v: Tensor
-    k_scale: Tensor | None = None
-    v_scale: Tensor | None = None
+    k_scale: Tensor | None
+    v_scale: Tensor | None
+    table: Tensor  # [B, slots // page] long
+    slots: int  # a row's logical ring slots
 
     @property
     def fp8(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def page(self) -> int:
+        return self.k.shape[3]
+
     @classmethod
-    def empty(cls, shape: tuple[int, ...], dtype: torch.dtype, device, fp8: bool) -> KVStore:
-        if not fp8:
-            return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-        scales = shape[:-1]
-        return cls(torch.zeros(shape, device=device, dtype=FP8), torch.zeros(shape, device=device, dtype=FP8),
-                   torch.zeros(scales, device=device), torch.zeros(scales, device=device))
+    def empty(cls, shape: tuple[int, ...], dtype: torch.dtype, device, fp8: bool, page: int | None = None,
+              pool_pages: int | None = None) -> KVStore:
+        """shape = (layers, rows, heads, slots, head_dim); a pool of `pool_pages` pages of `page` slots, or
+        contiguous rows."""
+        layers, rows, heads, slots, head_dim = shape
+        if pool_pages is None:
+            page, pages = slots, rows
+            table = torch.arange(rows, device=device).view(rows, 1)
+        else:
+            if slots % page:
+                raise ValueError(f"a page of {page} slots does not divide a ring of {slots}")
+            pages = pool_pages + 1
+            table = torch.zeros(rows, slots // page, device=device, dtype=torch.long)
+        values = (layers, pages, heads, page, head_dim)
+        tensors = [torch.zeros(values, device=device, dtype=FP8 if fp8 else dtype) for _ in range(2)]
+        scales = [torch.zeros(values[:-1], device=device) for _ in range(2)] if fp8 else [None, None]
+        return cls(*tensors, *scales, table, slots)
 
     def rows(self, index: slice) -> KVStore:
-        """A view of some batch rows."""
-        return KVStore(*(None if t is None else t[:, index] for t in (self.k, self.v, self.k_scale, self.v_scale)))
+        """A view of some batch rows (the pages are shared)."""
+        return KVStore(self.k, self.v, self.k_scale, self.v_scale, self.table[index], self.slots)
 
     def tensors(self) -> list[Tensor]:
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
 
+    def locate(self, rows: Tensor | int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """(page, offset) of each (row, slot)."""
+        return self.table[rows, slots // self.page], slots % self.page
+
     def write(self, layer: int, rows: Tensor, slots: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> None:
         """Store k, v [N, heads, head_dim] at (rows[i], slots[i]); where `keep` [N] is False the old entry stays."""
+        pages, offsets = self.locate(rows, slots)
         for cache, scale, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            old = cache[layer, rows, :, slots]
+            old = cache[layer, pages, :, offsets]
             if scale is None:
                 value = new if keep is None else torch.where(keep.view(-1, 1, 1), new, old)
-                cache[layer, rows, :, slots] = value
+                cache[layer, pages, :, offsets] = value
                 continue
             q, s = quantize(new)
             if keep is not None:
                 q = torch.where(keep.view(-1, 1, 1), q.view(torch.uint8), old.view(torch.uint8)).view(FP8)
-                s = torch.where(keep.view(-1, 1), s, scale[layer, rows, :, slots])
-            cache[layer, rows, :, slots] = q
-            scale[layer, rows, :, slots] = s
+                s = torch.where(keep.view(-1, 1), s, scale[layer, pages, :, offsets])
+            cache[layer, pages, :, offsets] = q
+            scale[layer, pages, :, offsets] = s
 
     def write_span(self, layer: int, row: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k, v [heads, T, head_dim] of one row at `slots` [T] (prefill)."""
+        pages, offsets = self.locate(row, slots)
         for cache, scale, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             if scale is None:
-                cache[layer, row, :, slots] = new
+                cache[layer, pages, :, offsets] = new.transpose(0, 1)
             else:
                 q, s = quantize(new)
-                cache[layer, row, :, slots] = q
-                scale[layer, row, :, slots] = s
+                cache[layer, pages, :, offsets] = q.transpose(0, 1)
+                scale[layer, pages, :, offsets] = s.transpose(0, 1)
 
     def read_row(self, layer: int, row: int, dtype: torch.dtype, slots: int) -> tuple[Tensor, Tensor]:
         """One row's first `slots` ring slots [heads, slots, head_dim] in `dtype` (dequantised)."""
-        k, v = self.k[layer, row, :, :slots], self.v[layer, row, :, :slots]
+        pages, offsets = self.locate(row, torch.arange(slots, device=self.table.device))
+        k, v = self.k[layer, pages, :, offsets].transpose(0, 1), self.v[layer, pages, :, offsets].transpose(0, 1)
         if not self.fp8:
             return k, v
-        return (dequantize(k, self.k_scale[layer, row, :, :slots], dtype),
-                dequantize(v, self.v_scale[layer, row, :, :slots], dtype))
+        return (dequantize(k, self.k_scale[layer, pages, :, offsets].transpose(0, 1), dtype),
+                dequantize(v, self.v_scale[layer, pages, :, offsets].transpose(0, 1), dtype))
+
+    def read_slots(self, row: int, slots: int) -> list[Tensor]:
+        """Every tensor's entries of one row's first `slots` slots, [layers, heads, slots(, head_dim)] each."""
+        pages, offsets = self.locate(row, torch.arange(slots, device=self.table.device))
+        return [t[:, pages, :, offsets].transpose(0, 1).transpose(1, 2) for t in self.tensors()]
+
+    def write_slots(self, row: int, saved: list[Tensor]) -> None:
+        """read_slots' entries back into one row's first slots."""
+        pages, offsets = self.locate(row, torch.arange(saved[0].shape[2], device=self.table.device))
+        for t, entries in zip(self.tensors(), saved, strict=True):
+            t[:, pages, :, offsets] = entries.transpose(1, 2).transpose(0, 1)
+
+    def gather(self, layer: int) -> tuple[Tensor, ...]:
+        """Every row's ring of one layer through its table: [B, heads, slots(, head_dim)] per tensor."""
+        out = []
+        for t in self.tensors():
+            rows = t[layer][self.table]  # [B, table pages, heads, page(, head_dim)]
+            out.append(rows.transpose(1, 2).flatten(2, 3)[:, :, : self.slots])
+        return tuple(out)
 
     def zero_rows(self, rows: Tensor) -> None:
+        """Zero the pages that `rows` (bool [B]) map."""
+        self.zero_pages(self.table[rows].flatten())
+
+    def zero_pages(self, pages: Tensor) -> None:
         for t in self.tensors():
-            _raw(t).masked_fill_(rows.view(1, -1, *([1] * (t.dim() - 2))), 0)
+            _raw(t).index_fill_(1, pages, 0)
 
     def zero_slots(self, row: int, slots: slice) -> None:
         """Zero some ring slots of one row, in every layer."""
-        for t in self.tensors():
-            _raw(t)[:, row, :, slots].zero_()
+        indices = torch.arange(slots.start or 0, slots.stop, device=self.table.device)
+        if indices.numel():
+            pages, offsets = self.locate(row, indices)
+            for t in self.tensors():
+                _raw(t)[:, pages, :, offsets] = 0
 
 
 def _raw(t: Tensor) -> Tensor:
@@ -125,10 +185,10 @@ def dequantize(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 def attention_reference(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> Tensor:
     """q [B, heads, head_dim] over each row's first n_valid slots -> [B, heads, head_dim] (SDPA + length mask)."""
-    k, v = store.k[layer], store.v[layer]
+    k, v, *scales = store.gather(layer)
     if store.fp8:
-        k = dequantize(k, store.k_scale[layer], q.dtype)
-        v = dequantize(v, store.v_scale[layer], q.dtype)
+        k = dequantize(k, scales[0], q.dtype)
+        v = dequantize(v, scales[1], q.dtype)
     slots = torch.arange(k.shape[2], device=q.device)
     mask = (slots.view(1, -1) < n_valid.view(-1, 1)).view(q.shape[0], 1, 1, -1)
     return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask).squeeze(2)
@@ -167,9 +227,9 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
     if not use_kernel(q.device):
         return attention_reference(q, store, layer, n_valid)
     B, H, D = q.shape
-    slots = store.k.shape[3]
+    slots = store.slots
     cfg = KERNEL_FP8 if store.fp8 else KERNEL_BF16
-    block = cfg.block
+    block = min(cfg.block, 1 << (store.page.bit_length() - 1))  # a block spans two pages at most
     span = split_length(B, H, slots, block, cfg.target_programs)
     splits = math.ceil(slots / span)
     direct = splits == 1  # one program per (row, head): it normalises and writes the result, no merge
@@ -182,12 +242,13 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
     k, v = store.k[layer], store.v[layer]
     ks = store.k_scale[layer] if store.fp8 else k
     vs = store.v_scale[layer] if store.fp8 else v
+    table = store.table
     _partial_kernel[(B * H, splits)](
-        q, k, v, ks, vs, n_valid, acc, m, denom,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1),
-        H, span, 1.0 / math.sqrt(D),
-        HAS_SCALE=store.fp8, BLOCK_N=block, D=D, STAGES=cfg.stages, USE_DOT=cfg.use_dot, DIRECT=direct,
-        num_warps=cfg.warps,
+        q, k, v, ks, vs, n_valid, table, acc, m, denom,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
+        table.shape[1], H, span, 1.0 / math.sqrt(D),
+        HAS_SCALE=store.fp8, BLOCK_N=block, D=D, PAGE=store.page, STAGES=cfg.stages, USE_DOT=cfg.use_dot,
+        DIRECT=direct, num_warps=cfg.warps,
     )
     return acc if direct else merge_partials(acc, m, denom).to(q.dtype)
 
@@ -217,10 +278,11 @@ def rope_and_store(store: KVStore, layer: int, projected: Tensor, rotation: Tens
     k, v = store.k[layer], store.v[layer]
     ks = store.k_scale[layer] if store.fp8 else k
     vs = store.v_scale[layer] if store.fp8 else v
+    table = store.table
     _rope_store_kernel[(B, H)](
-        projected, rotation, slot, slot if active is None else active, q, k, v, ks, vs,
-        projected.stride(0), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), H * D,
-        HAS_ACTIVE=active is not None, HAS_SCALE=store.fp8, D=D, num_warps=1,
+        projected, rotation, slot, slot if active is None else active, table, q, k, v, ks, vs,
+        projected.stride(0), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
+        H * D, HAS_ACTIVE=active is not None, HAS_SCALE=store.fp8, D=D, PAGE=store.page, num_warps=1,
     )
     return q
 
@@ -266,14 +328,38 @@ def merge_partials(acc: Tensor, m: Tensor, denom: Tensor) -> Tensor:
 
 if triton is not None:
 
+    # Two ways to find a block's keys through the page table, each the faster on its path (bench/attention_kernel.py
+    # --pages, H200, 64 rows x 3000 slots, against the contiguous kernel before pages): the tensor-core path takes
+    # the block's one or two pages as scalars (+1 % in bf16; a table load per key cost it +10 %), the CUDA-core fp8
+    # path a table load per key (+5 %; the scalar pages' selects cost it +13 %).
+
     @triton.jit
-    def _partial_kernel(Q, K, V, KS, VS, NV, ACC, M, L,
-                        sqb, sqh, skb, skh, sks, ssb, ssh,
+    def _block_pages(ROW_TABLE, pages, h, skp, skh, ssp, ssh, n0, offs, PAGE: tl.constexpr):
+        """Offsets of keys n0 + [0, BLOCK_N) of one row, which span two pages at most (BLOCK_N <= PAGE): the
+        row's (key, scale) offsets of their page and head, and each key's slot in its page."""
+        first = n0 // PAGE
+        low = tl.load(ROW_TABLE + first)
+        high = tl.load(ROW_TABLE + tl.minimum(first + 1, pages - 1))
+        local = offs - first * PAGE
+        upper = local >= PAGE
+        page = tl.where(upper, high, low)
+        return page * skp + h * skh, page * ssp + h * ssh, tl.where(upper, local - PAGE, local)
+
+    @triton.jit
+    def _key_pages(ROW_TABLE, h, skp, skh, ssp, ssh, offs, valid, PAGE: tl.constexpr):
+        """_block_pages with one table load per key."""
+        page = tl.load(ROW_TABLE + offs // PAGE, mask=valid, other=0)
+        return page * skp + h * skh, page * ssp + h * ssh, offs % PAGE
+
+    @triton.jit
+    def _partial_kernel(Q, K, V, KS, VS, NV, TABLE, ACC, M, L,
+                        sqb, sqh, skp, skh, sks, ssp, ssh, stb, pages,
                         H, SPAN, scale,
-                        HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr,
-                        USE_DOT: tl.constexpr, DIRECT: tl.constexpr):
+                        HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                        STAGES: tl.constexpr, USE_DOT: tl.constexpr, DIRECT: tl.constexpr):
         """Partial softmax of one (row, head) over one span of its keys into ACC/M/L [B, H, splits(, D)]; with
-        DIRECT (a single span) the normalised result goes straight into ACC [B, H, D] in its dtype."""
+        DIRECT (a single span) the normalised result goes straight into ACC [B, H, D] in its dtype. Key n of row b
+        sits at offset n % PAGE of page TABLE[b, n // PAGE]."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -283,7 +369,6 @@ if triton is not None:
         start = split * SPAN
         end = tl.minimum(start + SPAN, n_valid)
         d = tl.arange(0, D)
-        base = b * skb + h * skh
         out = bh * splits + split
         if USE_DOT:
             # Tensor cores need 16 query rows: the query is repeated and row 0 of the result kept.
@@ -296,18 +381,21 @@ if triton is not None:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
                 offs = n0 + tl.arange(0, BLOCK_N)
                 valid = offs < end
-                k = tl.load(K + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
-                v = tl.load(V + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
+                at, scale_at, local = _block_pages(TABLE + b * stb, pages, h, skp, skh, ssp, ssh, n0, offs, PAGE)
+                at += local * sks
+                scale_at += local
+                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
                 if HAS_SCALE:  # per-slot scales commute with the dots: apply them to scores and probabilities
-                    s = s * tl.load(KS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[None, :]
+                    s = s * tl.load(KS + scale_at, mask=valid, other=0.0)[None, :]
                 s = tl.where(valid[None, :], s, -float("inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])
                 pv = p
                 if HAS_SCALE:
-                    pv = p * tl.load(VS + b * ssb + h * ssh + offs, mask=valid, other=0.0)[None, :]
+                    pv = p * tl.load(VS + scale_at, mask=valid, other=0.0)[None, :]
                 acc = acc * alpha[:, None] + tl.dot(pv.to(tl.bfloat16), v.to(tl.bfloat16))
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -329,19 +417,22 @@ if triton is not None:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
                 offs = n0 + tl.arange(0, BLOCK_N)
                 valid = offs < end
-                k = tl.load(K + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
-                v = tl.load(V + base + offs[:, None] * sks + d[None, :], mask=valid[:, None], other=0.0)
+                at, scale_at, local = _key_pages(TABLE + b * stb, h, skp, skh, ssp, ssh, offs, valid, PAGE)
+                at += local * sks
+                scale_at += local
+                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
                 s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
                 pv = v.to(tl.float32)
                 if HAS_SCALE:
-                    s = s * tl.load(KS + b * ssb + h * ssh + offs, mask=valid, other=0.0)
+                    s = s * tl.load(KS + scale_at, mask=valid, other=0.0)
                 s = tl.where(valid, s, -float("inf"))
                 m_new = tl.maximum(m_j, s)
                 alpha = tl.where(m_new > -float("inf"), tl.exp(m_j - m_new), 1.0)
                 p = tl.where(valid, tl.exp(s - m_new), 0.0)
                 weight = p
                 if HAS_SCALE:
-                    weight = p * tl.load(VS + b * ssb + h * ssh + offs, mask=valid, other=0.0)
+                    weight = p * tl.load(VS + scale_at, mask=valid, other=0.0)
                 acc_j = acc_j * alpha[:, None] + weight[:, None] * pv
                 l_j = l_j * alpha + p
                 m_j = m_new
@@ -367,9 +458,9 @@ if triton is not None:
         tl.store(SCALE + scale_at, scale, mask=keep_row)
 
     @triton.jit
-    def _rope_store_kernel(P, ROT, SLOT, ACTIVE, QOUT, K, V, KS, VS,
-                           spb, skb, skh, sks, ssb, ssh, DIM,
-                           HAS_ACTIVE: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr):
+    def _rope_store_kernel(P, ROT, SLOT, ACTIVE, TABLE, QOUT, K, V, KS, VS,
+                           spb, skp, skh, sks, ssp, ssh, stb, DIM,
+                           HAS_ACTIVE: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         heads = tl.num_programs(1)
@@ -385,9 +476,10 @@ if triton is not None:
             keep_row = tl.load(ACTIVE + b) != 0
         keep = tl.full([D], 1, tl.int1) & keep_row
         slot = tl.load(SLOT + b)
-        at = b * skb + h * skh + slot * sks + d
+        page = tl.load(TABLE + b * stb + slot // PAGE)
+        at = page * skp + h * skh + (slot % PAGE) * sks + d
         if HAS_SCALE:
-            scale_at = b * ssb + h * ssh + slot
+            scale_at = page * ssp + h * ssh + slot % PAGE
             _store_quantized(K, KS, k.to(tl.float32), at, scale_at, keep, keep_row)
             _store_quantized(V, VS, v.to(tl.float32), at, scale_at, keep, keep_row)
         else:

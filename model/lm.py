@@ -143,6 +143,10 @@ class Depformer(nn.Module):
 class LMState:
     """Streaming state of B rows. All tensors are fixed-shape and updated in place.
 
+    A row's ring holds `window` slots (the context unless the engine's page pool shrank it) counted from frame
+    `origin`: position p sits in slot (p - origin) % window, and the valid keys in slots [0, min(p - origin + 1,
+    window)). A fresh row has origin 0 and the full window: the ring of the reference.
+
     ring/offset reproduce the reference token ring: row k of frame f sits in column (f + delay_k) % ring_size,
     and `offset` is the reference's call counter o. `pos` is the next RoPE position (= o - 1), `kpos` the
     position held by each KV slot (-1 when empty). `forced` stands in for the reference's `provided` mask,
@@ -150,9 +154,11 @@ class LMState:
     acoustic codes are already in place).
     """
 
-    kv: KVStore  # [layers, B, heads, context, head_dim] (bf16/fp32, or fp8 with scales)
+    kv: KVStore  # pages of [heads, page, head_dim] (bf16/fp32, or fp8 with scales) and each row's page table
     kpos: Tensor  # [B, context] long
     pos: Tensor  # [B] long
+    origin: Tensor  # [B] long
+    window: Tensor  # [B] long
     ring: Tensor  # [B, rows, ring_size] long
     offset: Tensor  # [B] long
     forced: Tensor  # [B, rows] bool: the next call's target cell already holds a prompt token
@@ -163,8 +169,8 @@ class LMState:
 
     def rows(self, index: slice) -> LMState:
         """A view of some rows: writes through it land in this state."""
-        return LMState(self.kv.rows(index), self.kpos[index], self.pos[index], self.ring[index], self.offset[index],
-                       self.forced[index])
+        return LMState(self.kv.rows(index), self.kpos[index], self.pos[index], self.origin[index],
+                       self.window[index], self.ring[index], self.offset[index], self.forced[index])
 
 
 RING_SIZE = 4
@@ -202,10 +208,12 @@ class LM(nn.Module):
     # ----- state -------------------------------------------------------------------------------------------
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None, fp8_kv: bool = False,
-                   slots: int | None = None) -> LMState:
+                   slots: int | None = None, pool_pages: int | None = None, page: int | None = None) -> LMState:
         """Fresh state for `batch_size` rows; `fp8_kv` stores the KV cache as e4m3 with per-vector scales.
 
         `slots` < context makes a short ring (a prompt's scratch row): it holds positions [0, slots) only.
+        `pool_pages` pages of `page` frames make the KV a pool the engine maps rows into (model/engine/pages.py);
+        without it every row holds its whole ring.
         """
         cfg = self.cfg
         device = device or self.text_linear.weight.device
@@ -213,9 +221,11 @@ class LM(nn.Module):
         slots = cfg.context if slots is None else slots
         shape = (cfg.num_layers, batch_size, cfg.num_heads, slots, cfg.head_dim)
         state = LMState(
-            kv=KVStore.empty(shape, dtype, device, fp8_kv),
+            kv=KVStore.empty(shape, dtype, device, fp8_kv, page, pool_pages),
             kpos=torch.full((batch_size, slots), -1, device=device, dtype=torch.long),
             pos=torch.zeros(batch_size, device=device, dtype=torch.long),
+            origin=torch.zeros(batch_size, device=device, dtype=torch.long),
+            window=torch.full((batch_size,), slots, device=device, dtype=torch.long),
             ring=torch.zeros(batch_size, cfg.num_rows, RING_SIZE, device=device, dtype=torch.long),
             offset=torch.zeros(batch_size, device=device, dtype=torch.long),
             forced=torch.zeros(batch_size, cfg.num_rows, device=device, dtype=torch.bool),
@@ -235,6 +245,8 @@ class LM(nn.Module):
         keep = ~rows
         state.kpos.masked_fill_(rows.unsqueeze(1), -1)
         state.pos.masked_fill_(rows, 0)
+        state.origin.masked_fill_(rows, 0)
+        state.window.masked_fill_(rows, state.kv.slots)
         state.offset.masked_fill_(rows, 1)
         state.forced.masked_fill_(rows.unsqueeze(1), False)
         initial = self.initial_column(state.ring.device)
@@ -284,18 +296,20 @@ class LM(nn.Module):
     def temporal_step(self, x: Tensor, state: LMState, active: Tensor | None = None) -> Tensor:
         """One frame for every row: x [B, dim] at each row's `pos` -> post-out_norm hidden [B, dim].
 
-        Writes each row's K/V into its ring slot pos % context and advances nothing else (the caller owns pos).
-        Rows where `active` (bool [B]) is False keep their cache exactly as it was.
+        Writes each row's K/V into its ring slot (pos - origin) % window and advances nothing else (the caller
+        owns pos). Rows where `active` (bool [B]) is False keep their cache exactly as it was.
         """
         cfg = self.cfg
         B = x.shape[0]
-        slot = (state.pos % cfg.context).view(B, 1)
+        frames = state.pos - state.origin
+        slot = (frames % state.window).view(B, 1)
         new_kpos = state.pos.view(B, 1)
         if active is not None:
             new_kpos = torch.where(active.view(B, 1), new_kpos, state.kpos.gather(1, slot))
         state.kpos.scatter_(1, slot, new_kpos)
-        # Valid keys fill slots [0, n_valid): rows fill the ring in order from a reset, and a wrapped ring is full.
-        n_valid = (state.pos + 1).clamp(max=cfg.context)
+        # Valid keys fill slots [0, n_valid): rows fill the ring in order from their origin, and a wrapped ring is
+        # full.
+        n_valid = torch.minimum(frames + 1, state.window)
         rotation = rope_rotation(state.pos, cfg.head_dim, cfg.max_period)  # [B, half, 2]
         layers = self.transformer.layers
         h = x.unsqueeze(1)

@@ -27,11 +27,16 @@ def full_attention(q, k, v, n_valid):
     return F.scaled_dot_product_attention(q.float().unsqueeze(2), k.float(), v.float(), attn_mask=mask).squeeze(2)
 
 
-def make_store(B, H, C, D, dtype, device, fp8, seed=0):
+def make_store(B, H, C, D, dtype, device, fp8, seed=0, page=None):
+    """Random keys and values [1, B, H, C, D] in a store: contiguous rows, or pages of `page` slots shuffled over a
+    pool with spare pages."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     k = torch.randn(1, B, H, C, D, generator=g).to(device=device, dtype=dtype)
     v = torch.randn(1, B, H, C, D, generator=g).to(device=device, dtype=dtype)
-    store = KVStore.empty((1, B, H, C, D), dtype, device, fp8)
+    pages = None if page is None else B * C // page + 3
+    store = KVStore.empty((1, B, H, C, D), dtype, device, fp8, page, pages)
+    if page is not None:
+        store.table.copy_((torch.randperm(pages, generator=g)[: B * C // page] + 1).view(B, -1))
     rows = torch.arange(B, device=device).repeat_interleave(C)
     slots = torch.arange(C, device=device).repeat(B)
     store.write(0, rows, slots, k[0].permute(0, 2, 1, 3).reshape(B * C, H, D),
@@ -54,6 +59,17 @@ def test_reference_equals_masked_attention_on_cpu():
     torch.testing.assert_close(attention_reference(q, store, 0, n_valid), full_attention(q, k[0], v[0], n_valid))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_reference_reads_through_shuffled_pages_as_through_contiguous_rows(fp8):
+    contiguous, k, v = make_store(3, 2, 24, 16, torch.float32, "cpu", fp8, seed=4)
+    paged, _, _ = make_store(3, 2, 24, 16, torch.float32, "cpu", fp8, seed=4, page=4)
+    q = torch.randn(3, 2, 16)
+    n_valid = torch.tensor([1, 13, 24])
+    assert torch.equal(attention_reference(q, paged, 0, n_valid), attention_reference(q, contiguous, 0, n_valid))
+    for a, b in zip(paged.read_row(0, 1, torch.float32, 24), contiguous.read_row(0, 1, torch.float32, 24)):
+        assert torch.equal(a, b)
+
+
 def test_split_length_fills_the_gpu_at_small_batch():
     assert split_length(1, 32, 3000) < split_length(64, 32, 3000)
     assert split_length(64, 32, 3000) % 64 == 0 and split_length(64, 32, 3000) >= 3000
@@ -62,9 +78,10 @@ def test_split_length_fills_the_gpu_at_small_batch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only")
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("B", [1, 5, 64])
-def test_kernel_matches_reference_on_cuda(B, fp8):
+@pytest.mark.parametrize("page", [None, 75, 20])
+def test_kernel_matches_reference_on_cuda(B, fp8, page):
     H, C, D = 32, 3000, 128
-    store, _, _ = make_store(B, H, C, D, torch.bfloat16, "cuda", fp8, seed=B)
+    store, _, _ = make_store(B, H, C, D, torch.bfloat16, "cuda", fp8, seed=B, page=page)
     q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
     n_valid = torch.randint(1, C + 1, (B,), device="cuda")
     n_valid[0] = C
@@ -76,7 +93,8 @@ def test_kernel_matches_reference_on_cuda(B, fp8):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only")
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_rope_and_store_kernel_matches_reference_on_cuda(fp8, masked):
+@pytest.mark.parametrize("page", [None, 8])
+def test_rope_and_store_kernel_matches_reference_on_cuda(fp8, masked, page):
     B, H, C, D = 5, 32, 40, 128
     pos = torch.tensor([0, 7, 39, 40, 100000], device="cuda")
     rotation = rope_rotation(pos, D, 10000.0)
@@ -84,10 +102,11 @@ def test_rope_and_store_kernel_matches_reference_on_cuda(fp8, masked):
     active = torch.tensor([True, False, True, True, False], device="cuda") if masked else None
     results = []
     for fn in (rope_and_store, rope_and_store_reference):
-        store, _, _ = make_store(B, H, C, D, torch.bfloat16, "cuda", fp8, seed=3)
+        store, _, _ = make_store(B, H, C, D, torch.bfloat16, "cuda", fp8, seed=3, page=page)
         q = fn(store, 0, projected, rotation, pos % C, active)
-        results.append((q.float(), [dequantize(t[0], s[0], torch.float32) if fp8 else t[0].float()
-                                    for t, s in ((store.k, store.k_scale), (store.v, store.v_scale))]))
+        k, v, *scales = store.gather(0)
+        results.append((q.float(), [dequantize(t, s, torch.float32) if fp8 else t.float()
+                                    for t, s in ((k, scales[0] if fp8 else None), (v, scales[1] if fp8 else None))]))
     (q, kv), (q_ref, kv_ref) = results
     torch.testing.assert_close(q, q_ref, atol=0.07, rtol=1e-2)  # one bf16 ulp: fused multiply-adds round once
     for got, want in zip(kv, kv_ref):

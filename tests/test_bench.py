@@ -43,6 +43,19 @@ def test_engine_bench_prints_ticks_capacity_and_opens() -> None:
     assert all(ms > 0 for o in opens.values() for ms in o["open_step_ms"].values())
 
 
+def test_call_mix_prints_steady_state_and_worst_case() -> None:
+    """A pool of 8 pages of 50 frames for 3 calls of up to 250: windows shrink, a fourth call is refused."""
+    lines = bench_lines("bench.call_mix", "--concurrency", "3", "--mean-s", "20", "--cap-s", "40", "--minutes", "0.1",
+                        "--max-sessions", "4", "--kv-pages", "8", "--floor-frames", "50", "--worst-case", "2",
+                        "--worst-seconds", "0.5")
+    start, mix, worst = lines
+    assert start["pool_pages"] == 8 and start["page_frames"] == 50  # the largest divisor of 250 up to 75
+    assert mix["ticks"] > 0 and mix["tick_ms_p99"] >= mix["tick_ms_p50"] > 0 and mix["sessions_max"] <= 4
+    assert 0 < mix["pool_occupancy_mean"] <= mix["pool_occupancy_max"] <= 1
+    assert mix["arrivals"] == mix["refused"] + (mix["arrivals"] - mix["refused"]) and mix["failed"] == 0
+    assert worst["live"] == 2 and worst["ticks"] > 0 and worst["context_frames"] == 250
+
+
 def test_prefill_bench_prints_chunks_and_whole_prompts() -> None:
     lines = bench_lines("bench.prefill_bench", "--chunks", "16", "--starts", "0", "--prompts", "57", "--repeats", "1")
     chunk = next(line for line in lines if line["bench"] == "prefill")

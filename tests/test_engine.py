@@ -140,8 +140,8 @@ async def test_recycled_slot_is_bit_exact_with_a_fresh_engine(make_engine):
 
 
 async def test_a_recycled_slot_keeps_no_key_or_value_of_its_last_session(make_engine, tiny_model):
-    """A slot's reset zeroes every KV slot its last session wrote, counted on the host (no read from the device):
-    past the new session's own frames the row holds zeros only, as a fresh engine's does."""
+    """A session's end returns its KV pages zeroed: past the new session's own frames its ring reads zeros only, as
+    a fresh engine's does, and so does every page no session holds."""
     engine = make_engine()
     params = SessionParams(persona="Be brief.", sampling=GREEDY, pacing="input")
     first, _ = await run_session(engine, params, speechlike(12, 3), 10)
@@ -152,7 +152,9 @@ async def test_a_recycled_slot_keeps_no_key_or_value_of_its_last_session(make_en
     state = engine.lm_state
     written, held = int(state.pos[slot.index]), tiny_model.config.context
     assert engine.stats().prompt_cache_hits == 1 and written + 10 <= held
-    assert all(not tensor[:, slot.index, :, written:].any() for tensor in state.kv.tensors())
+    assert all(not entries[:, :, written:].any() for entries in state.kv.read_slots(slot.index, held))
+    free = sorted(set(range(state.kv.k.shape[1])) - set(engine.runner.pages.table.flatten().tolist()))
+    assert all(not tensor[:, free].any() for tensor in state.kv.tensors())
 
 
 async def test_prompt_cache_keys_on_the_persona_text_the_model_sees(make_engine):

@@ -39,9 +39,12 @@ def session_params(pacing: str = "realtime") -> SessionParams:
 
 
 async def session_tokens(model, config: EngineConfig, frames: int, row: int = 0,
-                         pacing: str = "realtime") -> list[np.ndarray]:
-    """The tokens of one greedy session in slot `row` (the slots before it held, idle)."""
+                         pacing: str = "realtime", shuffle_pages: bool = False) -> list[np.ndarray]:
+    """The tokens of one greedy session in slot `row` (the slots before it held, idle); with `shuffle_pages` its KV
+    pages come from the pool in no order."""
     engine = Engine(model, config)
+    if shuffle_pages:
+        random.Random(7).shuffle(engine.runner.pages.free)
     engine.start()
     try:
         slots = [engine.reserve() for _ in range(row + 1)]
@@ -123,3 +126,42 @@ def test_a_prompt_copied_while_a_tick_is_in_flight_starts_the_same_session(cuda_
         in_flight = asyncio.run(tokens_after_an_in_flight_copy(
             cuda_model, EngineConfig(tick_ms=10.0, in_flight_copy_share=4.0, **config), 10))
     assert all(np.array_equal(a, b) for a, b in zip(between, in_flight, strict=True))
+
+
+@pytest.mark.parametrize("fp8_kv", [False, True])
+def test_a_session_reads_its_pages_in_any_order_across_the_ring_wrap(cuda_model, fp8_kv):
+    """The kernels read and write through the page table: pages handed out in order or shuffled give the same
+    tokens, over more frames than the ring holds (64)."""
+    config = {"max_sessions": 3, "fuse_kernels": False, "fp8_kv": fp8_kv, "kv_page_frames": 16}
+    with torch.backends.cudnn.flags(enabled=False):
+        ordered = asyncio.run(session_tokens(cuda_model, EngineConfig(**config), 90))
+        shuffled = asyncio.run(session_tokens(cuda_model, EngineConfig(**config), 90, shuffle_pages=True))
+    assert all(np.array_equal(a, b) for a, b in zip(ordered, shuffled, strict=True))
+
+
+async def shrink_and_grow(model) -> tuple[list, list]:
+    engine = Engine(model, EngineConfig(max_sessions=2, kv_pages=3, kv_page_frames=32, kv_reserve_s=0.08,
+                                        kv_floor_frames=32))
+    engine.start()
+    try:
+        long, long_sink, long_source = engine.reserve(), Collector(), QueueSource(speechlike(80, 4))
+        await long.start(session_params("input"), long_source, long_sink.on_output, long_sink.on_error)
+        await long_sink.wait_for(80)
+        newcomer, sink = engine.reserve(), Collector()
+        await newcomer.start(session_params("input"), QueueSource(speechlike(70, 5)), sink.on_output, sink.on_error)
+        await sink.wait_for(70)
+        shrunk = long.stats()
+        newcomer.close()
+        for frame in speechlike(60, 6):
+            long_source.push(frame)
+        await long_sink.wait_for(140)
+        return [shrunk, long.stats(), engine.stats()], long_sink.outputs + sink.outputs
+    finally:
+        engine.stop()
+
+
+def test_a_window_shrinks_and_grows_back_under_graphs(cuda_model):
+    (shrunk, grown, stats), outputs = asyncio.run(shrink_and_grow(cuda_model))
+    assert shrunk.window_shrinks == 1 and shrunk.window_frames == 32
+    assert grown.window_frames == 64 and stats.kv_window_grows == 1
+    assert all(np.isfinite(o.audio).all() for o in outputs)

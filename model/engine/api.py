@@ -94,6 +94,22 @@ class EngineConfig:
     # duration plus theirs) within this share of the tick period; in a burst of opens at full load that is none.
     first_half_tick_budget: float = 0.5
     stalled_after_s: float = ENGINE_STALLED_S  # this long without a tick and health checks report the engine down
+    # The temporal transformer's KV in pages (model/engine/pages.py). Frames per page: the largest divisor of the
+    # context not above this. 75 (6 s) divides the 7B's 3000 and holds a whole block of the decode kernel's keys
+    # (64 in bf16); every size from 75 to 250 read as fast (bench/attention_kernel.py --pages), and smaller pages
+    # waste less of a session's last page (37 frames on average, 2 % of the mean call's context).
+    kv_page_frames: int = 75
+    # Pages in the pool; None: as many as the free device memory holds beside `kv_free_gib` (CUDA), or every
+    # session's full window (CPU).
+    kv_pages: int | None = None
+    # Device memory left free when the pool is sized from it, for graphs and activations: with 14, 290 sessions
+    # of the 7B (fp8) peaked 3.3 GB below the H200's memory during graph capture.
+    kv_free_gib: float = 14.0
+    # Admission by memory: a session is admitted while the free pages cover this many seconds of growth for it and
+    # for every session still growing, and no session's window is shrunk.
+    kv_reserve_s: float = 5.0
+    # Under pressure a session's window shrinks, oldest frames first, to no less than this many frames.
+    kv_floor_frames: int = 750
 
 
 @dataclass
@@ -102,6 +118,8 @@ class SlotStats:
     frames_out: int = 0
     underruns: int = 0
     state: str = "reserved"  # reserved, prefill, live, closed or failed (slots.py)
+    window_shrinks: int = 0  # times the page pool shrank this session's context window (pages.py)
+    window_frames: int = 0  # its window after the last shrink or grow-back (0: never changed, the full context)
 
 
 @dataclass
@@ -148,6 +166,13 @@ class EngineStats:
     start_ms: dict[str, float] = field(default_factory=dict)
     first_frame_ms: dict[str, float] = field(default_factory=dict)
     stalled_after_s: float = ENGINE_STALLED_S  # the engine's EngineConfig.stalled_after_s, for its remote users
+    # The KV page pool (pages.py): its pages, those free, context windows shrunk and grown back, and sessions
+    # refused because the free pages would not cover the live sessions' growth.
+    kv_pages: int = 0
+    kv_pages_free: int = 0
+    kv_window_shrinks: int = 0
+    kv_window_grows: int = 0
+    kv_refused: int = 0
 
 
 def check_params(params: SessionParams, max_top_k_text: int, max_top_k_audio: int) -> None:

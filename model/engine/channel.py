@@ -104,6 +104,8 @@ class Counters(msgspec.Struct, array_like=True):
     frames_in: int
     frames_out: int
     underruns: int
+    window_shrinks: int = 0
+    window_frames: int = 0
 
 
 class Tick(msgspec.Struct, tag=True):

@@ -125,7 +125,8 @@ class RemoteSlot:
 
     def stats(self) -> SlotStats:
         c = self.counters
-        return SlotStats(frames_in=c.frames_in, frames_out=c.frames_out, underruns=c.underruns, state=self.state)
+        return SlotStats(frames_in=c.frames_in, frames_out=c.frames_out, underruns=c.underruns, state=self.state,
+                         window_shrinks=c.window_shrinks, window_frames=c.window_frames)
 
     # ---- from the channel -------------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ from model.engine.api import (
 from model.engine.prompt_cache import PromptCache
 from model.engine.runner import RowOutputs, Runner
 from model.engine.scheduler import Scheduler
-from model.engine.slots import Session, Slot, SlotTable
+from model.engine.slots import ENDED, Session, Slot, SlotTable
 from model.engine.stats import FIRST_HALF_HOST_PHASE, EngineCounters
 from model.loading import PersonaPlex
 from model.prompts import PromptPlan, persona_tokens, plan_prompt
@@ -114,6 +114,7 @@ class Engine:
         self.slots = SlotTable(self.config.max_sessions)
         self.prompts = PromptCache(self.config.prompt_cache_entries)
         self.counters = EngineCounters()
+        self.runner.pages.on_window = self._window_changed
         self._lock = self.slots.lock
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -192,7 +193,13 @@ class Engine:
                 self._fail(session, EngineError("the engine stopped", "engine_stopped"))
 
     def reserve(self) -> Slot:
-        return Slot(self, self.slots.reserve())
+        """A slot for a new session, if one is free and the KV pages cover the growth of those in use (pages.py)."""
+        with self._lock:
+            held = [s.index for s in self.slots.held()]
+            if len(held) < self.max_sessions and not self.runner.pages.admits(held):
+                self.counters.count_refusal()
+                raise ResourceExhausted("kv_pages_exhausted: the free KV pages would not cover the live sessions")
+            return Slot(self, self.slots.reserve())
 
     async def reserve_wait(self, timeout_s: float) -> Slot:
         deadline = time.monotonic() + timeout_s
@@ -263,11 +270,19 @@ class Engine:
             self._pending.discard(done)
 
     def release(self, session: Session) -> None:
-        self.slots.move(session, "closed")
+        ended = session.state in ENDED
+        if self.slots.move(session, "closed") and not ended:
+            self._return_pages(session.index)
+
+    def _return_pages(self, row: int) -> None:
+        """A session left `row`: its KV pages go back to the pool on the engine thread, before any later start
+        (commands run in order) and between ticks."""
+        self._commands.put(lambda: self.runner.reset_lm_row(row))
+        self._wake.set()
 
     def stats(self) -> EngineStats:
         stats = self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
-                                       self.scheduler.step_seconds())
+                                       self.scheduler.step_seconds(), self.runner.pages.counts())
         stats.stalled_after_s = self.config.stalled_after_s
         return stats
 
@@ -288,6 +303,7 @@ class Engine:
         runner.active_np[:n] = runner.takes_input_np[:n] = True
         runs = []
         for _ in range(iterations):
+            runner.prepare_batch(n)
             self._run_batch(n, [])
             runs.append(runner.parts_ms)
         runner.active_np[:n] = runner.takes_input_np[:n] = False
@@ -499,9 +515,14 @@ class Engine:
         runner.active_np[[s.index for s in live]] = True
         runner.takes_input_np[[s.index for s in live if not s.first_half_pending]] = True
         offline_rows = [s.index for s in self.slots.live(offline=True) if s.index < n]
+        starved = set(runner.prepare_batch(n))
+        if starved:  # no page, and no context left to shrink: those sessions end, the others step
+            for session in live:
+                if session.index in starved:
+                    self._fail(session, SessionFailed("no KV page is free and no context can shrink", "kv_pages"))
+            live = [s for s in live if s.index not in starved]
         try:
             frames, emitted, audio = self._run_batch(n, offline_rows)
-            runner.kv_extent[:n] += runner.active_np[:n]  # the rows that stepped wrote one slot each
         except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
             log.exception("tick failed")
             for session in live:
@@ -603,10 +624,18 @@ class Engine:
         self._deliver(session, *outputs)
         return True
 
+    def _window_changed(self, row: int, frames: int, shrunk: bool) -> None:
+        """The page pool shrank (or grew back) the context window of the session in `row` (engine thread)."""
+        session = self.slots.at(row)
+        if session is not None:
+            session.stats.window_frames = frames
+            session.stats.window_shrinks += int(shrunk)
+
     def _fail(self, session: Session, error: EngineError) -> None:
         with self._lock:
             if not self.slots.move(session, "failed"):
                 return
+            self._return_pages(session.index)
             self.counters.count_error(error.cause)
             callback = session.on_error
         if callback is not None:

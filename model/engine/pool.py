@@ -179,4 +179,7 @@ def total_stats(each: list[EngineStats]) -> EngineStats:
         open_work_ms_last=max(s.open_work_ms_last for s in each), open_step_ms=worst([s.open_step_ms for s in each]),
         prompt_copies_in_flight=added("prompt_copies_in_flight"), last_tick_at=max(s.last_tick_at for s in each),
         start_ms=worst([s.start_ms for s in each]), first_frame_ms=worst([s.first_frame_ms for s in each]),
+        stalled_after_s=max(s.stalled_after_s for s in each),
+        kv_pages=added("kv_pages"), kv_pages_free=added("kv_pages_free"), kv_window_shrinks=added("kv_window_shrinks"),
+        kv_window_grows=added("kv_window_grows"), kv_refused=added("kv_refused"),
     )

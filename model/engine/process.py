@@ -212,9 +212,9 @@ class WorkerLink:
         return on_error
 
     @staticmethod
-    def _counts(session: HostSession) -> tuple[int, int, int]:
+    def _counts(session: HostSession) -> tuple[int, int, int, int, int]:
         s = session.slot.stats()
-        return s.frames_in, s.frames_out, s.underruns
+        return s.frames_in, s.frames_out, s.underruns, s.window_shrinks, s.window_frames
 
     def flush_tick(self, next_tick_at: float) -> None:
         """After a tick: this worker's outputs and its realtime sessions' counters, in one message."""

@@ -19,7 +19,8 @@ from torch import Tensor
 from model import fused
 from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, prefill_chunks
 from model.config import FRAME_SAMPLES, SAMPLE_RATE
-from model.engine.api import EngineConfig
+from model.engine.api import EngineConfig, ResourceExhausted
+from model.engine.pages import PagePool
 from model.engine.prompt_cache import CachedPrompt
 from model.lm import LMState
 from model.loading import PersonaPlex
@@ -56,10 +57,14 @@ class Runner:
             else:
                 log.warning("Triton is not installed: running without fused kernels (slower ticks)")
         lm = model.lm
-        self.lm_state = lm.init_state(B, self.device, fp8_kv=config.fp8_kv)
         self.scratch = PromptPrefill(lm, self.device, config.fp8_kv)
         model.text_piece(0)  # builds the token-text table now, not in the first tick
         self.mimi_state = model.mimi.init_state(B, self.device)
+        page = page_frames(lm.cfg.context, config.kv_page_frames)
+        self.lm_state = lm.init_state(B, self.device, fp8_kv=config.fp8_kv, page=page,
+                                      pool_pages=self._pool_pages(page))
+        self.pages = PagePool(self.lm_state, round(config.kv_reserve_s * 1000.0 / config.tick_ms),
+                              config.kv_floor_frames)
         self.const = StepConstants.make(lm, self.device)
         self.text_sampling, self.audio_sampling = row_sampling([SamplingParams(greedy=True)] * B, [0] * B, self.device)
         self.pcm_in = torch.zeros(B, FRAME_SAMPLES, device=self.device)
@@ -81,10 +86,23 @@ class Runner:
         self._timer = PartTimer(self.device)
         self.parts_ms: dict[str, float] = {}  # the last batch step's device parts
         self.step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
-        # Per row, an upper bound on the KV slots written since its last reset, so that resetting a row needs no
-        # read of its position from the device (which would wait for a tick in flight).
-        self.kv_extent = np.zeros(B, dtype=np.int64)
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def _pool_pages(self, page: int) -> int:
+        """The pool's pages: the configured count, else what the free device memory holds beside kv_free_gib
+        (CUDA), else every row's full window."""
+        config, cfg = self.config, self.model.lm.cfg
+        if config.kv_pages is not None:
+            return config.kv_pages
+        if self.device.type != "cuda":
+            return self.rows * (cfg.context // page)
+        element = 1 if config.fp8_kv else self.model.lm.text_linear.weight.element_size()
+        per_frame = 2 * cfg.num_layers * cfg.num_heads * (cfg.head_dim * element + (4 if config.fp8_kv else 0))
+        free, _ = torch.cuda.mem_get_info(self.device)
+        pages = int((free - config.kv_free_gib * 2**30) // (per_frame * page)) - 1
+        if pages < cfg.context // page:
+            raise RuntimeError(f"{free / 2**30:.1f} GiB free hold no full KV window beside kv_free_gib")
+        return min(pages, self.rows * (cfg.context // page))
 
     @property
     def graphs(self) -> bool:
@@ -127,8 +145,8 @@ class Runner:
         with torch.no_grad():
             for frames in (self.config.prefill_chunk, 2):
                 x = torch.zeros(frames, lm.cfg.dim, device=self.device, dtype=lm.text_linear.weight.dtype)
-                lm.prefill(x, self.lm_state, 0)
-            lm.reset_row(self.lm_state, 0)
+                self.prefill_chunk(x, 0)
+            self.reset_lm_row(0)
         noise = 0.05 * np.random.default_rng(0).standard_normal(2 * SAMPLE_RATE).astype(np.float32)
         for seconds in (1.0, 1.5):
             self.model.encode_wav_voice(noise[: int(seconds * SAMPLE_RATE)], SAMPLE_RATE)
@@ -152,6 +170,7 @@ class Runner:
         before its outputs are waited for. Frames, emitted flags and audio of the rows, views of pinned memory
         the next step overwrites."""
         step = self._batch_step(n)
+        self.pages.flush()
         saved = [(r, self.mimi_state.encoder.rows(slice(r, r + 1)).clone(),
                   self.mimi_state.decoder.rows(slice(r, r + 1)).clone()) for r in protected_rows]
         self.pcm_in[:n].copy_(self._pcm_host[:n], non_blocking=True)
@@ -184,7 +203,7 @@ class Runner:
     def first_half(self, row: int) -> RowOutputs:
         """A session's first model half (and its decode) as a one-row step; its outputs on the host."""
         self.active[row] = True
-        self.kv_extent[row] += 1
+        self._take_pages(row)
         return _row_to_host(*self._row_step(row).first_half())
 
     def row_step(self, row: int) -> RowOutputs:
@@ -193,7 +212,7 @@ class Runner:
         # both for its own rows.
         self.pcm_in[row].copy_(self._pcm_host[row])
         self.active[row] = self.takes_input[row] = True
-        self.kv_extent[row] += 1
+        self._take_pages(row)
         return _row_to_host(*self._row_step(row).run(PartTimer(self.device)))
 
     def _batch_step(self, n: int) -> BatchStep:
@@ -215,10 +234,29 @@ class Runner:
 
     # ----- a row's state ------------------------------------------------------------------------------------
 
+    def prepare_batch(self, n: int) -> list[int]:
+        """Pages for the next frame of each row of [0, n) marked active, counted as stepped; the rows for which no
+        page could be found (left inactive)."""
+        rows = np.flatnonzero(self.active_np[:n])
+        starved = self.pages.ensure_rows(rows.tolist())
+        if starved:
+            self.active_np[starved] = self.takes_input_np[starved] = False
+            rows = np.flatnonzero(self.active_np[:n])
+        self.pages.advance(rows)
+        return starved
+
+    def _take_pages(self, row: int, frames: int = 1) -> None:
+        """Pages for the row's next `frames` frames, counted as written, on the device before the step."""
+        if not self.pages.ensure(row, frames):
+            raise ResourceExhausted("no KV page is free and no session's context can shrink further")
+        self.pages.flush()
+        self.pages.advance([row], frames)
+
     @torch.no_grad()
     def reset_lm_row(self, row: int) -> None:
-        self.model.lm.reset_row(self.lm_state, row, used=int(self.kv_extent[row]))
-        self.kv_extent[row] = 0
+        self.pages.release(row)
+        self.pages.flush()
+        self.model.lm.reset_row(self.lm_state, row, used=0)
 
     def reset_mimi_row(self, row: int, decoder: bool = True) -> None:
         state = self.mimi_state.rows(slice(row, row + 1))
@@ -238,16 +276,19 @@ class Runner:
         return time.perf_counter() - since
 
     def fill_context(self, rows: slice, frames: int) -> None:
-        """Mark `frames` past frames as present in the KV of `rows` (their values left as they are)."""
+        """Mark `frames` past frames as present in the KV of `rows` (their values left as they are, in pages
+        taken for them)."""
         state, context = self.lm_state, self.model.config.context
         held = min(frames, context)
         positions = torch.arange(frames - held, frames, device=self.device)
         kpos = torch.full((context,), -1, dtype=torch.long, device=self.device)
         kpos[positions % context] = positions
+        for row in range(*rows.indices(self.rows)):
+            self.pages.release(row)
+            self._take_pages(row, frames)
         state.kpos[rows] = kpos
         state.pos[rows] = frames
         state.offset[rows] = frames + 1
-        np.maximum(self.kv_extent[rows], held, out=self.kv_extent[rows])
 
     # ----- prompts ------------------------------------------------------------------------------------------
 
@@ -264,8 +305,8 @@ class Runner:
 
     @torch.no_grad()
     def prefill_chunk(self, chunk: Tensor, row: int) -> None:
+        self._take_pages(row, chunk.shape[0])
         self.model.lm.prefill(chunk, self.lm_state, row)
-        self.kv_extent[row] += chunk.shape[0]
 
     @torch.no_grad()
     def finish_prompt(self, plan: PromptPlan, row: int) -> CachedPrompt:
@@ -277,21 +318,25 @@ class Runner:
     def copy_prompt(self, cached: CachedPrompt, row: int) -> None:
         state = self.lm_state
         filled = cached.kpos.shape[0]
-        for tensor, saved in zip(state.kv.tensors(), cached.kv):
-            tensor[:, row, :, :filled] = saved
+        self._take_pages(row, cached.pos)  # a fresh row: its slots [0, filled)
+        state.kv.write_slots(row, cached.kv)
         state.kpos[row, :filled] = cached.kpos
         # fill_, not `x[row] = int`: that copies a host scalar, which waits for the stream (a tick in flight).
         state.pos[row].fill_(cached.pos)
         state.ring[row] = cached.ring
         state.offset[row].fill_(cached.offset)
         state.forced[row] = cached.forced
-        self.kv_extent[row] = max(int(self.kv_extent[row]), filled)
 
     def _prompt_of(self, state: LMState, row: int) -> CachedPrompt:
         """The prompt that `row` of `state` holds (a fresh row after its prefill)."""
         filled = int(min(int(state.pos[row]), self.model.config.context))
         return CachedPrompt(
-            kv=[t[:, row, :, :filled].clone() for t in state.kv.tensors()],
+            kv=state.kv.read_slots(row, filled),
             kpos=state.kpos[row, :filled].clone(), pos=int(state.pos[row]), ring=state.ring[row].clone(),
             offset=int(state.offset[row]), forced=state.forced[row].clone(),
         )
+
+
+def page_frames(context: int, most: int) -> int:
+    """Frames per KV page: the largest divisor of the context not above `most` (a window is whole pages)."""
+    return max(d for d in range(1, min(most, context) + 1) if context % d == 0)

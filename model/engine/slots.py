@@ -97,6 +97,9 @@ class SlotTable:
                 self._rows[session.index] = None
             return True
 
+    def at(self, row: int) -> Session | None:
+        return self._rows[row]
+
     def holds(self, session: Session) -> bool:
         return self._rows[session.index] is session
 

@@ -8,10 +8,14 @@ import itertools
 import statistics
 import threading
 from collections import Counter, deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from model.engine.api import EngineStats, TickRecord
+
+if TYPE_CHECKING:
+    from model.engine.pages import PoolCounts
 
 TICK_MS_BUCKETS = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0, 160.0)
 TICK_RECORDS = 2000
@@ -33,6 +37,7 @@ class EngineCounters:
         self.offline_frames = 0
         self.open_ms = 0.0
         self.copies_in_flight = 0
+        self.refused = 0  # sessions the KV pages could not cover
         self.start_s: deque[float] = deque(maxlen=START_RECORDS)
         self.first_frame_s: deque[float] = deque(maxlen=START_RECORDS)
 
@@ -56,6 +61,10 @@ class EngineCounters:
             self.buckets[bisect.bisect_left(TICK_MS_BUCKETS, ms)] += 1
         return record
 
+    def count_refusal(self) -> None:
+        with self.lock:
+            self.refused += 1
+
     def count_error(self, cause: str) -> None:
         with self.lock:
             self.errors[cause] += 1
@@ -66,7 +75,7 @@ class EngineCounters:
         return records[max(len(records) - count, 0) :]
 
     def snapshot(self, sessions_in_use: int, max_sessions: int, cache_hits: int, cache_misses: int,
-                 step_seconds: dict[str, list[float]]) -> EngineStats:
+                 step_seconds: dict[str, list[float]], pages: PoolCounts) -> EngineStats:
         # Copied under the lock, summarised outside it.
         with self.lock:
             ms = [record.ms for record in self.records]
@@ -81,7 +90,8 @@ class EngineCounters:
                 errors=sum(self.errors.values()), errors_by_cause=dict(self.errors),
                 offline_frames=self.offline_frames, prompt_cache_hits=cache_hits, prompt_cache_misses=cache_misses,
                 open_work_ms_last=self.open_ms, open_step_ms={}, prompt_copies_in_flight=self.copies_in_flight,
-                last_tick_at=self.last_tick_at,
+                last_tick_at=self.last_tick_at, kv_pages=pages.pages, kv_pages_free=pages.free,
+                kv_window_shrinks=pages.shrinks, kv_window_grows=pages.grows, kv_refused=self.refused,
             )
         if ms:
             stats.tick_ms_p50, stats.tick_ms_p99 = (float(v) for v in np.percentile(ms, [50, 99]))

@@ -1,0 +1,206 @@
+"""The engine under a call mix: Poisson arrivals, exponential call lengths, real sessions on the 80 ms wall clock.
+
+    python -m bench.call_mix --fp8-kv --concurrency 250 --mean-s 180 --cap-s 600 --minutes 3 --max-sessions 320
+    python -m bench.call_mix --fp8-kv --max-sessions 320 --minutes 0 --worst-case 144
+
+Full 7B shape with random bf16 weights (`--tiny`: the tiny checkpoint on the CPU, to try the script). Calls arrive
+at the rate that keeps `--concurrency` calls live on average (Little's law over lengths exponential around
+`--mean-s`, cut at `--cap-s`); each is a realtime engine session fed by a source that always has a frame, closed
+when its length ends. The run starts in steady state: `--concurrency` calls are live from the start with the ages
+and remaining lengths of a steady state (ages of live calls are exponential around the mean too, cut at the cap;
+memoryless lengths leave an exponential remainder), their context filled to their age (engine.fill_context), so
+the minutes measured are steady state from the first tick. One JSON line, "call_mix": live sessions (mean, max),
+tick p50/p99, late ticks, arrivals and refusals, context shrinks and grow-backs, KV pool occupancy (mean, max).
+With `--worst-case N`, then N sessions at full context for `--worst-seconds`: the line "call_mix_worst_case".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+
+import numpy as np
+
+from bench.engine_bench import EndlessSource, drop, percentiles
+from bench.fullsize import bench_model, gpu_memory_gb
+from model.engine import Engine, EngineConfig, EngineError, ResourceExhausted, SamplingParams, SessionParams, Slot
+
+PARAMS = SessionParams(persona="You are a helpful agent.", sampling=SamplingParams())
+
+
+class Mix:
+    """The run's counters and samples."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.ticks: list[tuple[float, bool]] = []
+        self.arrivals = self.refused = self.failed = 0
+        self.live: set[Slot] = set()
+        self.samples: list[tuple[int, float]] = []  # (live sessions, pool occupancy)
+        engine.add_tick_listener(lambda record, _: self.ticks.append((record.ms, record.late)))
+
+    def failure(self, error: EngineError) -> None:
+        self.failed += 1
+
+    async def call(self, seconds: float, seed: int) -> None:
+        self.arrivals += 1
+        try:
+            slot = self.engine.reserve()
+        except ResourceExhausted:
+            self.refused += 1
+            return
+        await self.run(slot, seconds, seed)
+
+    async def run(self, slot: Slot, seconds: float, seed: int, context: int | None = None) -> None:
+        try:
+            await slot.start(PARAMS, EndlessSource(seed), drop, self.failure)
+            if context is not None:
+                await self.engine.submit(lambda: self.engine.fill_context(slice(slot.index, slot.index + 1), context))
+            self.live.add(slot)
+            await asyncio.sleep(seconds)
+        finally:
+            self.live.discard(slot)
+            slot.close()
+
+    async def sample(self, period_s: float) -> None:
+        while True:
+            stats = self.engine.stats()
+            self.samples.append((len(self.live), 1.0 - stats.kv_pages_free / max(stats.kv_pages, 1)))
+            await asyncio.sleep(period_s)
+
+
+def mean_length(mean_s: float, cap_s: float) -> float:
+    """E[min(L, cap)] for L exponential around `mean_s`."""
+    return mean_s * (1.0 - math.exp(-cap_s / mean_s))
+
+
+def truncated_exponential(rng: random.Random, mean_s: float, cap_s: float) -> float:
+    """A draw of an exponential around `mean_s` conditioned below `cap_s` (inverse CDF)."""
+    return -mean_s * math.log(1.0 - rng.random() * (1.0 - math.exp(-cap_s / mean_s)))
+
+
+async def call_mix(engine: Engine, args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    frame_s = engine.config.tick_ms / 1000.0
+    rate = args.concurrency / mean_length(args.mean_s, args.cap_s)
+    mix = Mix(engine)
+    tasks = []
+    # Steady state from the start: live calls with a steady state's ages, contexts and remaining lengths.
+    for i in range(args.concurrency):
+        age = truncated_exponential(rng, args.mean_s, args.cap_s)
+        left = min(rng.expovariate(1.0 / args.mean_s), args.cap_s - age)
+        tasks.append(asyncio.ensure_future(mix.run(engine.reserve(), left, i, context=int(age / frame_s))))
+    while len(mix.live) < args.concurrency and not all(t.done() for t in tasks):
+        await asyncio.sleep(0.05)
+    sampler = asyncio.ensure_future(mix.sample(0.5))
+    before = engine.stats()
+    mix.ticks.clear()
+    started = time.monotonic()
+    end = started + args.minutes * 60.0
+    arrival = started
+    seed = args.concurrency
+    while True:
+        arrival += rng.expovariate(rate)
+        if arrival >= end:
+            break
+        await asyncio.sleep(max(0.0, arrival - time.monotonic()))
+        seed += 1
+        tasks.append(asyncio.ensure_future(mix.call(min(rng.expovariate(1.0 / args.mean_s), args.cap_s), seed)))
+    await asyncio.sleep(max(0.0, end - time.monotonic()))
+    after = engine.stats()
+    sampler.cancel()
+    ticks = list(mix.ticks)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    live, occupancy = zip(*mix.samples) if mix.samples else ((0,), (0.0,))
+    p50, p99 = percentiles([ms for ms, _ in ticks]) if ticks else (0.0, 0.0)
+    return {"bench": "call_mix", "kv": "fp8" if engine.config.fp8_kv else "bf16", "mean_s": args.mean_s,
+            "cap_s": args.cap_s, "target_concurrency": args.concurrency, "arrivals_per_s": round(rate, 4),
+            "minutes": args.minutes, "sessions_mean": round(float(np.mean(live)), 1), "sessions_max": max(live),
+            "tick_ms_p50": p50, "tick_ms_p99": p99, "ticks": len(ticks), "late_ticks": sum(late for _, late in ticks),
+            "arrivals": mix.arrivals, "refused": mix.refused, "failed": mix.failed,
+            "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks,
+            "grow_events": after.kv_window_grows - before.kv_window_grows,
+            "pool_occupancy_mean": round(float(np.mean(occupancy)), 4),
+            "pool_occupancy_max": round(float(max(occupancy)), 4), "pool_pages": after.kv_pages,
+            "page_frames": engine.lm_state.kv.page, "max_sessions": engine.max_sessions}
+
+
+async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
+    """`sessions` calls at full context for `seconds`."""
+    mix = Mix(engine)
+    context = engine.model.config.context
+    while engine.stats().kv_pages_free < engine.stats().kv_pages:  # the calls before returning their pages
+        await asyncio.sleep(0.05)
+    tasks = [asyncio.ensure_future(mix.run(engine.reserve(), seconds + 600.0, i, context=context))
+             for i in range(sessions)]
+    while len(mix.live) < sessions and not all(t.done() for t in tasks):
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)  # settle
+    before = engine.stats()
+    mix.ticks.clear()
+    await asyncio.sleep(seconds)
+    after = engine.stats()
+    ticks, live = list(mix.ticks), len(mix.live)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    p50, p99 = percentiles([ms for ms, _ in ticks]) if ticks else (0.0, 0.0)
+    return {"bench": "call_mix_worst_case", "kv": "fp8" if engine.config.fp8_kv else "bf16", "sessions": sessions,
+            "live": live, "context_frames": context, "seconds": seconds, "tick_ms_p50": p50,
+            "tick_ms_p99": p99, "ticks": len(ticks), "late_ticks": sum(late for _, late in ticks),
+            "failed": mix.failed, "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks,
+            "pool_pages": after.kv_pages, "pool_pages_free": after.kv_pages_free}
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    model = bench_model(args.tiny)
+    started = time.perf_counter()
+    config = EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, kv_pages=args.kv_pages,
+                          kv_page_frames=args.page_frames, kv_floor_frames=args.floor_frames,
+                          kv_free_gib=args.kv_free_gib)
+    engine = Engine(model, config)
+    engine.start()
+    memory = {} if args.tiny else gpu_memory_gb()
+    print(json.dumps({"bench": "call_mix_start", "max_sessions": args.max_sessions,
+                      "kv": "fp8" if args.fp8_kv else "bf16", "pool_pages": engine.stats().kv_pages,
+                      "page_frames": engine.lm_state.kv.page, "start_s": round(time.perf_counter() - started, 1),
+                      **memory}), flush=True)
+    try:
+        if args.minutes > 0:
+            print(json.dumps(await call_mix(engine, args)), flush=True)
+        if args.worst_case:
+            print(json.dumps(await worst_case(engine, args.worst_case, args.worst_seconds)), flush=True)
+    finally:
+        engine.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--concurrency", type=int, default=250, help="live calls on average (sets the arrival rate)")
+    parser.add_argument("--mean-s", type=float, default=180.0, help="mean call length, seconds")
+    parser.add_argument("--cap-s", type=float, default=600.0, help="longest call, seconds")
+    parser.add_argument("--minutes", type=float, default=3.0, help="steady-state minutes measured (0: none)")
+    parser.add_argument("--max-sessions", type=int, default=320)
+    parser.add_argument("--worst-case", type=int, default=0, help="then this many sessions at full context")
+    parser.add_argument("--worst-seconds", type=float, default=30.0)
+    parser.add_argument("--kv-pages", type=int, help="KV pool pages (default: from free GPU memory)")
+    parser.add_argument("--kv-free-gib", type=float, default=EngineConfig.kv_free_gib,
+                        help="GPU memory left free beside the KV pool")
+    parser.add_argument("--page-frames", type=int, default=EngineConfig.kv_page_frames)
+    parser.add_argument("--floor-frames", type=int, default=EngineConfig.kv_floor_frames,
+                        help="the smallest context window a shrink leaves")
+    parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
+    args = parser.parse_args()
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
