@@ -15,7 +15,7 @@ from aiortc.mediastreams import MediaStreamError
 from webrtc_support import connect_pair
 
 from app.webrtc_client import ArraySource
-from media.jitter import JitterBuffer
+from media.jitter import JitterBuffer, JitterConfig
 from media.tracks import (
     AIORTC_VERSION,
     OUT_SAMPLES,
@@ -250,9 +250,10 @@ def test_contained_encoder_recovers_after_a_codec_failure():
 
 
 async def test_loss_is_concealed_and_a_late_packet_fills_its_gap_in_the_jitter_buffer():
-    """Loss leaves a gap that is read out as silence (concealed = lost), a reordered packet fills its own gap."""
+    """Loss leaves a gap that is read out as silence (concealed = lost), a reordered packet fills its own gap.
+    The buffer does not accelerate: the tone never pauses, and the timeline is checked sample for sample."""
     track = OutboundAudioTrack(ArraySource(tone(3.0)))
-    buffer = JitterBuffer()
+    buffer = JitterBuffer(config=JitterConfig(accelerate_after_s=None))
     a, b, _, _, tap, inbound = await connect_pair(track, sink=buffer, drop=lambda i: i in (20, 21, 50),
                                                   delay_s=lambda i: 0.05 if i == 70 else 0.0)
     frames = []
