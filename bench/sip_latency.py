@@ -84,21 +84,21 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     sip = app[SIP]
-    samples: dict[str, list[float]] = {"inbound": [], "outbound": [], "ahead": [], "resampler": []}
+    samples: dict[str, list[float]] = {"resampler": []}
+    # Each call's recent timings as last seen (the call's own bounded windows, read and never cleared: its send
+    # grid re-paces from the same window, so a reader that emptied it would stop the re-pacing it measures).
+    recent: dict[str, dict[str, list[float]]] = {}
 
     async def watch() -> None:
         while True:
             await asyncio.sleep(0.5)
-            for dialog in sip.dialogs.values():
+            for call_id, dialog in list(sip.dialogs.items()):
                 media = dialog.media
                 if media is None or media.receiver is None:
                     continue
-                samples["inbound"] = samples["inbound"][-20000:] + [t * 1000 for t in media.in_cost]
-                samples["outbound"] = samples["outbound"][-20000:] + [t * 1000 for t in media.out_latency]
-                samples["ahead"] = samples["ahead"][-20000:] + [t * 1000 for t in media.out_ahead]
-                media.in_cost.clear()
-                media.out_latency.clear()
-                media.out_ahead.clear()
+                recent[call_id] = {"inbound": [t * 1000 for t in media.in_cost],
+                                   "outbound": [t * 1000 for t in media.out_latency],
+                                   "ahead": [t * 1000 for t in media.out_ahead]}
                 held = media.receiver._resampler.held_back / MODEL_RATE + \
                     media._to_codec.held_back / media.choice.codec.sample_rate
                 samples["resampler"].append(held * 1000)
@@ -111,14 +111,17 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     finally:
         watcher.cancel()
         await runner.cleanup()
+    for timings in recent.values():
+        for name, values in timings.items():
+            samples.setdefault(name, []).extend(values)
 
     def p50(name: str) -> float:
-        return round(float(np.median(samples[name])), 2) if samples[name] else 0.0
+        return round(float(np.median(samples[name])), 2) if samples.get(name) else 0.0
 
     added = p50("inbound") + p50("outbound") + p50("resampler")
     return {"bench": "sip_latency", "model": args.model, "codec": args.codec, "calls": args.calls,
             "seconds": args.seconds, "inbound_p50_ms": p50("inbound"), "outbound_p50_ms": p50("outbound"),
-            "outbound_p99_ms": round(float(np.percentile(samples["outbound"], 99)), 2) if samples["outbound"] else 0,
+            "outbound_p99_ms": round(float(np.percentile(samples["outbound"], 99)), 2) if "outbound" in samples else 0,
             "outbound_queued_ahead_p50_ms": p50("ahead"),
             "resampler_ms": p50("resampler"), "added_p50_ms": round(added, 2), "target_ms": 40.0,
             "within_target": added <= 40.0, "clients": clients,
