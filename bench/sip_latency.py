@@ -119,9 +119,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         return round(float(np.median(samples[name])), 2) if samples.get(name) else 0.0
 
     added = p50("inbound") + p50("outbound") + p50("resampler")
+    outbound = samples.get("outbound") or [0.0]
     return {"bench": "sip_latency", "model": args.model, "codec": args.codec, "calls": args.calls,
             "seconds": args.seconds, "inbound_p50_ms": p50("inbound"), "outbound_p50_ms": p50("outbound"),
-            "outbound_p99_ms": round(float(np.percentile(samples["outbound"], 99)), 2) if "outbound" in samples else 0,
+            "outbound_p99_ms": round(float(np.percentile(outbound, 99)), 2),
             "outbound_queued_ahead_p50_ms": p50("ahead"),
             "resampler_ms": p50("resampler"), "added_p50_ms": round(added, 2), "target_ms": 40.0,
             "within_target": added <= 40.0, "clients": clients,
