@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from app.audio import InputDecoder, b64decode
-from app.conversation import Backpressure, State
+from app.conversation import Backpressure
 from app.errors import ProtocolError
 from app.pacer import Pacer
 from app.session import Session
@@ -98,11 +98,9 @@ class PhoneLine(Session):
         self.ctx.metrics.dtmf[self.route] += 1
 
     def _started(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
+        e = self.start_failure(task)
+        if e is None:
             return
-        e = task.exception()  # retrieved even when it no longer matters (asyncio logs one never retrieved)
-        if e is None or self.closed or self.conversation is None or self.conversation.state is State.CLOSED:
-            return  # a call closed while it started (the caller went away): nobody to tell
         if isinstance(e, EngineError):
             self.send_error_nowait(ProtocolError(e.code if e.code in ("invalid_voice", "invalid_session_config")
                                                  else "runtime_failed", f"the call did not start: {e.message}"))

@@ -265,11 +265,9 @@ class RealtimeSession(Session):
         self._start_task.add_done_callback(self._started)
 
     def _started(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
+        e = self.start_failure(task)
+        if e is None:
             return
-        e = task.exception()  # retrieved even when it no longer matters (asyncio logs one never retrieved)
-        if e is None or self.closed or self.conversation is None or self.conversation.state is State.CLOSED:
-            return  # a session closed while it started (the client went away): nobody to tell
         if isinstance(e, InvalidSessionParams):
             self.send_error_nowait(ProtocolError(e.code, f"the conversation did not start: {e.message}"))
         elif isinstance(e, EngineError):

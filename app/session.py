@@ -19,7 +19,7 @@ from typing import Any
 
 from app.admission import Refused, admit
 from app.context import ServerContext
-from app.conversation import Conversation, InputPolicy
+from app.conversation import Conversation, InputPolicy, State
 from app.errors import ProtocolError, error_event, new_event_id
 from app.flood import FloodGuard
 from app.outbox import Outbox
@@ -116,6 +116,15 @@ class Session:
             await self.send_error(ProtocolError(e.code, e.message))
             await self.close(CLOSE_TRY_LATER, e.code, send_closed=False)
             return None
+
+    def start_failure(self, task: asyncio.Task[None]) -> BaseException | None:
+        """Why the conversation's start (`task`, done) failed, when someone is still there to tell; else None."""
+        if task.cancelled():
+            return None
+        e = task.exception()  # retrieved even when it no longer matters (asyncio logs one never retrieved)
+        if e is None or self.closed or self.conversation is None or self.conversation.state is State.CLOSED:
+            return None  # closed while it started (the client went away): nobody to tell
+        return e
 
     def new_conversation(self, slot: Slot) -> Conversation:
         """A conversation on `slot` whose pushes past the backlog bounds are refused (streamed audio must lose
