@@ -1,8 +1,10 @@
 """Decode-attention kernel alone on the GPU: ms and effective TB/s by launch shape, against cuDNN SDPA; or, with
---pages, the default launch shapes reading rows through shuffled pages of each size against contiguous rows.
+--pages, the default launch shapes reading rows through shuffled pages of each size against contiguous rows
+(with --sweep, the CUDA-core path's launch shapes and page lookups over pages, against the default contiguous).
 
     python -m bench.attention_kernel
     python -m bench.attention_kernel --pages 20 40 60 100 120 --batches 64
+    python -m bench.attention_kernel --pages 75 --batches 64 --kv fp8 --sweep
 
 One layer of the 7B shape (32 heads x 128) over a 3000-slot ring; prints one JSON line per configuration.
 """
@@ -66,13 +68,45 @@ def compare_pages(kinds: list[str], batches: list[int], pages: list[int], H: int
         del stores
 
 
+def sweep_pages(batches: list[int], page: int, H: int, C: int, D: int) -> None:
+    """fp8 over pages of `page`: every CUDA-core launch shape and page lookup, against the default kernel over
+    contiguous rows (best of 3 interleaved rounds each)."""
+    default = attention.KERNEL_FP8
+    shapes = [KernelConfig(block, warps, stages, 2048, False, page_major)
+              for block, warps, stages, page_major in itertools.product((16, 32, 64), (1, 2), (2, 3, 4), (False, True))]
+    for B in batches:
+        n_valid = torch.full((B,), C, device="cuda")
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        contiguous, paged = random_store(B, H, C, D, True, None), random_store(B, H, C, D, True, page)
+        runs = [(None, contiguous, default)] + [(i, paged, shape) for i, shape in enumerate(shapes)]
+        best: dict[int | None, float] = {}
+        for _ in range(3):
+            for key, store, shape in runs:
+                attention.KERNEL_FP8 = shape
+                ms = timed(partial(decode_attention, q, store, 0, n_valid), 200)
+                best[key] = min(best.get(key, float("inf")), ms)
+        attention.KERNEL_FP8 = default
+        base = best.pop(None)
+        ranked = sorted(best.items(), key=lambda item: item[1])
+        print(json.dumps({"bench": "attention_kernel_page_sweep", "batch": B, "filled": C, "kv": "fp8", "page": page,
+                          "contiguous_default_ms": round(base, 4),
+                          "paged": [{**vars(shapes[i]), "ms": round(ms, 4), "vs_contiguous": round(ms / base, 4)}
+                                    for i, ms in ranked[:6]],
+                          "paged_default_vs_contiguous": round(best[shapes.index(default)] / base, 4)
+                          if default in shapes else None}), flush=True)
+
+
 def main() -> None:
     H, C, D = 32, 3000, 128
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 1])
     parser.add_argument("--pages", type=int, nargs="+", help="page sizes (frames) to compare with contiguous rows")
+    parser.add_argument("--sweep", action="store_true", help="with --pages: the fp8 launch shapes over the first size")
     args = parser.parse_args()
+    if args.pages and args.sweep:
+        sweep_pages(args.batches, args.pages[0], H, C, D)
+        return
     if args.pages:
         compare_pages(args.kv, args.batches, args.pages, H, C, D)
         return

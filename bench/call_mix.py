@@ -8,9 +8,10 @@ at the rate that keeps `--concurrency` calls live on average (Little's law over 
 `--mean-s`, cut at `--cap-s`); each is a realtime engine session fed by a source that always has a frame, closed
 when its length ends. The run starts in steady state: `--concurrency` calls are live from the start with the ages
 and remaining lengths of a steady state (ages of live calls are exponential around the mean too, cut at the cap;
-memoryless lengths leave an exponential remainder), their context filled to their age (engine.fill_context), so
-the minutes measured are steady state from the first tick. One JSON line, "call_mix": live sessions (mean, max),
-tick p50/p99, late ticks, arrivals and refusals, context shrinks and grow-backs, KV pool occupancy (mean, max).
+memoryless lengths leave an exponential remainder), their context filled to their age (engine.fill_context, in
+one engine command for all), so the minutes measured are steady state from the first tick. One JSON line,
+"call_mix": live sessions (mean, max), tick p50/p99, late ticks, arrivals and refusals, context shrinks and
+grow-backs (while opening, and measured), KV pool occupancy (mean, max), the opening's seconds.
 With `--worst-case N`, then N sessions at full context for `--worst-seconds`: the line "call_mix_worst_case".
 """
 
@@ -55,16 +56,44 @@ class Mix:
             return
         await self.run(slot, seconds, seed)
 
-    async def run(self, slot: Slot, seconds: float, seed: int, context: int | None = None) -> None:
+    async def run(self, slot: Slot, seconds: float, seed: int) -> None:
         try:
             await slot.start(PARAMS, EndlessSource(seed), drop, self.failure)
-            if context is not None:
-                await self.engine.submit(lambda: self.engine.fill_context(slice(slot.index, slot.index + 1), context))
+        except BaseException:
+            slot.close()
+            raise
+        await self.hold(slot, seconds)
+
+    async def hold(self, slot: Slot, seconds: float) -> None:
+        """A started call, live for `seconds`."""
+        try:
             self.live.add(slot)
             await asyncio.sleep(seconds)
         finally:
             self.live.discard(slot)
             slot.close()
+
+    async def open_filled(self, calls: list[tuple[int, float]]) -> tuple[list[asyncio.Future], float]:
+        """Calls (context frames, seconds left) live at once: started together, then their contexts filled in one
+        engine command; the calls' tasks and the seconds the opening took."""
+        opening = time.monotonic()
+        slots = [self.engine.reserve() for _ in calls]
+        try:
+            await asyncio.gather(*(slot.start(PARAMS, EndlessSource(i), drop, self.failure)
+                                   for i, slot in enumerate(slots)))
+
+            def fill() -> None:
+                for slot, (frames, _) in zip(slots, calls, strict=True):
+                    self.engine.fill_context(slice(slot.index, slot.index + 1), frames)
+
+            await self.engine.submit(fill)
+        except BaseException:
+            for slot in slots:
+                slot.close()
+            raise
+        tasks = [asyncio.ensure_future(self.hold(slot, seconds)) for slot, (_, seconds) in zip(slots, calls)]
+        await asyncio.sleep(0)  # each call live before the measured time starts
+        return tasks, time.monotonic() - opening
 
     async def sample(self, period_s: float) -> None:
         while True:
@@ -88,14 +117,13 @@ async def call_mix(engine: Engine, args: argparse.Namespace) -> dict:
     frame_s = engine.config.tick_ms / 1000.0
     rate = args.concurrency / mean_length(args.mean_s, args.cap_s)
     mix = Mix(engine)
-    tasks = []
     # Steady state from the start: live calls with a steady state's ages, contexts and remaining lengths.
-    for i in range(args.concurrency):
+    calls = []
+    for _ in range(args.concurrency):
         age = truncated_exponential(rng, args.mean_s, args.cap_s)
-        left = min(rng.expovariate(1.0 / args.mean_s), args.cap_s - age)
-        tasks.append(asyncio.ensure_future(mix.run(engine.reserve(), left, i, context=int(age / frame_s))))
-    while len(mix.live) < args.concurrency and not all(t.done() for t in tasks):
-        await asyncio.sleep(0.05)
+        calls.append((int(age / frame_s), min(rng.expovariate(1.0 / args.mean_s), args.cap_s - age)))
+    opened = engine.stats()
+    tasks, open_s = await mix.open_filled(calls)
     sampler = asyncio.ensure_future(mix.sample(0.5))
     before = engine.stats()
     mix.ticks.clear()
@@ -128,7 +156,8 @@ async def call_mix(engine: Engine, args: argparse.Namespace) -> dict:
             "grow_events": after.kv_window_grows - before.kv_window_grows,
             "pool_occupancy_mean": round(float(np.mean(occupancy)), 4),
             "pool_occupancy_max": round(float(max(occupancy)), 4), "pool_pages": after.kv_pages,
-            "page_frames": engine.lm_state.kv.page, "max_sessions": engine.max_sessions}
+            "page_frames": engine.lm_state.kv.page, "max_sessions": engine.max_sessions, "open_s": round(open_s, 1),
+            "open_shrink_events": before.kv_window_shrinks - opened.kv_window_shrinks}
 
 
 async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
@@ -137,10 +166,7 @@ async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
     context = engine.model.config.context
     while engine.stats().kv_pages_free < engine.stats().kv_pages:  # the calls before returning their pages
         await asyncio.sleep(0.05)
-    tasks = [asyncio.ensure_future(mix.run(engine.reserve(), seconds + 600.0, i, context=context))
-             for i in range(sessions)]
-    while len(mix.live) < sessions and not all(t.done() for t in tasks):
-        await asyncio.sleep(0.05)
+    tasks, open_s = await mix.open_filled([(context, seconds + 600.0)] * sessions)
     await asyncio.sleep(1.0)  # settle
     before = engine.stats()
     mix.ticks.clear()
@@ -152,7 +178,7 @@ async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
     await asyncio.gather(*tasks, return_exceptions=True)
     p50, p99 = percentiles([ms for ms, _ in ticks]) if ticks else (0.0, 0.0)
     return {"bench": "call_mix_worst_case", "kv": "fp8" if engine.config.fp8_kv else "bf16", "sessions": sessions,
-            "live": live, "context_frames": context, "seconds": seconds, "tick_ms_p50": p50,
+            "live": live, "context_frames": context, "open_s": round(open_s, 1), "seconds": seconds, "tick_ms_p50": p50,
             "tick_ms_p99": p99, "ticks": len(ticks), "late_ticks": sum(late for _, late in ticks),
             "failed": mix.failed, "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks,
             "pool_pages": after.kv_pages, "pool_pages_free": after.kv_pages_free}

@@ -44,16 +44,18 @@ def test_engine_bench_prints_ticks_capacity_and_opens() -> None:
 
 
 def test_call_mix_prints_steady_state_and_worst_case() -> None:
-    """A pool of 8 pages of 50 frames for 3 calls of up to 250: windows shrink, a fourth call is refused."""
-    lines = bench_lines("bench.call_mix", "--concurrency", "3", "--mean-s", "20", "--cap-s", "40", "--minutes", "0.1",
+    """A pool of 8 pages of 50 frames for 3 calls of up to 250 frames: the steady state's contexts do not fit, so
+    windows shrink while the calls open (one engine command fills them), and no call fails."""
+    lines = bench_lines("bench.call_mix", "--concurrency", "3", "--mean-s", "10", "--cap-s", "40", "--minutes", "0.15",
                         "--max-sessions", "4", "--kv-pages", "8", "--floor-frames", "50", "--worst-case", "2",
                         "--worst-seconds", "0.5")
     start, mix, worst = lines
     assert start["pool_pages"] == 8 and start["page_frames"] == 50  # the largest divisor of 250 up to 75
     assert mix["ticks"] > 0 and mix["tick_ms_p99"] >= mix["tick_ms_p50"] > 0 and mix["sessions_max"] <= 4
-    assert 0 < mix["pool_occupancy_mean"] <= mix["pool_occupancy_max"] <= 1
-    assert mix["arrivals"] == mix["refused"] + (mix["arrivals"] - mix["refused"]) and mix["failed"] == 0
-    assert worst["live"] == 2 and worst["ticks"] > 0 and worst["context_frames"] == 250
+    assert mix["open_shrink_events"] >= 1 and mix["pool_occupancy_max"] == 1.0
+    assert 0 < mix["pool_occupancy_mean"] <= mix["pool_occupancy_max"]
+    assert mix["arrivals"] >= 1 and mix["refused"] <= mix["arrivals"] and mix["failed"] == 0
+    assert worst["live"] == 2 and worst["ticks"] > 0 and worst["context_frames"] == 250 and worst["failed"] == 0
 
 
 def test_prefill_bench_prints_chunks_and_whole_prompts() -> None:
