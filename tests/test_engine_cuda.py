@@ -85,6 +85,17 @@ def test_fused_and_fp8_engines_run(cuda_model):
     assert len(fused) == len(fp8) == 8
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs")
+def test_an_engine_on_the_second_gpu_runs_its_fused_kernels_there(tmp_path):
+    """Triton launches on the thread's current device: an engine on cuda:1 (one per GPU, --gpus all) failed its
+    first fused kernel while cuda:0 was current. It now gives the tokens the same engine gives on cuda:0."""
+    folder = write_tiny_checkpoint(tmp_path, seed=3, context=64)
+    config = EngineConfig(max_sessions=2, fp8_kv=True)
+    tokens = [asyncio.run(session_tokens(load_model(str(folder), device=device, dtype="float32"), config, 8))
+              for device in ("cuda:0", "cuda:1")]
+    assert all(np.array_equal(a, b) for a, b in zip(*tokens, strict=True))
+
+
 @pytest.mark.parametrize("row,pacing", [(1, "realtime"), (2, "input")])
 def test_graphed_row_steps_replay_the_eager_ones(cuda_model, row, pacing):
     """A session's first model half, and every frame of an input-clocked session, replay one row's graphs."""

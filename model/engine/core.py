@@ -47,7 +47,7 @@ from model.engine.api import (
     check_params,
 )
 from model.engine.prompt_cache import PromptCache
-from model.engine.runner import RowOutputs, Runner
+from model.engine.runner import RowOutputs, Runner, make_current
 from model.engine.scheduler import Scheduler
 from model.engine.slots import ENDED, Session, Slot, SlotTable
 from model.engine.stats import FIRST_HALF_HOST_PHASE, EngineCounters
@@ -161,6 +161,7 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        make_current(self.runner.device)
         self.scheduler.step_s["first_half"].append(self.runner.warm_up())
         # A full garbage collection walks every live object with the GIL held: ~100 ms over a loaded model and
         # server, which would stall a tick. What exists now lives while the engine runs, so take it out of the
@@ -418,6 +419,7 @@ class Engine:
     # ----- engine thread: the loop -------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        make_current(self.runner.device)  # per thread
         while self._running:
             try:
                 self._iterate()

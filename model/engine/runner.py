@@ -41,6 +41,13 @@ def _row_to_host(frame: Tensor, emitted: Tensor, audio: Tensor) -> RowOutputs:
     return frame[0].to("cpu", copy=True).numpy(), bool(emitted[0]), samples, bool(np.isfinite(samples).all())
 
 
+def make_current(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device. Triton launches its kernels on the current device,
+    not on their tensors': an engine on cuda:1 failed its first fused kernel while cuda:0 was current."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 class Runner:
     """Device state of `max_sessions` rows and the steps over them."""
 
@@ -48,6 +55,7 @@ class Runner:
         self.model, self.config = model, config
         B = self.rows = config.max_sessions
         self.device = model.device
+        make_current(self.device)
         if self.device.type == "cuda":
             # Mimi runs in fp32: TF32 puts its GEMMs on tensor cores, as cuDNN already does for its convolutions.
             torch.backends.cuda.matmul.allow_tf32 = True
