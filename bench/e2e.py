@@ -72,11 +72,25 @@ class ProcJob:
         return np.roll(self.audio, p.index * RATE // 3)[: int(self.seconds * RATE) // 1920 * 1920]
 
     def prepare(self) -> None:
-        """Every WebSocket session's pieces (resampled and encoded), so that none is made while sessions run."""
+        """Every WebSocket session's pieces (resampled and encoded), so that none is made while sessions run; and,
+        with WebRTC sessions, aiortc imported and one offer made. The first peer's import held the client process's
+        loop 0.4-0.65 s on the H200 host (0.26 s on an idle 2-core machine): every session of that process already
+        streaming stalled, and the stall was counted as the server's lateness and first audio."""
         for p in self.sessions:
             if p.door != "webrtc":
                 self.pieces[p.index] = DOORS[p.door]("", self.url, self.headers, PERSONA).pieces(
                     self.session_audio(p))
+        if any(p.door == "webrtc" for p in self.sessions):
+            asyncio.run(warm_webrtc())
+
+
+async def warm_webrtc() -> None:
+    from aiortc import RTCPeerConnection
+
+    peer = RTCPeerConnection()
+    peer.addTransceiver("audio")
+    await peer.setLocalDescription(await peer.createOffer())
+    await peer.close()
 
 
 def parse_mix(text: str) -> dict[str, float]:
