@@ -1,6 +1,6 @@
 """Decode-attention kernel alone on the GPU: ms and effective TB/s by launch shape, against cuDNN SDPA; or, with
 --pages, the default launch shapes reading rows through shuffled pages of each size against contiguous rows
-(with --sweep, the CUDA-core path's launch shapes and page lookups over pages, against the default contiguous).
+(with --sweep, the CUDA-core path's launch shapes over pages, against the default contiguous).
 
     python -m bench.attention_kernel
     python -m bench.attention_kernel --pages 20 40 60 100 120 --batches 64
@@ -69,11 +69,11 @@ def compare_pages(kinds: list[str], batches: list[int], pages: list[int], H: int
 
 
 def sweep_pages(batches: list[int], page: int, H: int, C: int, D: int) -> None:
-    """fp8 over pages of `page`: every CUDA-core launch shape and page lookup, against the default kernel over
+    """fp8 over pages of `page`: every CUDA-core launch shape, against the default kernel over
     contiguous rows (best of 3 interleaved rounds each)."""
     default = attention.KERNEL_FP8
-    shapes = [KernelConfig(block, warps, stages, 2048, False, page_major)
-              for block, warps, stages, page_major in itertools.product((16, 32, 64), (1, 2), (2, 3, 4), (False, True))]
+    shapes = [KernelConfig(block, warps, stages, 2048, False)
+              for block, warps, stages in itertools.product((16, 32, 64), (1, 2), (2, 3, 4))]
     for B in batches:
         n_valid = torch.full((B,), C, device="cuda")
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)

@@ -207,12 +207,6 @@ class KernelConfig:
     stages: int = 3
     target_programs: int = 1024
     use_dot: bool = True
-    # CUDA-core path over pages of at most PAGE_MAJOR_MAX slots: loop over a span's pages (one table load each),
-    # each page's slots in blocks, instead of blocks of keys with a table load per key.
-    page_major: bool = False
-
-
-PAGE_MAJOR_MAX = 128
 
 
 # The fastest shapes on the H200 at 64 rows x 3000 slots (bench/attention_kernel.py): bf16 through tensor cores
@@ -249,13 +243,12 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
     ks = store.k_scale[layer] if store.fp8 else k
     vs = store.v_scale[layer] if store.fp8 else v
     table = store.table
-    page_major = cfg.page_major and not cfg.use_dot and store.page <= PAGE_MAJOR_MAX
     _partial_kernel[(B * H, splits)](
         q, k, v, ks, vs, n_valid, table, acc, m, denom,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
         table.shape[1], H, span, 1.0 / math.sqrt(D),
         HAS_SCALE=store.fp8, BLOCK_N=block, D=D, PAGE=store.page, STAGES=cfg.stages, USE_DOT=cfg.use_dot,
-        DIRECT=direct, PAGE_MAJOR=page_major, num_warps=cfg.warps,
+        DIRECT=direct, num_warps=cfg.warps,
     )
     return acc if direct else merge_partials(acc, m, denom).to(q.dtype)
 
@@ -359,30 +352,11 @@ if triton is not None:
         return page * skp + h * skh, page * ssp + h * ssh, offs % PAGE
 
     @triton.jit
-    def _stream_block(q, K, V, KS, VS, at, scale_at, valid, d, m_j, l_j, acc_j, HAS_SCALE: tl.constexpr):
-        """One block of keys into BLOCK_N independent online-softmax streams (key j of the block feeds stream j):
-        no reduction across keys, only each key's dot over head_dim; the streams merge once at the end."""
-        k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-        if HAS_SCALE:
-            s = s * tl.load(KS + scale_at, mask=valid, other=0.0)
-        s = tl.where(valid, s, -float("inf"))
-        m_new = tl.maximum(m_j, s)
-        alpha = tl.where(m_new > -float("inf"), tl.exp(m_j - m_new), 1.0)
-        p = tl.where(valid, tl.exp(s - m_new), 0.0)
-        weight = p
-        if HAS_SCALE:
-            weight = p * tl.load(VS + scale_at, mask=valid, other=0.0)
-        return m_new, l_j * alpha + p, acc_j * alpha[:, None] + weight[:, None] * v.to(tl.float32)
-
-    @triton.jit
     def _partial_kernel(Q, K, V, KS, VS, NV, TABLE, ACC, M, L,
                         sqb, sqh, skp, skh, sks, ssp, ssh, stb, pages,
                         H, SPAN, scale,
                         HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                        STAGES: tl.constexpr, USE_DOT: tl.constexpr, DIRECT: tl.constexpr,
-                        PAGE_MAJOR: tl.constexpr):
+                        STAGES: tl.constexpr, USE_DOT: tl.constexpr, DIRECT: tl.constexpr):
         """Partial softmax of one (row, head) over one span of its keys into ACC/M/L [B, H, splits(, D)]; with
         DIRECT (a single span) the normalised result goes straight into ACC [B, H, D] in its dtype. Key n of row b
         sits at offset n % PAGE of page TABLE[b, n // PAGE]."""
@@ -440,24 +414,28 @@ if triton is not None:
             m_j = tl.full([BLOCK_N], -float("inf"), tl.float32)
             l_j = tl.zeros([BLOCK_N], dtype=tl.float32)
             acc_j = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-            row_table = TABLE + b * stb
-            if PAGE_MAJOR:
-                for p in tl.range(start // PAGE, tl.cdiv(end, PAGE), num_stages=STAGES):
-                    page = tl.load(row_table + p)
-                    for j in tl.static_range(0, PAGE, BLOCK_N):
-                        local = j + tl.arange(0, BLOCK_N)
-                        offs = p * PAGE + local
-                        valid = (local < PAGE) & (offs >= start) & (offs < end)
-                        m_j, l_j, acc_j = _stream_block(q, K, V, KS, VS, page * skp + h * skh + local * sks,
-                                                        page * ssp + h * ssh + local, valid, d, m_j, l_j, acc_j,
-                                                        HAS_SCALE)
-            else:
-                for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
-                    offs = n0 + tl.arange(0, BLOCK_N)
-                    valid = offs < end
-                    at, scale_at, local = _key_pages(row_table, h, skp, skh, ssp, ssh, offs, valid, PAGE)
-                    m_j, l_j, acc_j = _stream_block(q, K, V, KS, VS, at + local * sks, scale_at + local, valid, d,
-                                                    m_j, l_j, acc_j, HAS_SCALE)
+            for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+                offs = n0 + tl.arange(0, BLOCK_N)
+                valid = offs < end
+                at, scale_at, local = _key_pages(TABLE + b * stb, h, skp, skh, ssp, ssh, offs, valid, PAGE)
+                at += local * sks
+                scale_at += local
+                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+                pv = v.to(tl.float32)
+                if HAS_SCALE:
+                    s = s * tl.load(KS + scale_at, mask=valid, other=0.0)
+                s = tl.where(valid, s, -float("inf"))
+                m_new = tl.maximum(m_j, s)
+                alpha = tl.where(m_new > -float("inf"), tl.exp(m_j - m_new), 1.0)
+                p = tl.where(valid, tl.exp(s - m_new), 0.0)
+                weight = p
+                if HAS_SCALE:
+                    weight = p * tl.load(VS + scale_at, mask=valid, other=0.0)
+                acc_j = acc_j * alpha[:, None] + weight[:, None] * pv
+                l_j = l_j * alpha + p
+                m_j = m_new
             top = tl.max(m_j, axis=0)
             w = tl.where(l_j > 0, tl.exp(m_j - top), 0.0)
             total = tl.sum(acc_j * w[:, None], axis=0)
