@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from app.processes import run, setup_logging
 from app.settings import Settings, parse_settings
 
 if TYPE_CHECKING:
@@ -51,10 +51,8 @@ async def _run(settings: Settings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    setup_logging(settings, LOG_FORMAT)
     if settings.workers > 0:
-        from app.processes import run
-
         sys.exit(run(settings))
     asyncio.run(_run(settings))
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.loop_lag import LoopLag
+from app.loop_lag import LoopLag, collector_report
 
 _QUANTILES = {"p50": "0.5", "p99": "0.99", "max": "1"}
 _KEY_JOIN = "\t"  # joins a rejection's route and code into one key of a snapshot
@@ -77,7 +77,7 @@ class Metrics:
         return {"admissions": dict(self.admissions), "errors": dict(self.errors),
                 "connections": dict(self.connections), "frames": dict(self.frame_totals()),
                 "dtmf": dict(self.dtmf), "sip": dict(self.sip),
-                "loop_lag_ms": self.loop_lag.quantiles(),
+                "loop_lag_ms": self.loop_lag.quantiles(), "gc": collector_report(),
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
     def render(self, engine_stats: Any | None, others: Mapping[str, dict[str, dict[str, int]]] | None = None,

@@ -64,8 +64,16 @@ def port_socket(host: str, port: int, listen: bool) -> socket.socket:
     return sock
 
 
+def setup_logging(settings: Settings, log_format: str) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format=log_format, force=True)
+    if logging.getLogger().level > logging.DEBUG:
+        # aioice logs each ICE candidate pair's every state at INFO: six lines a WebRTC call, a worker's log
+        # mostly made of them under load.
+        logging.getLogger("aioice").setLevel(logging.WARNING)
+
+
 def _child_setup(settings: Settings, role: str) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT.format(role=role), force=True)
+    setup_logging(settings, LOG_FORMAT.format(role=role))
     # Ctrl-C reaches the whole process group: the supervisor alone decides the order of shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 

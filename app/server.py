@@ -32,6 +32,7 @@ from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
 from app.errors import http_error_body
 from app.freeswitch import freeswitch_handler
+from app.loop_lag import collector_report, freeze_startup_objects
 from app.probes import DRAINING, READY, readiness, serve_agent
 from app.realtime import capabilities, realtime_handler
 from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
@@ -174,13 +175,15 @@ def processes(ctx: ServerContext) -> list[dict[str, object]]:
     """The server's processes: the engines' and every worker's in a multi-process server, else this one."""
     engine = ctx.engine
     if not isinstance(engine, EnginePool):
-        return [{"role": "main", "pid": os.getpid(), "loop_lag_ms": ctx.metrics.loop_lag.quantiles()}]
+        return [{"role": "main", "pid": os.getpid(), "loop_lag_ms": ctx.metrics.loop_lag.quantiles(),
+                 "gc": collector_report()}]
     found: list[dict[str, object]] = [{"role": "main", "pid": os.getppid()}]
     found += [{"role": "engine", "engine": view.index, "device": view.device, "pid": view.pid}
               for view in engine.engines_now() if view.pid]
     for number, worker in sorted(engine.workers.items(), key=lambda item: int(item[0])):
         found.append({"role": "worker", "worker": int(number), "pid": worker.pid, "sessions": worker.sessions,
                       "input_late_frames": worker.late_frames, "loop_lag_ms": worker.counters.get("loop_lag_ms", {}),
+                      "gc": worker.counters.get("gc", {}),
                       "this": worker.pid == os.getpid()})
     for entry in found:
         if entry.get("this"):
@@ -372,6 +375,7 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None,
     await site.start()
     if engine is not None:  # where the other workers forward requests for this one's calls (app/worker_routing.py)
         await web.UnixSite(runner, worker_socket(engine.folder, worker)).start()
+        freeze_startup_objects()  # one process alone: the engine's start freezes it (model/engine/core.py)
     ctx = app[CONTEXT]
     agent = None
     if engine is None and settings.agent_port:

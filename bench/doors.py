@@ -114,11 +114,16 @@ class Received:
         wall = self.times[hi] - self.times[lo]
         return round((self.ends_s[hi] - self.ends_s[lo]) / wall, 4) if wall > 0 else None
 
-    def lateness_ms(self) -> dict[str, float]:
+    def lateness_ms(self, origin: float | None = None) -> dict[str, float]:
+        """Quantiles of lateness; with `origin` (monotonic s), when the latest piece came after it: a stall
+        shared by several sessions shows as one moment."""
         if not self.times:
             return quantiles([])
         lag = np.asarray(self.times) - np.asarray(self.ends_s)
-        return quantiles((lag - lag.min()) * 1000)
+        out = quantiles((lag - lag.min()) * 1000)
+        if origin is not None:
+            out["worst_at_s"] = round(self.times[int(lag.argmax())] - origin, 2)
+        return out
 
 
 class DoorClient:
@@ -231,7 +236,7 @@ class DoorClient:
         return {
             "door": self.door, "name": self.name, "session_id": self.session_id,
             "frames_in": self.frames_in, "frames_out": at_end, "missing_frames": missing,
-            "rtf": self.received.rtf(), "output_lateness_ms": self.received.lateness_ms(),
+            "rtf": self.received.rtf(), "output_lateness_ms": self.received.lateness_ms(began),
             "send_lateness_ms": quantiles(self.send_late_ms),
             "open_ms": round((self.live_at - began) * 1000, 1) if self.live_at and began else None,
             "first_audio_ms": round((self.first_audio_at - began) * 1000, 1)

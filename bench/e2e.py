@@ -155,7 +155,7 @@ async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0:
         await asyncio.wait_for(client.close(), 15)
     except Exception as e:   # one broken session is a finding of the run, not the end of it
         return {"index": p.index, **client.report(), "failed": repr(e)}
-    return {"index": p.index, **client.report()}
+    return {"index": p.index, "open_at_s": p.open_at_s, **client.report()}
 
 
 def rusage_cpu_s() -> float:

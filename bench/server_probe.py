@@ -107,10 +107,14 @@ async def server_snapshot(http: aiohttp.ClientSession, url: str, pids: dict[int,
 
 def server_report(before: dict[str, Any], after: dict[str, Any], pids: dict[int, str]) -> dict[str, Any]:
     wall = after["at"] - before["at"]
+    # What /health says of each process at the end (a worker's sessions, loop lag over the last minute, garbage
+    # collections), beside its CPU over the run.
+    reported = {int(p["pid"]): p for p in after["health"].get("processes") or []}
     processes = []
     for pid, role in pids.items():
         c0, c1 = before["cpu"].get(pid), after["cpu"].get(pid)
-        processes.append({"role": role, "pid": pid, "cpu_pct": None if c0 is None or c1 is None
+        said = {k: v for k, v in reported.get(pid, {}).items() if k not in ("pid", "this")}
+        processes.append({"role": role, **said, "pid": pid, "cpu_pct": None if c0 is None or c1 is None
                           else round(100.0 * (c1 - c0) / wall, 1)})
     m0, m1 = before["metrics"], after["metrics"]
     tick0, tick1 = before["health"].get("tick", {}), after["health"].get("tick", {})

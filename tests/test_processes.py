@@ -45,6 +45,14 @@ async def test_realtime_two_workers_share_sessions_and_one_dying_frees_only_its_
             ready = await wait_ready(http, url, workers=2)
             assert {p["role"] for p in ready["processes"]} == {"main", "engine", "worker"}
             assert len(_workers(ready)) == 2
+
+            async def frozen() -> bool:
+                # Each worker took its imports out of the collector's view: a full collection walks only what
+                # sessions made (app/loop_lag.py).
+                report = await health(http, url)
+                return bool(report) and all(w["gc"].get("frozen", 0) > 100_000 for w in _workers(report).values())
+
+            await eventually(frozen, 10.0, "both workers froze their start-up objects")
             callers = await _spread(http, url, 12)
             streams = [asyncio.ensure_future(c.stream(6.0)) for c in callers]
             await eventually(lambda: all(c.frames for c in callers), 30.0, "every caller hears frames")
