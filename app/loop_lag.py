@@ -42,12 +42,20 @@ class LoopLag:
         return {"p50": round(float(p50)), "p99": round(float(p99)), "max": round(float(lags.max()))}
 
 
+_frozen = 0
+
+
 def freeze_startup_objects() -> None:
     """Collect what is garbage now, then move every surviving object to the collector's permanent generation."""
+    global _frozen
     gc.collect()
     gc.freeze()
+    # Counted once: gc.get_freeze_count() walks the whole frozen list, 34 ms over a worker's; reported twice a
+    # second it held every worker's loop that long (loop lag p99 44 ms on the H200 host).
+    _frozen = gc.get_freeze_count()
 
 
 def collector_report() -> dict[str, int]:
-    """Objects out of the collector's view, and full collections so far (each walks what is not frozen)."""
-    return {"frozen": gc.get_freeze_count(), "full_collections": gc.get_stats()[2]["collections"]}
+    """Objects taken out of the collector's view at start, and full collections so far (each walks only what is
+    not frozen)."""
+    return {"frozen": _frozen, "full_collections": gc.get_stats()[2]["collections"]}
