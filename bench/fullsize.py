@@ -43,4 +43,5 @@ def persona(words: int, salt: int = 0) -> str:
 def gpu_memory_gb() -> dict[str, float]:
     return {"allocated_gb": round(torch.cuda.memory_allocated() / 1e9, 2),
             "reserved_gb": round(torch.cuda.memory_reserved() / 1e9, 2),
-            "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+            "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+            "device_free_gb": round(torch.cuda.mem_get_info()[0] / 1e9, 2)}

@@ -25,6 +25,7 @@ from model.engine import (
     SamplingParams,
     SessionParams,
 )
+from model.batch_step import BATCH_BUCKETS, bucket
 from model.engine.core import ENGINE_SWITCH_INTERVAL_S
 from model.loading import load_model
 from model.tiny import write_tiny_checkpoint
@@ -120,6 +121,13 @@ def make_engine(tiny_model):
 
 
 PARAMS = SessionParams(voice="NATF2", persona="You are a helpful agent.", sampling=GREEDY, pacing="input")
+
+
+def test_batch_sizes_past_the_table_step_by_32_rows_so_few_graphs_are_captured():
+    sizes = {n: bucket(n, 290) for n in range(1, 291)}
+    assert all(n <= size <= 290 for n, size in sizes.items())
+    assert set(sizes.values()) == set(BATCH_BUCKETS) | {288, 290}
+    assert bucket(300, 1000) == 320 and bucket(3, 2) == 2
 
 
 async def test_recycled_slot_is_bit_exact_with_a_fresh_engine(make_engine):
