@@ -192,7 +192,7 @@ async def main_async(args: argparse.Namespace) -> None:
                           kv_free_gib=args.kv_free_gib)
     engine = Engine(model, config)
     engine.start()
-    memory = {} if args.tiny else gpu_memory_gb()
+    memory = gpu_memory_gb()
     print(json.dumps({"bench": "call_mix_start", "max_sessions": args.max_sessions,
                       "kv": "fp8" if args.fp8_kv else "bf16", "pool_pages": engine.stats().kv_pages,
                       "page_frames": engine.lm_state.kv.page, "start_s": round(time.perf_counter() - started, 1),

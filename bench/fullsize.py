@@ -41,6 +41,9 @@ def persona(words: int, salt: int = 0) -> str:
 
 
 def gpu_memory_gb() -> dict[str, float]:
+    """The CUDA allocator's figures and the card's free memory; none on a machine without CUDA (`--tiny`)."""
+    if not torch.cuda.is_available():
+        return {}
     return {"allocated_gb": round(torch.cuda.memory_allocated() / 1e9, 2),
             "reserved_gb": round(torch.cuda.memory_reserved() / 1e9, 2),
             "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
