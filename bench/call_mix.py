@@ -11,7 +11,9 @@ and remaining lengths of a steady state (ages of live calls are exponential arou
 memoryless lengths leave an exponential remainder), their context filled to their age (engine.fill_context, in
 one engine command for all), so the minutes measured are steady state from the first tick. One JSON line,
 "call_mix": live sessions (mean, max), tick p50/p99, late ticks, arrivals and refusals, context shrinks and
-grow-backs (while opening, and measured), KV pool occupancy (mean, max), the opening's seconds.
+grow-backs (while opening, and measured), KV pool occupancy (mean, max), the opening's seconds; when late ticks came
+and the fewest live calls at which an arrival was refused. Late ticks of the opening (its one fill command can make
+the next tick start late) are counted apart from the measured minutes.
 With `--worst-case N`, then N sessions at full context for `--worst-seconds`: the line "call_mix_worst_case".
 """
 
@@ -38,11 +40,12 @@ class Mix:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.ticks: list[tuple[float, bool]] = []
+        self.ticks: list[tuple[float, bool, float]] = []  # (ms, late, when it ended: monotonic seconds)
         self.arrivals = self.refused = self.failed = 0
+        self.refused_at_live: list[int] = []  # the live calls when each arrival was refused
         self.live: set[Slot] = set()
         self.samples: list[tuple[int, float]] = []  # (live sessions, pool occupancy)
-        engine.add_tick_listener(lambda record, _: self.ticks.append((record.ms, record.late)))
+        engine.add_tick_listener(lambda record, _: self.ticks.append((record.ms, record.late, time.monotonic())))
 
     def failure(self, error: EngineError) -> None:
         self.failed += 1
@@ -53,6 +56,7 @@ class Mix:
             slot = self.engine.reserve()
         except ResourceExhausted:
             self.refused += 1
+            self.refused_at_live.append(len(self.live))
             return
         await self.run(slot, seconds, seed)
 
@@ -95,6 +99,14 @@ class Mix:
         await asyncio.sleep(0)  # each call live before the measured time starts
         return tasks, time.monotonic() - opening
 
+    async def settle(self, ticks: int) -> None:
+        """Wait out `ticks` ticks after an opening: the fill ran as one engine command between two ticks, so the
+        tick after it can start late. That is the benchmark's set-up (real sessions fill their context frame by
+        frame), not the load measured."""
+        seen = len(self.ticks)
+        while len(self.ticks) < seen + ticks:
+            await asyncio.sleep(0.01)
+
     async def sample(self, period_s: float) -> None:
         while True:
             stats = self.engine.stats()
@@ -124,8 +136,10 @@ async def call_mix(engine: Engine, args: argparse.Namespace) -> dict:
         calls.append((int(age / frame_s), min(rng.expovariate(1.0 / args.mean_s), args.cap_s - age)))
     opened = engine.stats()
     tasks, open_s = await mix.open_filled(calls)
+    await mix.settle(2)
     sampler = asyncio.ensure_future(mix.sample(0.5))
     before = engine.stats()
+    open_late_ticks = sum(late for _, late, _ in mix.ticks)
     mix.ticks.clear()
     started = time.monotonic()
     end = started + args.minutes * 60.0
@@ -146,18 +160,22 @@ async def call_mix(engine: Engine, args: argparse.Namespace) -> dict:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     live, occupancy = zip(*mix.samples) if mix.samples else ((0,), (0.0,))
-    p50, p99 = percentiles([ms for ms, _ in ticks]) if ticks else (0.0, 0.0)
+    p50, p99 = percentiles([ms for ms, _, _ in ticks]) if ticks else (0.0, 0.0)
     return {"bench": "call_mix", "kv": "fp8" if engine.config.fp8_kv else "bf16", "mean_s": args.mean_s,
             "cap_s": args.cap_s, "target_concurrency": args.concurrency, "arrivals_per_s": round(rate, 4),
             "minutes": args.minutes, "sessions_mean": round(float(np.mean(live)), 1), "sessions_max": max(live),
-            "tick_ms_p50": p50, "tick_ms_p99": p99, "ticks": len(ticks), "late_ticks": sum(late for _, late in ticks),
-            "arrivals": mix.arrivals, "refused": mix.refused, "failed": mix.failed,
+            "tick_ms_p50": p50, "tick_ms_p99": p99, "ticks": len(ticks),
+            "late_ticks": sum(late for _, late, _ in ticks),
+            "late_ticks_at_s": [round(at - started, 2) for _, late, at in ticks if late],
+            "arrivals": mix.arrivals, "refused": mix.refused,
+            "refused_at_live_min": min(mix.refused_at_live, default=None), "failed": mix.failed,
             "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks,
             "grow_events": after.kv_window_grows - before.kv_window_grows,
             "pool_occupancy_mean": round(float(np.mean(occupancy)), 4),
             "pool_occupancy_max": round(float(max(occupancy)), 4), "pool_pages": after.kv_pages,
             "page_frames": engine.lm_state.kv.page, "max_sessions": engine.max_sessions, "open_s": round(open_s, 1),
-            "open_shrink_events": before.kv_window_shrinks - opened.kv_window_shrinks}
+            "open_shrink_events": before.kv_window_shrinks - opened.kv_window_shrinks,
+            "open_late_ticks": open_late_ticks}
 
 
 async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
@@ -167,7 +185,7 @@ async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
     while engine.stats().kv_pages_free < engine.stats().kv_pages:  # the calls before returning their pages
         await asyncio.sleep(0.05)
     tasks, open_s = await mix.open_filled([(context, seconds + 600.0)] * sessions)
-    await asyncio.sleep(1.0)  # settle
+    await mix.settle(12)
     before = engine.stats()
     mix.ticks.clear()
     await asyncio.sleep(seconds)
@@ -176,10 +194,10 @@ async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    p50, p99 = percentiles([ms for ms, _ in ticks]) if ticks else (0.0, 0.0)
+    p50, p99 = percentiles([ms for ms, _, _ in ticks]) if ticks else (0.0, 0.0)
     return {"bench": "call_mix_worst_case", "kv": "fp8" if engine.config.fp8_kv else "bf16", "sessions": sessions,
             "live": live, "context_frames": context, "open_s": round(open_s, 1), "seconds": seconds, "tick_ms_p50": p50,
-            "tick_ms_p99": p99, "ticks": len(ticks), "late_ticks": sum(late for _, late in ticks),
+            "tick_ms_p99": p99, "ticks": len(ticks), "late_ticks": sum(late for _, late, _ in ticks),
             "failed": mix.failed, "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks,
             "pool_pages": after.kv_pages, "pool_pages_free": after.kv_pages_free}
 

@@ -55,6 +55,9 @@ def test_call_mix_prints_steady_state_and_worst_case() -> None:
     assert mix["open_shrink_events"] >= 1 and mix["pool_occupancy_max"] == 1.0
     assert 0 < mix["pool_occupancy_mean"] <= mix["pool_occupancy_max"]
     assert mix["arrivals"] >= 1 and mix["refused"] <= mix["arrivals"] and mix["failed"] == 0
+    assert len(mix["late_ticks_at_s"]) == mix["late_ticks"] and mix["open_late_ticks"] >= 0
+    assert (mix["refused_at_live_min"] is None) == (mix["refused"] == 0)
+    assert mix["refused_at_live_min"] is None or mix["refused_at_live_min"] <= 4
     assert worst["live"] == 2 and worst["ticks"] > 0 and worst["context_frames"] == 250 and worst["failed"] == 0
 
 
