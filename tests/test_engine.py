@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from model.batch_step import BATCH_BUCKETS, bucket
 from model.engine import (
     Engine,
     EngineConfig,
@@ -25,7 +26,6 @@ from model.engine import (
     SamplingParams,
     SessionParams,
 )
-from model.batch_step import BATCH_BUCKETS, bucket
 from model.engine.core import ENGINE_SWITCH_INTERVAL_S
 from model.loading import load_model
 from model.tiny import write_tiny_checkpoint
