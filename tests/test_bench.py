@@ -30,7 +30,7 @@ def test_engine_bench_prints_ticks_capacity_and_opens() -> None:
     ticks = by_kind["engine_tick"]
     assert [t["context_frames"] for t in ticks] == [0, 200]
     for tick in ticks:
-        assert tick["ticks"] >= 3 and tick["batch"] == 2
+        assert tick["ticks"] >= 5 and tick["batch"] == 2  # every tick asked for, however slow the engine
         assert all(tick[f"{part}_ms_p50"] > 0 for part in ("encode", "temporal", "depformer", "decode"))
         assert tick["tick_ms_p99"] >= tick["tick_ms_p50"] > 0 and tick["host_deliver_ms_p50"] > 0
     assert {c["context_frames"] for c in by_kind["engine_capacity"]} == {0, 200}

@@ -177,8 +177,11 @@ async def test_one_engine_per_device_places_by_free_slots_and_one_failing_takes_
     """`--gpus` with two devices (here two CPU engines): sessions spread over both engine processes, /health,
     /metrics and /v1/models report each engine and the total, and killing one engine ends only its sessions (with
     `engine_stopped`) while the other's run on and new sessions land on it."""
+    # Two CPU engines, two workers, the test and the killed engine's restart share the cores: on a loaded 2-core
+    # machine the surviving engine ran at about half real time, and the default 4 s bound on queued input cut its
+    # sessions with input_backpressure (3.9 s queued after 8 s of streaming). This test is about isolation.
     proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--gpus", "cpu,cpu", "--workers", "2",
-                                 "--max-sessions", "3")
+                                 "--max-sessions", "3", "--max-realtime-backlog-s", "30")
     try:
         async with aiohttp.ClientSession() as http:
             report = await wait_ready(http, url, workers=2)

@@ -54,26 +54,32 @@ async def test_realtime_loss_and_jitter_on_a_live_call(server, speech_24k):
         inbound = served.inbound.stats
         lost_ms = 20.0 * len(tap.dropped)
         late_ms = 20.0 * st.late_drops
-
-        back_s = next((i / 4 for i in range(len(depth)) if np.mean(depth[i:i + 4]) < 120.0), None)
+        # The client's own sender, stalled on a loaded machine, moves its RTP timestamps over the time it missed
+        # (media/tracks.py): a gap the server conceals like loss (seen: 80 ms in one run).
+        skipped_ms = call.mic.stats.skipped_ms
+        # The buffer's standing level is its depth right after the engine's reads: samples between reads stand up to
+        # a frame above it, and more where a loaded machine's slow ticks leave frames unread for a while (seen: a
+        # second's samples of 53-253 ms around a level under 60), so a window's least sample is what it keeps.
+        back_s = next((i / 4 for i in range(len(depth)) if min(depth[i:i + 4]) < 120.0), None)
         print(json.dumps({"dropped_packets": len(tap.dropped), "delayed_packets": len(tap.delayed),
                           "late_drops": st.late_drops, "lost_ms": lost_ms, "concealed_ms": st.concealed_ms,
-                          "overrun_drops_ms": st.overrun_drops_ms, "target_ms_impaired": during.target_ms,
-                          "target_ms_after": st.target_ms, "buffer_back_under_120ms_after_s": back_s}))
+                          "overrun_drops_ms": st.overrun_drops_ms, "sender_skipped_ms": skipped_ms,
+                          "target_ms_impaired": during.target_ms, "target_ms_after": st.target_ms,
+                          "buffer_back_under_120ms_after_s": back_s}))
         # concealed ≈ lost: every dropped packet (and any delayed past its read) is 20 ms of concealed silence
         assert len(tap.dropped) > 5 and len(tap.delayed) > 100
         # (a packet that comes after its read is late-dropped, fully or in part: counted once as concealed; a lost
         # one in a window shed on overrun, when a loaded machine's slow ticks let the buffer overrun, is not)
-        assert lost_ms - 20.0 - st.overrun_drops_ms <= st.concealed_ms <= lost_ms + late_ms + 20.0, st
+        assert lost_ms - 20.0 - st.overrun_drops_ms <= st.concealed_ms <= lost_ms + skipped_ms + late_ms + 20.0, st
         # the timeline is never shortened: every position from the first packet to the newest is read out,
         # shed on purpose (counted, silent windows first) or still waiting; loss takes none of it away
-        span_ms = inbound.frames * 20.0 + lost_ms
+        span_ms = inbound.frames * 20.0 + lost_ms + skipped_ms
         accounted_ms = st.frames_out * 80.0 + st.overrun_drops_ms + st.depth_ms
         assert accounted_ms == pytest.approx(span_ms, abs=60.0), (st, inbound)
         # the buffer grew to ride out the jitter, and came back under 120 ms once the link was clean (the jitter
         # estimate forgets over ~10 s, media/jitter.py)
         assert during.target_ms > 120.0 and max(depth[:8]) > 120.0, (during, depth)
-        assert np.mean(depth[-8:]) < 120.0 and st.target_ms < 120.0, (st, depth)
+        assert min(depth[-8:]) < 120.0 and st.target_ms < 120.0, (st, depth)
         assert np.isfinite(call.recording.audio()).all()
     finally:
         await call.hang_up()
