@@ -114,6 +114,13 @@ class Mix:
             await asyncio.sleep(period_s)
 
 
+def tick_figures(ticks: list[tuple[float, bool, float]]) -> dict:
+    """Tick p50/p99, count and late ticks of a run's (ms, late, ended at) records."""
+    p50, p99 = percentiles([ms for ms, _, _ in ticks]) if ticks else (0.0, 0.0)
+    return {"tick_ms_p50": p50, "tick_ms_p99": p99, "ticks": len(ticks),
+            "late_ticks": sum(late for _, late, _ in ticks)}
+
+
 def mean_length(mean_s: float, cap_s: float) -> float:
     """E[min(L, cap)] for L exponential around `mean_s`."""
     return mean_s * (1.0 - math.exp(-cap_s / mean_s))
@@ -139,7 +146,7 @@ async def call_mix(engine: Engine, args: argparse.Namespace) -> dict:
     await mix.settle(2)
     sampler = asyncio.ensure_future(mix.sample(0.5))
     before = engine.stats()
-    open_late_ticks = sum(late for _, late, _ in mix.ticks)
+    open_late_ticks = tick_figures(mix.ticks)["late_ticks"]
     mix.ticks.clear()
     started = time.monotonic()
     end = started + args.minutes * 60.0
@@ -160,13 +167,10 @@ async def call_mix(engine: Engine, args: argparse.Namespace) -> dict:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     live, occupancy = zip(*mix.samples) if mix.samples else ((0,), (0.0,))
-    p50, p99 = percentiles([ms for ms, _, _ in ticks]) if ticks else (0.0, 0.0)
     return {"bench": "call_mix", "kv": "fp8" if engine.config.fp8_kv else "bf16", "mean_s": args.mean_s,
             "cap_s": args.cap_s, "target_concurrency": args.concurrency, "arrivals_per_s": round(rate, 4),
             "minutes": args.minutes, "sessions_mean": round(float(np.mean(live)), 1), "sessions_max": max(live),
-            "tick_ms_p50": p50, "tick_ms_p99": p99, "ticks": len(ticks),
-            "late_ticks": sum(late for _, late, _ in ticks),
-            "late_ticks_at_s": [round(at - started, 2) for _, late, at in ticks if late],
+            **tick_figures(ticks), "late_ticks_at_s": [round(at - started, 2) for _, late, at in ticks if late],
             "arrivals": mix.arrivals, "refused": mix.refused,
             "refused_at_live_min": min(mix.refused_at_live, default=None), "failed": mix.failed,
             "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks,
@@ -194,12 +198,11 @@ async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    p50, p99 = percentiles([ms for ms, _, _ in ticks]) if ticks else (0.0, 0.0)
     return {"bench": "call_mix_worst_case", "kv": "fp8" if engine.config.fp8_kv else "bf16", "sessions": sessions,
-            "live": live, "context_frames": context, "open_s": round(open_s, 1), "seconds": seconds, "tick_ms_p50": p50,
-            "tick_ms_p99": p99, "ticks": len(ticks), "late_ticks": sum(late for _, late, _ in ticks),
-            "failed": mix.failed, "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks,
-            "pool_pages": after.kv_pages, "pool_pages_free": after.kv_pages_free}
+            "live": live, "context_frames": context, "open_s": round(open_s, 1), "seconds": seconds,
+            **tick_figures(ticks), "failed": mix.failed,
+            "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks, "pool_pages": after.kv_pages,
+            "pool_pages_free": after.kv_pages_free}
 
 
 async def main_async(args: argparse.Namespace) -> None:
