@@ -27,6 +27,7 @@ import random
 import time
 
 import numpy as np
+import torch
 
 from bench.engine_bench import EndlessSource, drop, percentiles
 from bench.fullsize import bench_model, gpu_memory_gb
@@ -205,6 +206,22 @@ async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
             "pool_pages_free": after.kv_pages_free}
 
 
+def memory_parts_gb(engine: Engine) -> dict[str, float]:
+    """Where the device memory goes: weights, the KV pool, every row's other state (Mimi's streams, the LM's
+    rings and tables, sampling), and the rest of what the allocator holds (the captured graphs, workspaces)."""
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    runner = engine.runner
+    weights = size(engine.model.lm.parameters()) + size(engine.model.mimi.parameters())
+    pool = size(engine.lm_state.kv.tensors())
+    rows = size(runner.buffers().row_views(0)) * (runner.rows + 1)
+    parts = {"weights_gb": weights, "kv_pool_gb": pool, "row_state_gb": rows}
+    if torch.cuda.is_available():
+        parts["graphs_and_rest_gb"] = torch.cuda.memory_reserved() - weights - pool - rows
+    return {name: round(value / 1e9, 2) for name, value in parts.items()}
+
+
 async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
@@ -217,7 +234,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(json.dumps({"bench": "call_mix_start", "max_sessions": args.max_sessions,
                       "kv": "fp8" if args.fp8_kv else "bf16", "pool_pages": engine.stats().kv_pages,
                       "page_frames": engine.lm_state.kv.page, "start_s": round(time.perf_counter() - started, 1),
-                      **memory}), flush=True)
+                      **memory, **memory_parts_gb(engine)}), flush=True)
     try:
         if args.minutes > 0:
             print(json.dumps(await call_mix(engine, args)), flush=True)

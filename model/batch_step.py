@@ -41,6 +41,19 @@ class BatchBuffers:
     active: Tensor  # [B] bool: the row's model and decode run this tick
     takes_input: Tensor  # [B] bool: the row's input frame reaches the model (False on a session's first tick)
 
+    def row_views(self, row: int) -> list[Tensor]:
+        """Views of every per-row tensor of `row`, in a fixed order: all that a step over that row reads and
+        writes (the KV pages themselves are shared, reached through the row's page table)."""
+        index = slice(row, row + 1)
+        lm, mimi = self.lm_state.rows(index), self.mimi_state.rows(index)
+        views = [lm.kv.table, lm.kpos, lm.pos, lm.origin, lm.window, lm.ring, lm.offset, lm.forced]
+        for stream in (mimi.encoder, mimi.decoder):
+            views += [*stream.convs, stream.kv.keys, stream.kv.values, stream.kv.key_pos, stream.kv.pos]
+        for sampling in (self.text_sampling, self.audio_sampling):
+            part = sampling.rows(index)
+            views += [part.greedy, part.temperature, part.top_k, part.seed]
+        return views + [self.pcm_in[index], self.active[index], self.takes_input[index]]
+
 
 def decode_agent(mimi: Mimi, frame: Tensor, emitted: Tensor, state: MimiState, bins: int,
                  active: Tensor | None = None) -> Tensor:

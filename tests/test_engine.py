@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import gc
 import itertools
 import sys
@@ -217,6 +218,34 @@ async def test_batch_invariance_with_sessions_opened_at_different_ticks(make_eng
     assert [o.index for o in together] == list(range(12))
     slot_a.close()
     slot_b.close()
+
+
+async def test_input_clocked_sessions_stepped_in_turn_on_the_scratch_row_keep_their_own_state(make_engine):
+    """Every one-row step (input-clocked frames, first halves) runs on one scratch row, each row's state copied in
+    and back: three input-clocked sessions whose frames interleave, with different prompts, give each the tokens and
+    audio it gives alone in slot 0."""
+    params = [dataclasses.replace(PARAMS, voice=voice, persona=persona)
+              for voice, persona in (("NATF2", "Be brief."), ("NATM1", "Hello."), ("NATF2", PARAMS.persona))]
+    feeds = [speechlike(16, seed) for seed in (11, 12, 13)]
+    alone = []
+    for one, frames in zip(params, feeds, strict=True):
+        _, outputs = await run_session(make_engine(), one, frames, 14)
+        alone.append(outputs)
+    engine = make_engine()
+    sinks, slots, sources = [Collector() for _ in params], [], [QueueSource() for _ in params]
+    for one, source, sink in zip(params, sources, sinks, strict=True):
+        slot = engine.reserve()
+        await slot.start(one, source, sink.on_output, sink.on_error)
+        slots.append(slot)
+    assert sorted(slot.index for slot in slots) == [0, 1, 2]
+    for i in range(16):
+        for source, sink, frames in zip(sources, sinks, feeds, strict=True):
+            source.push(frames[i])
+            await sink.wait_for(min(i + 1, 14))
+    together = [await sink.wait_for(14) for sink in sinks]
+    for slot in slots:
+        slot.close()
+    assert all(same(a, b) for a, b in zip(alone, together, strict=True))
 
 
 async def test_overflow_and_slot_reuse(make_engine):
