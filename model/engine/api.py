@@ -103,7 +103,7 @@ class EngineConfig:
     # session's full window (CPU).
     kv_pages: int | None = None
     # Device memory left free when the pool is sized from it, for the captured graphs and a session start's eager
-    # steps. On the H200 (7B, fp8, 290 sessions) the graphs and workspaces take 4.2 GiB and 0.8 GB stays free
+    # steps. On the H200 (7B, fp8, 290 sessions) the graphs and workspaces take 4.3 GiB and 0.8 GB stays free
     # through a call mix and the worst case; cuDNN's algorithm search before the capture takes what is free and
     # needs none of it.
     kv_free_gib: float = 5.0
