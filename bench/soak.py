@@ -19,7 +19,7 @@ slot), failed (the client broke: an exception, by type), per door and behaviour;
 server counted (`/metrics`), and any outside the codes these behaviours should draw (`unexplained_errors`); leaked
 slots (`/health` still counting sessions in use `--settle-s` after the last client left: must be 0); per server
 process (`/health`'s `processes`, or `--server-pids`, on this machine) resident memory and open file descriptors at
-the start, after `--warmup-s`, at the peak and at the end; ticks, late ticks and tick quantiles over the run.
+the start, after `--warmup-s`, at the peak, at the end and at each tenth of the run; ticks, late ticks and tick quantiles over the run.
 """
 
 from __future__ import annotations
@@ -184,11 +184,15 @@ class Sampler:
             await asyncio.sleep(self.every_s)
 
     def report(self, warm_at: float) -> list[dict[str, Any]]:
-        def span(series: list[tuple[float, float]]) -> dict[str, float] | None:
+        def span(series: list[tuple[float, float]]) -> dict[str, Any] | None:
             if not series:
                 return None
             warm = next((v for t, v in series if t >= warm_at), series[-1][1])
-            return {"start": series[0][1], "warm": warm, "peak": max(v for _, v in series), "end": series[-1][1]}
+            # The value at each tenth of the run: whether what grew keeps growing or levels off.
+            first, last = series[0][0], series[-1][0]
+            tenths = [next(v for t, v in series if t >= first + (last - first) * i / 10) for i in range(10)]
+            return {"start": series[0][1], "warm": warm, "peak": max(v for _, v in series), "end": series[-1][1],
+                    "by_tenth": [*tenths, series[-1][1]]}
         return [{"pid": pid, "role": role, "rss_mb": span(self.rss[pid]), "fds": span(self.fds[pid])}
                 for pid, role in self.pids.items()]
 
