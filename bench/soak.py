@@ -19,7 +19,8 @@ slot), failed (the client broke: an exception, by type), per door and behaviour;
 server counted (`/metrics`), and any outside the codes these behaviours should draw (`unexplained_errors`); leaked
 slots (`/health` still counting sessions in use `--settle-s` after the last client left: must be 0); per server
 process (`/health`'s `processes`, or `--server-pids`, on this machine) resident memory and open file descriptors at
-the start, after `--warmup-s`, at the peak, at the end and at each tenth of the run; ticks, late ticks and tick quantiles over the run.
+the start, after `--warmup-s`, at the peak, at the end and at each tenth of the run; ticks, late ticks and tick
+quantiles over the run.
 """
 
 from __future__ import annotations
