@@ -220,8 +220,8 @@ async def test_batch_invariance_with_sessions_opened_at_different_ticks(make_eng
     slot_b.close()
 
 
-async def test_input_clocked_sessions_stepped_in_turn_on_the_scratch_row_keep_their_own_state(make_engine):
-    """Every one-row step (input-clocked frames, first halves) runs on one scratch row, each row's state copied in
+async def test_input_clocked_sessions_stepped_in_turn_on_the_spare_row_keep_their_own_state(make_engine):
+    """Every one-row step (input-clocked frames, first halves) runs on one spare row, each row's state copied in
     and back: three input-clocked sessions whose frames interleave, with different prompts, give each the tokens and
     audio it gives alone in slot 0."""
     params = [dataclasses.replace(PARAMS, voice=voice, persona=persona)

@@ -53,10 +53,10 @@ class Runner:
 
     def __init__(self, model: PersonaPlex, config: EngineConfig):
         self.model, self.config = model, config
-        self.rows = config.max_sessions
-        # One row past the sessions' is the scratch row that one-row steps run on (`_on_scratch_row`).
-        B = self.scratch_row = config.max_sessions
-        rows = B + 1
+        B = self.rows = config.max_sessions
+        # Row B, past the sessions' rows, is the spare row that one-row steps run on (`_on_spare_row`).
+        self.spare_row = B
+        rows = B + 1  # device state: the sessions' rows and the spare row
         self.device = model.device
         make_current(self.device)
         if self.device.type == "cuda":
@@ -94,7 +94,7 @@ class Runner:
         self.takes_input_np = self._takes_input_host.numpy()
         self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._steps: dict[int, BatchStep] = {}
-        self._row_step: BatchStep | None = None
+        self._spare_step: BatchStep | None = None
         self._timer = PartTimer(self.device)
         self.parts_ms: dict[str, float] = {}  # the last batch step's device parts
         self.step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
@@ -142,7 +142,7 @@ class Runner:
                     self._batch_step(n)
                 # One row's step, graphed: a session's first half, and input-clocked frames. Eager, one row of
                 # the full model is ~80-100 ms of launches, more than a gap between ticks.
-                self._scratch_step()
+                self._spare()
             self.scratch.capture(self.graph_pool)
         if fused.enabled():
             self._warm_prefill()
@@ -215,7 +215,7 @@ class Runner:
         """A session's first model half (and its decode) as a one-row step; its outputs on the host."""
         self.active[row] = True
         self._take_pages(row)
-        return _row_to_host(*self._on_scratch_row(row, BatchStep.first_half))
+        return _row_to_host(*self._on_spare_row(row, BatchStep.first_half))
 
     def row_step(self, row: int) -> RowOutputs:
         """One input-clocked frame of `row`, its input already in the host row: stepped alone, between ticks."""
@@ -225,7 +225,7 @@ class Runner:
         self.active[row] = self.takes_input[row] = True
         self._take_pages(row)
         timer = PartTimer(self.device)
-        return _row_to_host(*self._on_scratch_row(row, lambda step: step.run(timer)))
+        return _row_to_host(*self._on_spare_row(row, lambda step: step.run(timer)))
 
     def _batch_step(self, n: int) -> BatchStep:
         step = self._steps.get(n)
@@ -234,27 +234,27 @@ class Runner:
             step = self._steps[n] = BatchStep(self.model, self.buffers(), self.const, slice(0, n), graph_pool=pool)
         return step
 
-    def _scratch_step(self) -> BatchStep:
-        """The step over the scratch row: a session's first half, and input-clocked sessions between ticks."""
-        if self._row_step is None:
+    def _spare(self) -> BatchStep:
+        """The step over the spare row: a session's first half, and input-clocked sessions between ticks."""
+        if self._spare_step is None:
             pool = self.graph_pool if self.graphs else None
-            row = self.scratch_row
-            self._row_step = BatchStep(self.model, self.buffers(), self.const, slice(row, row + 1), graph_pool=pool)
-        return self._row_step
+            row = self.spare_row
+            self._spare_step = BatchStep(self.model, self.buffers(), self.const, slice(row, row + 1), graph_pool=pool)
+        return self._spare_step
 
-    def _on_scratch_row(self, row: int, step: Callable[[BatchStep], tuple[Tensor, Tensor, Tensor]]
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-        """`step` run for `row` on the scratch row: the row's state copied in, stepped, copied back.
+    def _on_spare_row(self, row: int, step: Callable[[BatchStep], tuple[Tensor, Tensor, Tensor]]
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+        """`step` run for `row` on the spare row: the row's state copied in, stepped, copied back.
 
-        One graph for every row: one per row held 1.9 GiB of device memory for 290 sessions on the H200 (~100 KV
-        pages, 7 % of the sessions a call mix carries) and took its capture time at start. The copies cost two
-        launches per state tensor; the KV stays in its pages, reached through the copied page table."""
+        One graph serves every row: a graph per row held 1.9 GiB for 290 sessions on the H200 (~100 KV pages,
+        the difference between 7 refusals and none in a call mix of 250) and 40 s of the engine's start. The
+        copies cost two launches per state tensor; the KV stays in its pages, reached through the copied table."""
         buffers = self.buffers()
-        scratch, views = buffers.row_views(self.scratch_row), buffers.row_views(row)
-        for into, source in zip(scratch, views, strict=True):
+        spare, views = buffers.row_views(self.spare_row), buffers.row_views(row)
+        for into, source in zip(spare, views, strict=True):
             into.copy_(source)
-        outputs = step(self._scratch_step())
-        for into, source in zip(views, scratch, strict=True):
+        outputs = step(self._spare())
+        for into, source in zip(views, spare, strict=True):
             into.copy_(source)
         return outputs
 
