@@ -163,9 +163,10 @@ class JitterBuffer:
                 self._read = self._end = self._next = 0 if pts is None else int(pts)
             shift = self._shift
             pos = max(self._next, self._read) if pts is None else int(pts) + shift
-            if pos > self._end and pos + x.size - self._read > self._capacity:
+            if pos > self._end and pos + x.size - self._end > self._capacity:
                 # The sender's timeline jumped further than the buffer holds (a muted sender, DTX): a
-                # discontinuity, not loss to conceal. Splice it on after what is buffered.
+                # discontinuity, not loss to conceal. Splice it on after what is buffered. (A short gap while the
+                # buffer stands full is loss: the oldest audio is shed for it below, counted.)
                 shift += self._end - pos
                 pos = self._end
             end = pos + x.size

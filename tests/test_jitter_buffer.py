@@ -292,6 +292,27 @@ def test_engine_stall_is_capped_then_cut_back() -> None:
     assert after.overrun_drops_ms > s.overrun_drops_ms
 
 
+def test_a_packet_lost_while_a_stalled_engine_lets_the_buffer_fill_stays_on_the_timeline() -> None:
+    """A lost packet while the buffer stands near its cap (the engine stalled) is loss, not a jump of the sender's
+    timeline: the gap stays on the timeline (the oldest audio is shed to make room, and counted) instead of being
+    spliced out uncounted. Seen as an 80 ms hole in the accounts of a live call on a loaded machine."""
+    jb = JitterBuffer()
+    sig = noise(RATE, seed=23)
+    packets = 24  # 480 ms arrive while the engine reads nothing: 20 ms under the 500 ms cap
+    for i in range(packets):
+        jb.push(i * PACKET, sig[i * PACKET : (i + 1) * PACKET], now=0.02 * (i + 1))
+    after = (packets + 1) * PACKET  # the packet at `packets` is lost
+    jb.push(after, sig[after : after + PACKET], now=0.02 * (packets + 2))
+    s = jb.stats()
+    timeline_ms = (after + PACKET) * 1000 / RATE
+    assert s.frames_out * 80 + s.overrun_drops_ms + s.depth_ms == pytest.approx(timeline_ms)
+    assert s.overrun_drops_ms == pytest.approx(20.0)
+    while jb.read_frame() is not None:  # the reads cut the level back to the target: shed, and counted
+        s = jb.stats()
+        assert s.frames_out * 80 + s.overrun_drops_ms + s.depth_ms == pytest.approx(timeline_ms)
+    assert s.frames_out > 0
+
+
 def test_append_stream_without_pts() -> None:
     sig = noise(RATE * 3, seed=13)
     jb = without_acceleration()
