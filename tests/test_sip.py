@@ -359,21 +359,30 @@ async def test_hostile_rtp_is_dropped_and_counted_and_other_calls_go_on(sip_serv
     stranger = RtpPeer()
     await stranger.open()
     silence = enc.encode(np.zeros(160, np.float32))
+    await asyncio.sleep(0.1)
+    accepted_before = {c["rtp_port"]: c for c in await calls(srv)}[remote1[1]]["packets_received"]
+    attack_began = time.monotonic()
     for _ in range(20):
         stranger.send_packet(0, silence, remote1, 160)                   # another SSRC
     rtp1.send_raw(build_rtp(0, rtp1.seq, rtp1.ts, rtp1.ssrc, b"\xff" * 3000), remote1)   # oversized
     rtp1.send_raw(b"\x80\x00garbage", remote1)                           # too short to be RTP
     rtp1.seq += 20000                                                    # a sequence jump
     rtp1.send_packet(0, silence, remote1, 160)
-    for i in range(400):                            # a flood: 400 packets in a few ms (the budget: 200 a second)
+    for i in range(1000):                           # a flood: 1000 packets in well under a second
         rtp1.send_packet(0, silence, remote1, 160)
         if i % 40 == 0:
             await asyncio.sleep(0.001)              # the server reads them (the kernel's buffer would drop them)
     await asyncio.sleep(0.2)
     by_port = {c["rtp_port"]: c for c in await calls(srv)}
+    attack_s = time.monotonic() - attack_began
     hit = by_port[remote1[1]]
     assert hit["dropped"].get("wrong_ssrc") == 20 and hit["dropped"].get("oversized") == 1
-    assert hit["dropped"].get("flood", 0) > 100 and hit["dropped"].get("not_rtp") == 1 and hit["seq_jumps"] == 1
+    assert hit["dropped"].get("not_rtp") == 1 and hit["seq_jumps"] == 1
+    # The budget is 200 packets a second with a second's burst: what got through is bounded by the time the attack
+    # took (a loaded machine stretches it, so a fixed count of drops would not hold), and the rest was shed.
+    accepted = hit["packets_received"] - accepted_before
+    assert accepted <= 200 + 200 * attack_s + 1, (accepted, attack_s)
+    assert hit["dropped"].get("flood", 0) > 100, (hit, attack_s)
     # The other call is untouched, and the attacked one still sends every 20 ms.
     rtp2.received.clear()
     rtp1.received.clear()
