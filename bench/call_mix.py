@@ -215,7 +215,7 @@ def memory_parts_gb(engine: Engine) -> dict[str, float]:
     runner = engine.runner
     weights = size(engine.model.lm.parameters()) + size(engine.model.mimi.parameters())
     pool = size(engine.lm_state.kv.tensors())
-    rows = size(runner.buffers().row_views(0)) * (runner.rows + 1)
+    rows = size(runner.buffers().row_views(0)) * (runner.spare_row + 1)
     parts = {"weights_gb": weights, "kv_pool_gb": pool, "row_state_gb": rows}
     if torch.cuda.is_available():
         parts["graphs_and_rest_gb"] = torch.cuda.memory_reserved() - weights - pool - rows
