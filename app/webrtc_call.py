@@ -467,6 +467,7 @@ class Call:
         self.track.stop()
         with contextlib.suppress(Exception):
             await self.pc.close()
+        self.opus.release()
         self.calls.pop(self.call_id, None)
         address, self.address = self.address, None
         if address is not None:

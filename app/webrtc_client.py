@@ -203,3 +203,4 @@ class RealtimeCall:
 
     async def close(self) -> None:
         await self.pc.close()
+        self.encoder.release()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import time
 
 import aiohttp
@@ -63,6 +65,37 @@ async def test_a_call_speaks_back_and_streams_transcript_events(server, speech_2
     assert status == 204
     async with aiohttp.ClientSession() as http:
         await wait_in_use(http, server.url, 0)
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+async def test_an_ended_call_frees_its_codec_threads_before_any_collection(server, speech_24k):
+    """Each Opus encoder (ours, PyAV's resampler graph inside it) holds FFmpeg threads. A call ends held in reference
+    cycles (aiortc's peer and its callbacks) that only a full collection frees, minutes apart in a worker; the
+    threads must go when the call ends. The collector is held off here, as between a worker's full collections."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)  # the engine thread's collections follow the thresholds too (model/engine/core.py)
+
+    async def one_call() -> None:
+        call = RealtimeCall(server.url, speech_24k)
+        await call.connect()
+        try:
+            await wait_for(lambda: len(call.recording.chunks) > 25, 20, "audio both ways")
+        finally:
+            await call.hang_up()
+        await wait_for(lambda: not server.app[CALLS], 10, "the server to forget the call")
+
+    try:
+        await one_call()                                  # the first call starts what stays (executor threads)
+        before = os_threads()
+        for _ in range(3):
+            await one_call()
+        assert os_threads() <= before, f"{os_threads() - before} threads left by 3 ended calls"
+    finally:
+        gc.set_threshold(*thresholds)
 
 
 async def test_a_full_server_answers_429_and_a_hung_up_call_frees_its_slot(start_server, speech_24k):
