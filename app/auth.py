@@ -3,8 +3,10 @@ that never writes a credential.
 
 A key is accepted from `Authorization: Bearer <key>`, `?api_key=<key>`, or the WebSocket subprotocol
 `openai-insecure-api-key.<key>` that browser Realtime clients send (browsers cannot set headers on a WebSocket).
-Keys are compared in constant time. `RedactingAccessLogger` replaces the value of every credential-like query
-parameter (`api_key`, `token`, `key`, `secret`, `password`, …) with `REDACTED` in the access log.
+Keys are compared in constant time. An ephemeral client secret (`ek_…`, app/client_secrets.py) is presented the same
+way; that module checks it first and marks the request (`CLIENT_SECRET`), which then passes the key check here.
+`RedactingAccessLogger` replaces the value of every credential-like query parameter (`api_key`, `token`, `key`,
+`secret`, `password`, …) with `REDACTED` in the access log, and any `ek_…` value wherever it appears.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 
 
 TELNYX_TOKEN_HEADER = "x-telnyx-streaming-auth-token"
+CLIENT_SECRET = "personaplex_client_secret"   # request key: the checked client secret's claim (app/client_secrets.py)
 
 
 def offered_subprotocols(request: web.Request) -> list[str]:
@@ -47,7 +50,7 @@ def presented_key(request: web.Request) -> str | None:
 
 
 def key_ok(request: web.Request, keys: tuple[str, ...]) -> bool:
-    if not keys:
+    if not keys or CLIENT_SECRET in request:
         return True
     key = presented_key(request)
     if key is None:
@@ -117,14 +120,16 @@ def too_many_connections(limit: int) -> web.Response:
 
 _CREDENTIAL = re.compile(r"(?i)((?:^|[?&;])[^=&;#\s]*(?:key|token|secret|passw|credential|auth|signature|sig)"
                          r"[^=&;#\s]*=)[^&;#\s]*")
+_CLIENT_SECRET_VALUE = re.compile(r"(?<![A-Za-z0-9_])ek_[A-Za-z0-9_.%-]+")
 
 
 def redact_query(target: str) -> str:
-    """A request target with the value of every credential-like query parameter replaced by `REDACTED`."""
+    """A request target with the value of every credential-like query parameter replaced by `REDACTED`, and every
+    client secret (`ek_…`), wherever it stands, by `ek_REDACTED`."""
     path, sep, query = target.partition("?")
-    if not sep:
-        return target
-    return path + sep + _CREDENTIAL.sub(r"\1REDACTED", query)
+    if sep:
+        target = path + sep + _CREDENTIAL.sub(r"\1REDACTED", query)
+    return _CLIENT_SECRET_VALUE.sub("ek_REDACTED", target)
 
 
 class RedactingAccessLogger(AccessLogger):

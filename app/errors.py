@@ -69,6 +69,12 @@ CODES: dict[str, ErrorCode] = {
         ErrorCode("too_many_connections", RATE,
                   "The address has `--max-connections-per-ip` connections open (HTTP 429 before the upgrade)."),
         ErrorCode("unauthorized", INVALID, "Missing or wrong API key (HTTP 401 before the upgrade)."),
+        ErrorCode("invalid_client_secret", INVALID, "An `ek_` client secret this server did not mint, or a garbled "
+                  "one (HTTP 401 before the upgrade)."),
+        ErrorCode("client_secret_expired", INVALID, "The client secret's `expires_at` has passed (HTTP 401 before the "
+                  "upgrade): mint a new one."),
+        ErrorCode("client_secret_used", INVALID, "The client secret already opened a session: each opens one (HTTP "
+                  "401 before the upgrade)."),
         ErrorCode("origin_not_allowed", INVALID,
                   "The Origin is not in the allowed list (HTTP 403 before the upgrade)."),
         ErrorCode("runtime_failed", SERVER, "The engine failed this conversation; the socket closes with 1011."),

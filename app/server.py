@@ -4,7 +4,8 @@
 tells every open session `session.closed` and closes it with 1001, cleanup stops the engine.
 
 Routes: `GET /health`, `GET /health/live`, `GET /health/ready` (probes for a balancer, app/probes.py),
-`GET /metrics`, `GET /v1/models`, `GET /v1/voices`, `WS /v1/realtime` (`?duplex=1`),
+`GET /metrics`, `GET /v1/models`, `GET /v1/voices`, `WS /v1/realtime` (`?duplex=1`), `POST /v1/realtime/client_secrets`
+(app/client_secrets.py, which also checks the `ek_` secrets presented to the session routes),
 `WS /v1/duplex`, `WS /v1/twilio`, the bridges `WS /v1/telnyx`, `WS /v1/vonage`, `WS /v1/freeswitch` and the
 Asterisk AudioSocket TCP door (`--audiosocket-port`); `app.webrtc.setup_webrtc(app)` adds the WebRTC routes when
 that module exists (it finds the shared `ServerContext` at `app[CONTEXT]`); with `--sip-port`, `app.sip.setup_sip(app)`
@@ -28,13 +29,14 @@ from aiohttp import web
 
 from app.audiosocket import setup_audiosocket
 from app.auth import RedactingAccessLogger, key_ok
+from app.client_secrets import realtime_entry, setup_client_secrets
 from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
 from app.errors import http_error_body
 from app.freeswitch import freeswitch_handler
 from app.loop_lag import collector_report, freeze_startup_objects
 from app.probes import DRAINING, READY, readiness, serve_agent
-from app.realtime import capabilities, realtime_handler
+from app.realtime import capabilities
 from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
 from app.telnyx import telnyx_handler
 from app.twilio import twilio_handler
@@ -341,12 +343,13 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/voices", voices)
-    app.router.add_get("/v1/realtime", realtime_handler)
+    app.router.add_get("/v1/realtime", realtime_entry)
     app.router.add_get("/v1/duplex", duplex_handler)
     app.router.add_get("/v1/twilio", twilio_handler)
     app.router.add_get("/v1/telnyx", telnyx_handler)
     app.router.add_get("/v1/vonage", vonage_handler)
     app.router.add_get("/v1/freeswitch", freeswitch_handler)
+    setup_client_secrets(app)
     setup_audiosocket(app)
     if importlib.util.find_spec("app.webrtc") is not None:
         from app.webrtc import setup_webrtc

@@ -5,7 +5,8 @@ As OpenAI Realtime does it over WebRTC. The body is the offer as `application/sd
 `voice`, sampling); `application/json` `{"sdp", "session"?}` is taken too. The answer is `201` with the answer SDP
 and `Location: /v1/realtime/calls/<call id>`; `GET` there gives the call's counters, `DELETE` (or
 `POST …/hangup`) hangs up. Admission is `app.admission`'s, answered over HTTP before any peer is made: a full server
-answers `429` with a JSON error, a draining or stopped one `503`.
+answers `429` with a JSON error, a draining or stopped one `503`. An ephemeral client secret (app/client_secrets.py)
+opens a call as a key does, and its bound session is applied first, the offer's `session` part over it.
 
 One call is one `app.webrtc_call.Call`: the WebRTC transport (data channel `oai-events` + RTP media track) carrying
 the Realtime dialect. The call ends, and its slot is freed at once, on DELETE, when ICE fails or does not connect
@@ -28,7 +29,8 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from app.admission import Refused, admit, gate
-from app.auth import refusal, too_many_connections
+from app.auth import CLIENT_SECRET, refusal, too_many_connections
+from app.client_secrets import merged_session
 from app.context import CONTEXT
 from app.errors import ProtocolError, http_error_body
 from app.transport import CLOSE_NORMAL
@@ -116,12 +118,17 @@ async def create_call(request: web.Request) -> web.Response:
         offer, session = await read_offer(request)
     except OfferError as e:
         return _error(e.status, e.code, str(e))
+    claim = request.get(CLIENT_SECRET)   # a client secret opened this call: its session, then the offer's over it
+    if claim is not None:
+        session = merged_session(claim.session, session) or None
     try:
         slot = await admit(ctx, CALLS_ROUTE)
     except Refused as e:
         later = "; try again later" if e.code == "resource_exhausted" else ""
         return _error(e.status, e.code, e.message + later)
     call = Call(request, slot, request.app[WEBRTC], offer, request.app[CALLS])
+    if claim is not None:
+        call.session.session_id = claim.id               # the id the mint answered
     try:
         await call.open(session)
         answer = await call.negotiate()
