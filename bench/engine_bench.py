@@ -1,10 +1,12 @@
 """The engine on the H200: tick time by session count and context, capacity, and session-open latency.
 
     python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
-                                 [--open-background 64] [--opens 5] [--fp8-kv] [--tiny]
+                                 [--loads 1x0 250x1650 144x3000] [--open-background 64] [--opens 5] [--fp8-kv]
+                                 [--mimi-encoder-bf16] [--mimi-decoder-bf16] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
-fed by sources that always have a frame. One JSON line per measurement:
+fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
+only the (sessions x context) pairs given. One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory;
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
 - "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick: until the
@@ -158,21 +160,25 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
 async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
-    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv))
+    config = EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv,
+                          mimi_encoder_bf16=args.mimi_encoder_bf16, mimi_decoder_bf16=args.mimi_decoder_bf16)
+    engine = Engine(model, config)
     engine.start()
     kv = "fp8" if args.fp8_kv else "bf16"
-    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv,
+    mimi = {"mimi_encoder_bf16": args.mimi_encoder_bf16, "mimi_decoder_bf16": args.mimi_decoder_bf16}
+    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **mimi,
                       "graph_capture_s": round(time.perf_counter() - started, 1), **gpu_memory_gb()}), flush=True)
+    loads = args.loads or [(sessions, context) for context in args.contexts for sessions in args.sessions]
+    contexts = sorted({context for _, context in loads})
     best: dict[int, int] = {}
-    for context in args.contexts:
-        for sessions in args.sessions:
-            if sessions > args.max_sessions:
-                continue
-            line = await measure_ticks(engine, sessions, context, args.ticks)
-            print(json.dumps(line), flush=True)
-            if line["tick_ms_p99"] < 80.0:
-                best[context] = max(best.get(context, 0), sessions)
-    for context in args.contexts:  # 0 where no session count measured stayed real time
+    for sessions, context in loads:
+        if sessions > args.max_sessions:
+            continue
+        line = await measure_ticks(engine, sessions, context, args.ticks)
+        print(json.dumps({**line, **mimi}), flush=True)
+        if line["tick_ms_p99"] < 80.0:
+            best[context] = max(best.get(context, 0), sessions)
+    for context in contexts:  # 0 where no session count measured stayed real time
         print(json.dumps({"bench": "engine_capacity", "context_frames": context,
                           "largest_realtime_sessions": best.get(context, 0),
                           "max_sessions_allocated": args.max_sessions}))
@@ -183,6 +189,15 @@ async def main_async(args: argparse.Namespace) -> None:
     engine.stop()
 
 
+def load(text: str) -> tuple[int, int]:
+    """'250x1650' -> (250 sessions, 1650 frames of context)."""
+    sessions, _, context = text.partition("x")
+    try:
+        return int(sessions), int(context)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a load is SESSIONSxCONTEXT, e.g. 250x1650: got {text!r}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 32, 64, 72, 76])
@@ -191,7 +206,10 @@ def main() -> None:
     parser.add_argument("--max-sessions", type=int, default=76)
     parser.add_argument("--open-background", type=int, default=64)
     parser.add_argument("--opens", type=int, default=5, help="opens of each kind to time (0: none)")
+    parser.add_argument("--loads", type=load, nargs="+", help="SESSIONSxCONTEXT pairs instead of every pair")
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
+    parser.add_argument("--mimi-encoder-bf16", action="store_true", help="Mimi's streaming encoder in bf16")
+    parser.add_argument("--mimi-decoder-bf16", action="store_true", help="Mimi's streaming decoder in bf16")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     asyncio.run(main_async(args))

@@ -52,7 +52,8 @@ def main() -> None:
 
 def print_ops(engine: Engine, batch: int, top: int) -> None:
     """Operators by device time with their input shapes, from eager runs (the graphs hide the operators)."""
-    eager = BatchStep(engine.model, engine.runner.buffers(), engine.runner.const, slice(0, batch))
+    eager = BatchStep(engine.model, engine.runner.buffers(), engine.runner.const, slice(0, batch),
+                      mimi=engine.runner.mimi)
     timer = PartTimer(engine.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(3):

@@ -97,8 +97,10 @@ class BatchStep:
     session), and (on CUDA, given a pool) one graph per part of the step."""
 
     def __init__(self, model: PersonaPlex, buffers: BatchBuffers, const: StepConstants, rows: slice,
-                 graph_pool=None, warmups: int = 2):
-        self.lm, self.mimi = model.lm, model.mimi
+                 graph_pool=None, warmups: int = 2, mimi: Mimi | None = None):
+        """`mimi`: the codec the step streams through (the engine's, perhaps of another precision), by default the
+        model's."""
+        self.lm, self.mimi = model.lm, model.mimi if mimi is None else mimi
         self.lm_state: LMState = buffers.lm_state.rows(rows)
         self.mimi_state: MimiState = buffers.mimi_state.rows(rows)
         self.text_s = buffers.text_sampling.rows(rows)

@@ -12,6 +12,7 @@ Checkpoints use the reference (moshi) key layout; `checkpoint_key` maps our para
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass
@@ -111,9 +112,9 @@ class Mimi(nn.Module):
         """pcm [B, T * frame_samples] -> codes [B, num_codebooks, T] (long)."""
         if pcm.dim() != 2 or pcm.shape[1] == 0 or pcm.shape[1] % self.frame_samples:
             raise ValueError(f"pcm must be [B, T * {self.frame_samples}] with T >= 1, got {list(pcm.shape)}")
-        x = self.encoder(pcm[:, None].to(self._dtype))
+        x = self.encoder(pcm[:, None].to(self.encoder_dtype))
         x = self.encoder_transformer(x.transpose(1, 2)).transpose(1, 2)
-        return self.quantizer.encode(self.downsample(x))
+        return self.quantizer.encode(self.downsample(x).float())
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
@@ -122,26 +123,40 @@ class Mimi(nn.Module):
         bins = self.cfg.quantizer.bins
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= bins):
             raise ValueError(f"codes must lie in [0, {bins})")
-        x = self.upsample(self.quantizer.decode(codes))
+        x = self.upsample(self.quantizer.decode(codes).to(self.decoder_dtype))
         x = self.decoder_transformer(x.transpose(1, 2)).transpose(1, 2)
         return self.decoder(x)[:, 0].float()
 
     # ---- streaming ----
 
-    def init_state(self, batch_size: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> MimiState:
-        def buffers(shapes: list[tuple[int, int]]) -> list[Tensor]:
+    def init_state(self, batch_size: int, device: torch.device | str) -> MimiState:
+        """Fresh streaming state; each direction's in the dtype of its own weights (`with_precision`)."""
+        def buffers(shapes: list[tuple[int, int]], dtype: torch.dtype) -> list[Tensor]:
             return [torch.zeros(batch_size, c, n, device=device, dtype=dtype) for c, n in shapes]
 
         steps = self.latent_steps
         encoder = StreamState(
-            convs=buffers(self.encoder.buffer_shapes() + self.downsample.buffer_shapes()),
-            kv=self.encoder_transformer.init_cache(batch_size, steps, device, dtype),
+            convs=buffers(self.encoder.buffer_shapes() + self.downsample.buffer_shapes(), self.encoder_dtype),
+            kv=self.encoder_transformer.init_cache(batch_size, steps, device, self.encoder_dtype),
         )
         decoder = StreamState(
-            convs=buffers(self.upsample.buffer_shapes() + self.decoder.buffer_shapes()),
-            kv=self.decoder_transformer.init_cache(batch_size, steps, device, dtype),
+            convs=buffers(self.upsample.buffer_shapes() + self.decoder.buffer_shapes(), self.decoder_dtype),
+            kv=self.decoder_transformer.init_cache(batch_size, steps, device, self.decoder_dtype),
         )
         return MimiState(encoder=encoder, decoder=decoder)
+
+    def with_precision(self, encoder: torch.dtype, decoder: torch.dtype) -> Mimi:
+        """This codec with its encoder side (SEANet encoder, transformer, downsample) in `encoder` and its decoder
+        side in `decoder`: itself when both are its own, else a copy. The quantizer stays float32 either way (its
+        nearest-centroid search picks the codes; its lookups are a few kilobytes a row)."""
+        if encoder == self.encoder_dtype and decoder == self.decoder_dtype:
+            return self
+        other = copy.deepcopy(self)
+        for module in (other.encoder, other.encoder_transformer, other.downsample):
+            module.to(encoder)
+        for module in (other.upsample, other.decoder_transformer, other.decoder):
+            module.to(decoder)
+        return other
 
     @torch.no_grad()
     def encode_frame(self, pcm: Tensor, state: MimiState) -> Tensor:
@@ -151,10 +166,10 @@ class Mimi(nn.Module):
         enc = state.encoder
         first = enc.kv.pos == 0  # rows on their first frame: the downsample pads by replicating
         buffers = iter(enc.convs)
-        x = self.encoder.step(pcm[:, None].to(self._dtype), buffers)
+        x = self.encoder.step(pcm[:, None].to(self.encoder_dtype), buffers)
         x = self.encoder_transformer.step(x.transpose(1, 2), enc.kv).transpose(1, 2)
         x = self.downsample.step(x, buffers, first)
-        return self.quantizer.encode(x)[:, :, 0]
+        return self.quantizer.encode(x.float())[:, :, 0]
 
     @torch.no_grad()
     def decode_frame(self, codes: Tensor, state: MimiState) -> Tensor:
@@ -164,7 +179,7 @@ class Mimi(nn.Module):
             raise ValueError(f"codes must have {state.batch_size} rows, got {codes.shape[0]}")
         dec = state.decoder
         buffers = iter(dec.convs)
-        x = self.upsample.step(self.quantizer.decode(codes[:, :, None]), buffers)
+        x = self.upsample.step(self.quantizer.decode(codes[:, :, None]).to(self.decoder_dtype), buffers)
         x = self.decoder_transformer.step(x.transpose(1, 2), dec.kv).transpose(1, 2)
         return self.decoder.step(x, buffers)[:, 0].float()
 
@@ -180,8 +195,13 @@ class Mimi(nn.Module):
     # ---- helpers ----
 
     @property
-    def _dtype(self) -> torch.dtype:
+    def encoder_dtype(self) -> torch.dtype:
+        """The encoder side's dtype."""
         return self.downsample.conv.weight.dtype
+
+    @property
+    def decoder_dtype(self) -> torch.dtype:
+        return self.upsample.convtr.weight.dtype
 
     def _check_codes(self, codes: Tensor, dims: int) -> None:
         if (

@@ -49,17 +49,17 @@ def stream_window(buf: Tensor, x: Tensor, first: Tensor | None = None) -> Tensor
 
 
 def overlap_add_reference(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) -> Tensor:
-    """overlap_add through torch ops (CPU, and the oracle for the kernel)."""
+    """overlap_add through torch ops (CPU, and the oracle for the kernel); sums in fp32 whatever the dtype."""
     b, c, t, k = taps.shape
     shifts = k // stride
     parts = taps.unflatten(-1, (shifts, stride))
-    y = taps.new_zeros(b, c, (t + shifts - 1) * stride)
+    y = taps.new_zeros(b, c, (t + shifts - 1) * stride, dtype=torch.float32)
     for i in range(shifts):  # tap group i of input frame j lands on output frame j + i
         y[..., i * stride : (t + i) * stride] += parts[:, :, :, i].flatten(-2)
     if bias is not None:
         y = y + bias[:, None]
     n, overlap = t * stride, k - stride
-    out = torch.cat([y[..., :overlap] + tail, y[..., overlap:n]], dim=-1)
+    out = torch.cat([y[..., :overlap] + tail, y[..., overlap:n]], dim=-1).to(taps.dtype)
     rest = y[..., n:]
     if bias is not None:
         # The next call's outputs carry the bias again; keep it only once.
@@ -120,7 +120,7 @@ if triton is not None:
         n = T * STRIDE
         frame = p // STRIDE
         offset = p % STRIDE
-        y = tl.zeros([BLOCK], dtype=OUT.dtype.element_ty)
+        y = tl.zeros([BLOCK], dtype=tl.float32)
         for i in tl.static_range(SHIFTS):  # in the reference's order: shift 0's taps first
             f = frame - i
             y += tl.load(TAPS + b * stb + c * stc + f * stt + (i * STRIDE + offset) * stk,
@@ -130,8 +130,8 @@ if triton is not None:
             y = y + bias
         head = p < OVERLAP
         tail = tl.load(TAIL + row * OVERLAP + p, mask=head, other=0.0)
-        tl.store(OUT + row * n + p, tl.where(head, y + tail, y), mask=p < n)
+        tl.store(OUT + row * n + p, tl.where(head, y + tail, y).to(OUT.dtype.element_ty), mask=p < n)
         tl.debug_barrier()  # every lane has read its part of the tail before any lane overwrites it
         if HAS_BIAS:
             y = y - bias
-        tl.store(TAIL + row * OVERLAP + (p - n), y, mask=(p >= n) & (p < n + OVERLAP))
+        tl.store(TAIL + row * OVERLAP + (p - n), y.to(TAIL.dtype.element_ty), mask=(p >= n) & (p < n + OVERLAP))

@@ -24,8 +24,9 @@ from model.engine.pages import PagePool
 from model.engine.prompt_cache import CachedPrompt
 from model.lm import LMState
 from model.loading import PersonaPlex
+from model.mimi import Mimi
 from model.prompt_prefill import PromptPrefill
-from model.prompts import PromptPlan, finish_prompt
+from model.prompts import PromptPlan, finish_prompt, plan_continuation
 from model.sampling import SamplingParams, row_sampling
 from model.step import StepConstants
 
@@ -70,7 +71,8 @@ class Runner:
         lm = model.lm
         self.scratch = PromptPrefill(lm, self.device, config.fp8_kv)
         model.text_piece(0)  # builds the token-text table now, not in the first tick
-        self.mimi_state = model.mimi.init_state(rows, self.device)
+        self.mimi = self._streaming_mimi()
+        self.mimi_state = self.mimi.init_state(rows, self.device)
         page = page_frames(lm.cfg.context, config.kv_page_frames)
         self.lm_state = lm.init_state(rows, self.device, fp8_kv=config.fp8_kv, page=page,
                                       pool_pages=self._pool_pages(page))
@@ -99,6 +101,15 @@ class Runner:
         self.parts_ms: dict[str, float] = {}  # the last batch step's device parts
         self.step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def _streaming_mimi(self) -> Mimi:
+        """The codec the steps stream through: the model's, or on CUDA a copy with a side in bf16 (EngineConfig)."""
+        mimi = self.model.mimi
+        if self.device.type != "cuda":
+            return mimi
+        bf16 = torch.bfloat16
+        return mimi.with_precision(bf16 if self.config.mimi_encoder_bf16 else mimi.encoder_dtype,
+                                   bf16 if self.config.mimi_decoder_bf16 else mimi.decoder_dtype)
 
     def _pool_pages(self, page: int) -> int:
         """The pool's pages: the configured count, else what the free device memory holds beside kv_free_gib
@@ -231,7 +242,8 @@ class Runner:
         step = self._steps.get(n)
         if step is None:
             pool = self.graph_pool if self.graphs else None
-            step = self._steps[n] = BatchStep(self.model, self.buffers(), self.const, slice(0, n), graph_pool=pool)
+            step = self._steps[n] = BatchStep(self.model, self.buffers(), self.const, slice(0, n), graph_pool=pool,
+                                              mimi=self.mimi)
         return step
 
     def _spare(self) -> BatchStep:
@@ -239,7 +251,8 @@ class Runner:
         if self._spare_step is None:
             pool = self.graph_pool if self.graphs else None
             row = self.spare_row
-            self._spare_step = BatchStep(self.model, self.buffers(), self.const, slice(row, row + 1), graph_pool=pool)
+            self._spare_step = BatchStep(self.model, self.buffers(), self.const, slice(row, row + 1), graph_pool=pool,
+                                         mimi=self.mimi)
         return self._spare_step
 
     def _on_spare_row(self, row: int, step: Callable[[BatchStep], tuple[Tensor, Tensor, Tensor]]
@@ -331,8 +344,21 @@ class Runner:
 
     @torch.no_grad()
     def prefill_chunk(self, chunk: Tensor, row: int) -> None:
+        """Prefill `chunk` after what the row holds (a fresh row's prompt, or a prompt added to a live context)."""
         self._take_pages(row, chunk.shape[0])
-        self.model.lm.prefill(chunk, self.lm_state, row)
+        pages = self.pages
+        self.model.lm.prefill(chunk, self.lm_state, row, origin=int(pages.origin[row]), ring=int(pages.window[row]))
+
+    @torch.no_grad()
+    def continuation(self, row: int, persona: list[int], pending: bool) -> PromptPlan:
+        """A prompt for a live row, from its ring and call counter as they are (prompts.plan_continuation)."""
+        state = self.lm_state
+        return plan_continuation(self.model.lm, state.ring[row], int(state.offset[row]), persona, pending)
+
+    @torch.no_grad()
+    def end_prompt(self, plan: PromptPlan, row: int) -> None:
+        """After a continuation's last chunk: the row's ring, call counter and forced tokens."""
+        finish_prompt(self.model.lm, self.lm_state, row, plan)
 
     @torch.no_grad()
     def finish_prompt(self, plan: PromptPlan, row: int) -> CachedPrompt:
