@@ -14,25 +14,36 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   sample arrived than the fastest packet's did (transit-time variation; the packet length is not counted, since
   a frame is complete once its last packet is in), from a histogram in 2 ms bins that forgets with a ~5 s
   memory. Many late packets raise it within a few hundred ms (fast rise); it takes ~10 s of calm to fall (slow
-  decay); one isolated stall lifts it for well under a second, since its ten late packets are a small share of
-  the memory. The delay base may creep up 15 ms per second, so a sender clock up to 1.5 % slow reads as drift,
-  not jitter. Clamped to 10..160 ms: on a clean link a frame is read within a few ms of its last sample's arrival.
+  decay). Packets that arrive bunched (closer together than a quarter of the audio they carry: a queue releasing
+  what it held) count once, at the first, the one that waited longest, so a stalled link's burst is one late
+  episode and lifts the margin for well under a second. The delay base may creep up 15 ms per second, so a
+  sender clock up to 1.5 % slow reads as drift, not jitter. Clamped to 10..160 ms: on a clean link a frame is
+  read within a few ms of its last sample's arrival.
 - Underrun (a primed read finds less than a frame): `read_frame` returns None (the engine feeds silence and
   counts it), the read position stays, so nothing the client sent is lost; the buffer re-primes and its margin
-  rises by 20 ms, falling back by 20 ms per 5 s without an underrun.
+  rises by 20 ms, falling back by 20 ms per 5 s without an underrun. A dry spell longer than the largest margin
+  (a stalled link, which no margin rides out) takes that step back when the buffer re-primes.
+- A stalled link delivers what it held at once: when the buffer re-primes more than a frame above its target it
+  catches up: silence goes as in the gentle path below but judged on the current level, and after two reads
+  with no silence to cut, sound goes in two pitch cuts a read (see acceleration below; at most 25 ms per 80 ms
+  read, ~30 % fast) until the level is back at the target: a 400 ms stall drains in under 2 s with no hard cut.
 - Latency is bounded from above two ways, both dropping whole 10 ms windows joined by a 5 ms raised-cosine
   crossfade. Gently: when the lowest level over the last 5 reads (400 ms, a whole cycle of 20/40/80/100 ms
   packets) exceeds the target by a window or more, up to 80 ms per read of windows the client sent as silence
   (below -50 dBFS, crossfade region included; never concealed gaps) are dropped, so clock drift and post-stall
   backlogs drain without cutting speech or shortening the timeline for loss.
-  Hard: above `target + 160 ms` (two frames of headroom) the level is cut back to the target at once, the
-  quietest windows first. A push beyond the 500 ms hard cap drops the oldest audio at once.
+  Hard: above `target + 160 ms` (two frames of headroom), unless catching up, the level is cut back to the
+  target at once, the quietest windows first (an engine that stopped reading while audio kept coming). A push
+  beyond the 500 ms hard cap drops the oldest audio at once.
 - Continuous sound never offers silence (a talker who starts before the first frame, background noise above
   -50 dBFS), so a backlog built while the session started would stay for the whole call. When the level has
   been a window or more above the target for a second and a read finds no silence to cut, that read accelerates
   instead (as a phone's jitter buffer does): one pitch-synchronous cut, 2.5 to 12.5 ms long, where the audio
   after the cut best continues the audio before it, so voiced sound keeps its period across the crossfade. At
   most one cut per 80 ms read, so speech runs at most ~15 % fast while the backlog drains.
+- `trace()` keeps each realtime read's time and the latency it added (the depth it left: how long the newest
+  sample of the frame it handed out had waited), None for a read that handed out nothing; stats count the most
+  sound one read cut and the hard cuts.
 Input-clocked sessions (`realtime=False`, offline evaluation) read a frame as soon as one is complete, never
 drop, and refuse a push that would exceed the backlog bound with `BufferFull` (nothing is stored then).
 """
@@ -50,6 +61,7 @@ import numpy as np
 SAMPLE_RATE = 24000
 FRAME = 1920
 _BIN_MS = 2.0
+_CATCH_UP_WAIT_READS = 2
 
 
 class BufferFull(Exception):
@@ -78,6 +90,7 @@ class JitterConfig:
     accelerate_after_s: float | None = 1.0  # None: never accelerate (e.g. music, where tempo matters)
     accelerate_min_ms: float = 2.5
     accelerate_max_ms: float = 12.5
+    trace_reads: int = 4096     # realtime reads kept in `trace()` (5.5 minutes)
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,17 @@ class JitterStats:
     concealed_ms: float
     frames_out: int
     pushed_ms: float
+    sound_cut_max_ms: float     # the most non-silent audio one read removed (acceleration's step, or a hard cut)
+    hard_cuts: int              # reads that cut the level back to the target at once
+
+
+@dataclass(frozen=True)
+class ReadRecord:
+    """One realtime read: when, and the input latency the buffer added to the frame it handed out (the depth left
+    after it: how long that frame's newest sample had waited), or None when it handed out none (priming, underrun)."""
+
+    at: float
+    added_ms: float | None
 
 
 class JitterBuffer:
@@ -135,6 +159,8 @@ class JitterBuffer:
         self._boost_ms = 0.0
         self._reads_since_underrun = 0
         self._excess_reads = 0
+        self._dry_reads = 0  # reads that found the buffer dry since the last underrun
+        self._catch_up = False  # draining what a stalled link delivered at once (see _reprimed)
         self._levels: deque[int] = deque(maxlen=cfg.level_window_reads)
         self._base: float | None = None  # smallest (arrival time - pts time of a packet's end) seen, drifting up
         self._last_arrival = 0.0
@@ -145,6 +171,9 @@ class JitterBuffer:
         self._concealed = 0
         self._frames_out = 0
         self._pushed = 0
+        self._sound_cut_max = 0
+        self._hard_cuts = 0
+        self._trace: deque[ReadRecord] = deque(maxlen=cfg.trace_reads)
 
     def push(self, pts: int | None, samples: np.ndarray, now: float | None = None) -> None:
         """Place mono float32 24 kHz audio at `pts` (None: right after the previous push)."""
@@ -194,7 +223,7 @@ class JitterBuffer:
             if self.realtime and fresh:
                 self._observe_arrival(pos, end, now)
 
-    def read_frame(self) -> np.ndarray | None:
+    def read_frame(self, now: float | None = None) -> np.ndarray | None:
         """The next 1920 samples for this tick, or None when not primed or underrun (the engine feeds silence)."""
         with self._lock:
             if self._read is None:
@@ -206,10 +235,13 @@ class JitterBuffer:
                 if not self._primed:
                     if level < target:
                         self._underruns += self._ever_primed
+                        self._dry_reads += self._ever_primed
+                        self._record(now, None)
                         return None
-                    self._primed = self._ever_primed = True
+                    self._reprimed(level, target)
                 elif level < self._frame:
                     self._underrun()
+                    self._record(now, None)
                     return None
                 data, have = self._plan_cuts(level, target, cuts)
             else:
@@ -225,7 +257,17 @@ class JitterBuffer:
             self._dropped += span - self._frame
             self._concealed += int(np.count_nonzero(~have[:span] & keep))
             self._frames_out += 1
+            if cuts:
+                sound = sum(self._windows_of_sound(data[a:b]) for a, b in cuts)
+                self._sound_cut_max = max(self._sound_cut_max, sound)
+            if self.realtime:
+                self._record(now, (self._end - self._read) * 1000.0 / self.config.sample_rate)
         return self._splice(data[:span], cuts)
+
+    def trace(self) -> list[ReadRecord]:
+        """The recent realtime reads, oldest first."""
+        with self._lock:
+            return list(self._trace)
 
     def frames_ready(self) -> int:
         """Whole frames `read_frame` would hand out now, without waiting for more audio."""
@@ -244,7 +286,7 @@ class JitterBuffer:
             self._have[:] = False
             self._read = None
             self._end = self._next = self._shift = 0
-            self._primed = self._ever_primed = False
+            self._primed = self._ever_primed = self._catch_up = False
             self._levels.clear()
             self._base = None
 
@@ -262,6 +304,8 @@ class JitterBuffer:
                 concealed_ms=self._concealed * ms,
                 frames_out=self._frames_out,
                 pushed_ms=self._pushed * ms,
+                sound_cut_max_ms=self._sound_cut_max * ms,
+                hard_cuts=self._hard_cuts,
             )
 
     # -- timing (caller holds the lock) --
@@ -274,6 +318,7 @@ class JitterBuffer:
         else:
             creep = self.config.drift_tolerance * max(0.0, now - self._last_arrival)
             self._base = min(transit_end, self._base + creep)
+        gap = now - self._last_arrival
         self._last_arrival = now
         delay = transit_end - self._base
         if delay * 1000.0 >= self.config.hard_cap_ms:
@@ -282,8 +327,13 @@ class JitterBuffer:
             return
         weight = (end - start) / (0.02 * rate)
         self._hist *= self._forget**weight
-        self._hist[int(delay * 1000.0 / _BIN_MS)] += weight
         self._observed_s += (end - start) / rate
+        if gap < 0.25 * (end - start) / rate:
+            # Part of a burst: a queue releasing what it held (a stalled link, a bunch behind one slow packet) is
+            # one late episode, already counted at its first packet, the one that waited longest. Counted packet by
+            # packet, a 400 ms stall's twenty packets would be 8 % of the memory and lift the margin to the stall.
+            return
+        self._hist[int(delay * 1000.0 / _BIN_MS)] += weight
 
     def _jitter_ms(self) -> float:
         total = self._hist.sum()
@@ -301,12 +351,34 @@ class JitterBuffer:
 
     def _underrun(self) -> None:
         self._underruns += 1
-        self._primed = False
+        self._primed = self._catch_up = False
         self._boost_ms = min(self._boost_ms + self.config.underrun_step_ms, self.config.max_margin_ms)
         self._reads_since_underrun = 0
+        self._dry_reads = 0
         self._levels.clear()
 
+    def _reprimed(self, level: int, target: int) -> None:
+        """Enough audio to play again. After a dry spell longer than the largest margin (a stalled link: no margin
+        would have ridden it out) the underrun's margin step is taken back, and what the link then delivered at once
+        drains by catching up (`_plan_cuts`) rather than by a hard cut of sound."""
+        if self._ever_primed:
+            if self._dry_reads * self._frame > self.config.max_margin_ms * self.config.sample_rate / 1000.0:
+                self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)
+            self._catch_up = level - target >= self._frame   # a burst, not the packet that ended a short dry spell
+        self._primed = self._ever_primed = True
+
+    def _record(self, now: float | None, added_ms: float | None) -> None:
+        self._trace.append(ReadRecord(time.monotonic() if now is None else now, added_ms))
+
     # -- overrun (caller holds the lock) --
+
+    def _windows_of_sound(self, cut: np.ndarray) -> int:
+        """Samples of a cut that are not silence (judged per drop window, as the gentle path judges them)."""
+        w = self._window
+        n = -(-cut.size // w)
+        energy = np.square(np.pad(cut, (0, n * w - cut.size)), dtype=np.float64).reshape(n, w).sum(axis=1)
+        sizes = np.minimum(w, cut.size - np.arange(n) * w)
+        return int(sizes[energy >= 10 ** (self.config.silence_dbfs / 10) * sizes].sum())
 
     def _plan_cuts(self, level: int, target: int, cuts: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Pick the sample ranges of the span read now to cut (sorted, disjoint); returns the span's data and mask."""
@@ -315,9 +387,13 @@ class JitterBuffer:
             self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)
             self._reads_since_underrun = 0
         self._levels.append(level + self._dropped)
-        hard = level > target + self._headroom
+        catch_up = self._catch_up = self._catch_up and level - target >= self._window
+        hard = level > target + self._headroom and not catch_up
         if hard:
+            self._hard_cuts += 1
             budget = level - target
+        elif catch_up:
+            budget = min(level - target, self._soft_drop)
         elif len(self._levels) == self._levels.maxlen:
             budget = min(min(self._levels) - self._dropped - target, self._soft_drop)
         else:
@@ -342,10 +418,17 @@ class JitterBuffer:
                 if len(windows) == n or i > self._frame // self._window + len(windows):
                     break
                 windows.append(int(i))
-            if not windows and self._excess_reads >= self._accelerate_reads:
-                data, have = self._copy(self._read, self._frame + self._accelerate_max)
+            # Catching up after a stall, sound is cut after two reads without silence to cut, not a second, and in
+            # two cuts a read (one per half frame: each joins its own stretch of sound) while the backlog holds them.
+            wait = self._accelerate_reads
+            if catch_up and wait != math.inf:
+                wait = _CATCH_UP_WAIT_READS
+            if not windows and self._excess_reads >= wait:
+                k = 2 if catch_up and budget >= 2 * self._accelerate_max else 1
+                data, have = self._copy(self._read, self._frame + k * self._accelerate_max)
                 if have.all():
-                    cuts.append(self._pitch_cut(data))
+                    half = self._frame // k
+                    cuts.extend(self._pitch_cut(data, i * half, (i + 1) * half) for i in range(k))
                 return data, have
         for i in windows:
             if cuts and cuts[-1][1] == i * self._window:
@@ -354,13 +437,14 @@ class JitterBuffer:
                 cuts.append((i * self._window, (i + 1) * self._window))
         return data, have
 
-    def _pitch_cut(self, data: np.ndarray) -> tuple[int, int]:
+    def _pitch_cut(self, data: np.ndarray, first: int, last: int) -> tuple[int, int]:
         """The cut [a, a + L) whose crossfade joins the most alike audio: the crossfade blends the `fade` samples
         before `a` with the `fade` samples before `a + L`, so the best L is the one (near a pitch period, or a
-        multiple) where those two stretches correlate most. A few positions across the frame are tried."""
+        multiple) where those two stretches correlate most. A few positions in [first, last) are tried (quarter
+        frames apart; a cut starting in one half frame ends before the next half begins)."""
         f, lo, hi = self._fade, self._accelerate_min, self._accelerate_max
-        best, cut = -np.inf, (f, f + lo)
-        for a in range(f, self._frame - f + 1, self._frame // 4):
+        best, cut = -np.inf, (first + f, first + f + lo)
+        for a in range(first + f, min(last, self._frame - f + 1), self._frame // 4):
             before = data[a - f : a]
             after = np.lib.stride_tricks.sliding_window_view(data[a - f + lo : a + hi], f)  # row j: L = lo + j
             norms = np.sqrt(np.einsum("ij,ij->i", after, after) * float(before @ before)) + 1e-12
