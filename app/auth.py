@@ -27,7 +27,10 @@ BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 
 
 TELNYX_TOKEN_HEADER = "x-telnyx-streaming-auth-token"
-CLIENT_SECRET = "personaplex_client_secret"   # request key: the checked client secret's claim (app/client_secrets.py)
+# The request key of a checked client secret's claim (app/client_secrets.py). aiohttp 3.14 typed request storage
+# (and warns on plain string keys); older releases have only strings.
+CLIENT_SECRET: Any = (web.RequestKey("personaplex_client_secret", object) if hasattr(web, "RequestKey")
+                      else "personaplex_client_secret")
 
 
 def offered_subprotocols(request: web.Request) -> list[str]:

@@ -60,6 +60,8 @@ from app.context import CONTEXT, ServerContext
 from app.conversation import Conversation
 from app.errors import ProtocolError, http_error_body
 from app.realtime import _FALSE, RealtimeSession, is_beta, realtime_handler
+from app.realtime_update import read_update
+from app.session_config import default_config, with_update
 from app.websocket import serve
 from app.wire import WireError, parse_object
 from model.engine.pool import EnginePool
@@ -237,15 +239,15 @@ def _ttl(value: object) -> int:
     return seconds
 
 
-def _session(value: object) -> dict[str, Any]:
+def _session(ctx: ServerContext, value: object) -> dict[str, Any]:
+    """The session to bind, checked now as a `session.update` would check it (so that a bad one fails the mint,
+    not the connect)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ProtocolError("invalid_session_config", "`session` must be an object (a realtime session config)",
                             param="session")
-    if value.get("type", "realtime") != "realtime":
-        raise ProtocolError("invalid_session_config", "only `realtime` sessions are served (no transcription "
-                            "sessions)", param="session.type")
+    with_update(ctx, default_config(ctx), read_update(value).config)
     return value
 
 
@@ -262,7 +264,7 @@ async def create_client_secret(request: web.Request) -> web.Response:
         return refused
     try:
         body = parse_object(await request.text()) if request.can_read_body else {}
-        ttl_s, session = _ttl(body.get("expires_after")), _session(body.get("session"))
+        ttl_s, session = _ttl(body.get("expires_after")), _session(ctx, body.get("session"))
     except (WireError, UnicodeDecodeError) as e:
         return _error(400, "invalid_json", f"the body must be a JSON object: {e}")
     except ProtocolError as e:
@@ -311,7 +313,7 @@ def merged_session(bound: dict[str, Any], given: dict[str, Any] | None) -> dict[
 
 class BoundSession(RealtimeSession):
     """A Realtime WebSocket session opened with a client secret: its id is the one the mint answered, and its bound
-    session is applied as a `session.update` before `session.created`, which already carries it."""
+    session is applied as a `session.update` is, before `session.created`, which carries it."""
 
     def __init__(self, ctx: ServerContext, beta: bool, claim: Claim) -> None:
         super().__init__(ctx, beta)
@@ -320,19 +322,16 @@ class BoundSession(RealtimeSession):
         self._greeting = False
 
     async def greet(self, conversation: Conversation) -> None:
-        # RealtimeSession.greet says `session.created` and the update says `session.updated`: both are held back
-        # while the update runs, and one `session.created` follows. A field the update refuses gets its usual error
-        # event after it; the rest of the bound session stands.
-        self._greeting = True
-        refused: ProtocolError | None = None
+        self._greeting = True              # RealtimeSession.greet's `session.created` (the defaults) is held back
         try:
             await super().greet(conversation)
-            if self.bound:
-                await self.on_session_update({"type": "session.update", "session": self.bound})
-        except ProtocolError as e:
-            refused = e
         finally:
             self._greeting = False
+        refused: ProtocolError | None = None
+        try:   # checked at the mint: only a server changed since (a voice file gone) refuses it now
+            self.apply_update(read_update(self.bound))
+        except ProtocolError as e:
+            refused = e
         await self.send({"type": "session.created", "session": self.session_object()})
         if refused is not None:
             await self.send_error(refused)

@@ -1,10 +1,16 @@
 // The browser client: one WebRTC call to POST /v1/realtime/calls, the mic on an Opus track, the model's voice on
 // the remote track, and the Realtime events on the `oai-events` data channel. No build step, no dependencies.
+//
+// When the server has API keys, the page never holds one: each call is opened with an ephemeral client secret
+// (`ek_…`, docs/protocol.md §7), which the page gets from the deployment's token endpoint (`?token_url=/path`, a
+// same-origin backend route that mints one with the server's API key and answers the mint's JSON), or which the
+// operator pastes (one minted with curl). A secret opens one call; it also reads the voice list and the ICE servers.
 
 const $ = (id) => document.getElementById(id);
 
 const ui = {
-  persona: $("persona"), voice: $("voice"), apikey: $("apikey"), start: $("start"), stop: $("stop"),
+  persona: $("persona"), voice: $("voice"), secret: $("secret"), secretField: $("secret-field"), start: $("start"),
+  stop: $("stop"),
   state: $("state"), message: $("message"), remote: $("remote"), transcript: $("transcript"),
   micLevel: $("mic-level"), micDb: $("mic-db"), modelLevel: $("model-level"), modelDb: $("model-db"),
   serverInfo: $("server-info"),
@@ -12,14 +18,64 @@ const ui = {
 
 // Everything a test (or a curious user in the console) may want to read.
 const call = {
-  pc: null, dc: null, mic: null, location: null, audioCtx: null, timers: [],
+  pc: null, dc: null, mic: null, location: null, audioCtx: null, timers: [], secret: null, keysRequired: false,
   state: "idle", transcript: "", events: [], serverStats: null, lastStats: null, error: null,
 };
 window.personaplex = call;
 
-function authHeaders() {
-  const key = ui.apikey.value.trim();
-  return key ? { Authorization: `Bearer ${key}` } : {};
+// Only a path on this page's own origin: a link must not send the page's requests elsewhere.
+const tokenUrl = (() => {
+  const given = new URLSearchParams(location.search).get("token_url");
+  if (!given) return null;
+  const url = new URL(given, location.origin);
+  return url.origin === location.origin ? url.href : null;
+})();
+
+function authHeaders(secret) {
+  return secret ? { Authorization: `Bearer ${secret}` } : {};
+}
+
+function sessionConfig() {
+  // Only what the user chose: an empty field leaves the server's default (or the secret's bound session).
+  const session = { type: "realtime" };
+  const persona = ui.persona.value.trim();
+  if (persona) session.instructions = persona;
+  if (ui.voice.value) session.voice = ui.voice.value;
+  return session;
+}
+
+async function clientSecret() {
+  // The credential for one call: a secret from the token endpoint, or the pasted one; none when the server has no
+  // keys (the call is then refused with 401, and the message says what to do).
+  if (tokenUrl) {
+    const res = await fetch(tokenUrl, {
+      method: "POST", credentials: "same-origin", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ session: sessionConfig() }),
+    });
+    if (!res.ok) throw new Error(`The token endpoint did not give a client secret: ${await errorText(res)}`);
+    const body = await res.json();
+    const value = body.value || body.client_secret?.value;
+    if (!value) throw new Error("The token endpoint's answer has no client secret (`value`).");
+    return value;
+  }
+  const pasted = ui.secret.value.trim();
+  ui.secret.value = "";                                  // spent by this call either way
+  if (pasted && !pasted.startsWith("ek_")) {
+    throw new Error("Paste a client secret (ek_…), minted with POST /v1/realtime/client_secrets and the server's " +
+      "API key; the API key itself never belongs in a page.");
+  }
+  return pasted || null;
+}
+
+function refusalMessage(status, code, text) {
+  if (code === "client_secret_used") return "That client secret was already used (each opens one call): get a new one.";
+  if (code === "client_secret_expired") return "That client secret has expired: get a new one.";
+  if (status === 401) {
+    return tokenUrl ? `The server refused the token endpoint's client secret: ${text}`
+      : "The server needs a client secret (ek_…) for each call: paste one above (minted with its API key) and " +
+        "press Start again, or open this page with ?token_url= pointing at your backend's token route.";
+  }
+  return `The server refused the call: ${text}`;
 }
 
 function setState(state) {
@@ -40,18 +96,32 @@ function showMessage(text, kind = "error") {
   if (kind === "error" && text) call.error = text;
 }
 
-async function errorText(res) {
+async function errorBody(res) {
   try {
     const body = await res.json();
-    return body?.error?.message || JSON.stringify(body);
+    return { code: body?.error?.code, text: body?.error?.message || JSON.stringify(body) };
   } catch {
-    return `${res.status} ${res.statusText}`;
+    return { code: undefined, text: `${res.status} ${res.statusText}` };
   }
 }
 
-async function loadVoices() {
+async function errorText(res) {
+  return (await errorBody(res)).text;
+}
+
+function showSecretField() {
+  ui.secretField.hidden = !call.keysRequired || Boolean(tokenUrl);
+}
+
+async function loadVoices(secret = null) {
   try {
-    const res = await fetch("/v1/voices", { headers: authHeaders() });
+    const res = await fetch("/v1/voices", { headers: authHeaders(secret) });
+    if (res.status === 401 && !secret) {              // the server has API keys: a call needs a client secret
+      call.keysRequired = true;
+      showSecretField();
+      ui.voice.replaceChildren(new Option("(the server's default voice)", ""));
+      return;
+    }
     if (!res.ok) throw new Error(await errorText(res));
     const body = await res.json();
     const list = Array.isArray(body) ? body : body.data || body.voices || [];
@@ -81,9 +151,9 @@ async function loadServerInfo() {
   } catch { /* the footer is informative only */ }
 }
 
-async function iceServers() {
+async function iceServers(secret) {
   try {
-    const res = await fetch("/v1/realtime/webrtc-config", { headers: authHeaders() });
+    const res = await fetch("/v1/realtime/webrtc-config", { headers: authHeaders(secret) });
     if (res.ok) return (await res.json()).ice_servers || [];
   } catch { /* none: host candidates only */ }
   return [];
@@ -228,7 +298,8 @@ async function start() {
 
   setState("connecting");
   try {
-    const pc = new RTCPeerConnection({ iceServers: await iceServers() });
+    call.secret = await clientSecret();
+    const pc = new RTCPeerConnection({ iceServers: await iceServers(call.secret) });
     call.pc = pc;
     for (const track of call.mic.getAudioTracks()) pc.addTrack(track, call.mic);
     pc.ontrack = (e) => {
@@ -257,15 +328,15 @@ async function start() {
 
     const form = new FormData();
     form.set("sdp", pc.localDescription.sdp);
-    const session = { type: "realtime", instructions: ui.persona.value.trim() };
-    if (ui.voice.value) session.voice = ui.voice.value;
-    form.set("session", JSON.stringify(session));
-    const res = await fetch("/v1/realtime/calls", { method: "POST", body: form, headers: authHeaders() });
+    form.set("session", JSON.stringify(sessionConfig()));
+    const res = await fetch("/v1/realtime/calls", { method: "POST", body: form, headers: authHeaders(call.secret) });
     if (res.status === 429) {
       throw new Error(`The server is full: every conversation slot is taken. Try again in a moment. (${await errorText(res)})`);
     }
-    if (res.status === 401) throw new Error("The server needs an API key: enter it above and press Start again.");
-    if (!res.ok) throw new Error(`The server refused the call: ${await errorText(res)}`);
+    if (!res.ok) {
+      const { code, text } = await errorBody(res);
+      throw new Error(refusalMessage(res.status, code, text));
+    }
     call.location = res.headers.get("Location");
     await pc.setRemoteDescription({ type: "answer", sdp: await res.text() });
     call.timers.push(setInterval(() => pollStats().catch(() => {}), 1000));
@@ -277,10 +348,12 @@ async function start() {
 }
 
 function hangUp(finalState = "ended") {
-  if (call.location) {
-    fetch(call.location, { method: "DELETE", headers: authHeaders(), keepalive: true }).catch(() => {});
-    call.location = null;
+  // A call opened with a client secret ends when the peer connection closes (the secret cannot DELETE it).
+  if (call.location && !call.secret) {
+    fetch(call.location, { method: "DELETE", keepalive: true }).catch(() => {});
   }
+  call.location = null;
+  call.secret = null;
   for (const t of call.timers) clearInterval(t);
   call.timers = [];
   if (call.pc) call.pc.close();
@@ -299,10 +372,9 @@ function hangUp(finalState = "ended") {
   loadServerInfo();
 }
 
-ui.apikey.value = localStorage.getItem("personaplex.apikey") || "";
-ui.apikey.addEventListener("change", () => {
-  localStorage.setItem("personaplex.apikey", ui.apikey.value.trim());
-  loadVoices();
+ui.secret.addEventListener("change", () => {
+  const pasted = ui.secret.value.trim();
+  if (pasted.startsWith("ek_")) loadVoices(pasted);    // reading the voices does not spend it
 });
 ui.start.addEventListener("click", start);
 ui.stop.addEventListener("click", () => hangUp("ended"));
