@@ -8,6 +8,7 @@ Every session (each WebSocket dialect, each bridge, a WebRTC call) holds one `Co
     conv.start(SessionParams(...))                    # -> asyncio.Task (prefill, then live); makes `conv.input` now
     conv.push(None, samples_24k)                      # or hand `conv.input` (a JitterBuffer, a PtsSink) to a receiver
     await conv.restart()                              # fresh context, same params; indices restart at 0
+    await conv.add_prompt("Speak French.")            # a <system> prompt into the live context; indices go on
     conv.close()                                      # frees the slot at once; idempotent; no callbacks afterwards
 
 `on_frame(frame: FrameOutput)` gets every output frame of the current context; frames the engine made for a context
@@ -150,6 +151,16 @@ class Conversation:
             self._restarting = None
             self.epoch += 1
             self._last_index = -1
+
+    async def add_prompt(self, text: str, persona: str | None = None) -> None:
+        """Prefill `text` as a `<system>` prompt into the live context at the next frame boundary: the model keeps
+        what it heard and said, frame indices go on; `persona` (given when the instructions changed) is what a
+        later `restart()` prompts with."""
+        if self.state is not State.LIVE:
+            raise RuntimeError(f"conversation {self.id} is {self.state.value}, not live")
+        await self.slot.add_prompt(text, persona)
+        if persona is not None and self.params is not None:
+            self.params = replace(self.params, persona=persona)
 
     def close(self) -> None:
         if self.state is State.CLOSED:

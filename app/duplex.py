@@ -177,7 +177,7 @@ class DuplexSession(Session):
                                     param=f"session.{key}")
             fmt = format_from(value.get("format"), value.get("rate"), f"session.{key}")
             setattr(up, f"{key}_format", fmt)
-        return with_update(self.ctx, default_config(self.ctx), up, started=False)
+        return with_update(self.ctx, default_config(self.ctx), up)
 
     # ---- output ----------------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ being sent, so its age counts until the transport has taken it. When the oldest 
 `max_backlog_s`, or more than `max_bytes` would be queued, the outbox overflows: the queue is dropped (its memory
 freed), nothing more is taken, and `on_overflow` is called once (the session frees its slot, queues its last word
 with `put_last` and closes). The transport supplies only how one message is sent (`start(send)`); `stop` flushes
-what is queued for a bounded time and ends the writer.
+what is queued for a bounded time and ends the writer. Messages may carry a tag: `drop_tagged` withdraws the queued
+ones not yet being sent (a cut response's audio the client has not been given).
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ class Outbox:
         self.max_backlog_s = max_backlog_s
         self.max_bytes = max_bytes
         self._on_overflow = on_overflow
-        self._queue: deque[tuple[float, Message]] = deque()   # (queued at, message), oldest first
+        self._queue: deque[tuple[float, Message, str | None]] = deque()   # (queued at, message, tag), oldest first
         self._bytes = 0
         self._ready = asyncio.Event()
         self._done = False                   # the writer ends once the queue is empty
         self.overflowed = False              # past the bound: nothing more is queued
         self._writer: asyncio.Task[None] | None = None
 
-    def put(self, message: Message) -> None:
+    def put(self, message: Message, tag: str | None = None) -> None:
         """Queue one message, or overflow (past the time or byte bound) instead."""
         if self.overflowed:
             return
@@ -43,15 +44,25 @@ class Outbox:
             self._drop()
             self._on_overflow()
             return
-        self._push(now, message)
+        self._push(now, message, tag)
 
     def put_last(self, message: Message) -> None:
         """After an overflow: the one message still sent (the error saying why the session ends)."""
         self._drop()
         self._push(time.monotonic(), message)
 
-    def _push(self, now: float, message: Message) -> None:
-        self._queue.append((now, message))
+    def drop_tagged(self, tag: str) -> int:
+        """Withdraw the queued messages tagged `tag`, except the one being sent; how many were withdrawn."""
+        if not self._queue:
+            return 0
+        head, rest = self._queue[0], list(self._queue)[1:]
+        kept = [entry for entry in rest if entry[2] != tag]
+        self._queue = deque([head, *kept])
+        self._bytes = sum(len(entry[1]) for entry in self._queue)
+        return len(rest) - len(kept)
+
+    def _push(self, now: float, message: Message, tag: str | None = None) -> None:
+        self._queue.append((now, message, tag))
         self._bytes += len(message)
         self._ready.set()
 

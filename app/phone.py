@@ -66,7 +66,7 @@ class PhoneLine(Session):
         if params.get("voice"):
             up.voice = params["voice"]
         up.sampling_fields = {k: _param_value(v) for k, v in params.items() if k in SAMPLING_KEYS}
-        return with_update(self.ctx, default_config(self.ctx), up, started=False, prefix=prefix)
+        return with_update(self.ctx, default_config(self.ctx), up, prefix=prefix)
 
     async def begin(self, config: SessionConfig, line: AudioFormat) -> bool:
         """Take a slot and start the conversation; False when refused (the client was told, the line closed)."""

@@ -1,21 +1,26 @@
 """`WS /v1/realtime?duplex=1`: the OpenAI Realtime vocabulary over one model-native duplex conversation.
 
 Admission happens at connect (`session.created`, or `error resource_exhausted` and close 1013). `session.update`
-sets persona, voice, sampling, pacing and the wire formats (GA and beta spellings); the first
-`input_audio_buffer.append` starts the conversation (prompt prefill, then one frame per 80 ms). The model's first
-frame opens the one response of the conversation: `response.created` → `conversation.item.added` →
-`response.output_item.added` → `response.content_part.added`, then per frame `response.output_audio.delta` and,
-when the frame has text, `response.output_audio_transcript.delta`. `response.cancel` ends the response
-(`status: cancelled`) and restarts the model context; the next frame opens a new response. GA names are sent unless
-the client asked for beta (`OpenAI-Beta: realtime=v1` or the `openai-beta.realtime-v1` subprotocol).
+sets persona, voice, sampling, pacing and the wire formats (GA and beta spellings, `app.realtime_update`); the first
+`input_audio_buffer.append` or `response.create` starts the conversation (prompt prefill, then one frame per 80 ms).
+
+A full-duplex model has no turns, so each turn-based request gets the meaning it can have (docs/protocol.md §2):
+the model's frames are the audio of one open response at a time; `response.create` ends the open one and opens
+another carrying the request's metadata (before any audio it starts the conversation); `response.cancel` and
+`output_audio_buffer.clear` cut what the caller hears (queued audio withdrawn) and keep the model's context, muting
+the model until it has finished what it was saying (a fresh context instead is the session option
+`restart_on_cancel`); instructions changed mid-call and text items a client adds are prefilled into the live context
+at the next frame boundary; item events are bookkeeping (`app.realtime_items`). Every event sent validates against
+the openai SDK's types (GA, or beta when the client asked for beta names: `OpenAI-Beta: realtime=v1` or the
+`openai-beta.realtime-v1` subprotocol); the extensions `session.closed`, `session.heartbeat_ack` and
+`playback.acknowledged` are documented, and the last two answer only our own events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -26,16 +31,10 @@ from app.auth import BETA_SUBPROTOCOL, offered_subprotocols
 from app.context import CONTEXT, ServerContext
 from app.conversation import Backpressure, Conversation, State
 from app.errors import MAX_ECHO_CHARS, ProtocolError
-from app.session import Session
-from app.session_config import (
-    SAMPLING_KEYS,
-    ConfigUpdate,
-    SessionConfig,
-    check_extra_body,
-    default_config,
-    format_from,
-    with_update,
-)
+from app.realtime_items import ConversationItems, Response, new_id
+from app.realtime_update import Ignored, SessionUpdate, read_update
+from app.session import OUTPUT_TAG, Session
+from app.session_config import SessionConfig, default_config, format_from, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
 from app.websocket import serve
 from media.codecs import AudioFormat
@@ -63,18 +62,23 @@ BETA_NAMES = {
 }
 _GA_TYPES = {"pcm16": "audio/pcm", "f32": "audio/pcm_f32le", "pcmu": "audio/pcmu", "pcma": "audio/pcma"}
 _BETA_TYPES = {"pcm16": "pcm16", "f32": "pcm_f32le", "pcmu": "g711_ulaw", "pcma": "g711_alaw"}
+_BETA_NAMES_OF_SDK = ("pcm16", "g711_ulaw", "g711_alaw")   # the beta types' only audio formats
 _FALSE = ("0", "false", "no", "off")
+# After a cut, the model's utterance is over once this many frames (320 ms) pass without a text piece; the next
+# frame with one opens the next response. Shorter pauses happen between the words of one sentence.
+QUIET_FRAMES = 4
+_TEXT_PARTS = ("input_text", "text", "output_text")
 
 
 def capabilities(max_sessions: int) -> dict[str, Any]:
     """spec/protocol.md §6: what a model-native duplex session can and cannot do."""
     true = ("supports_model_native_turn_policy", "supports_playback_ack", "supports_input_append",
             "supports_session_lease", "supports_realtime_endpoint", "supports_model_internal_state",
-            "supports_independent_io_streams", "supports_session_adapter")
+            "supports_independent_io_streams", "supports_session_adapter", "supports_audio_truncate")
     false = ("supports_external_turn_signal", "supports_client_commit", "supports_barge_in",
-             "supports_replace_latest_chunk", "supports_reencode_context", "supports_rollback_to_checkpoint",
-             "supports_turn_commit_only", "supports_session_resume", "supports_audio_truncate",
-             "supports_kv_lease", "supports_image_input", "supports_text_only_turn")
+             "supports_replace_latest_chunk",
+             "supports_reencode_context", "supports_rollback_to_checkpoint", "supports_turn_commit_only",
+             "supports_session_resume", "supports_kv_lease", "supports_image_input", "supports_text_only_turn")
     caps: dict[str, Any] = {k: True for k in true} | {k: False for k in false}
     caps |= {
         "implementation_level": "model_native_duplex",
@@ -98,16 +102,26 @@ def ga_format(fmt: AudioFormat) -> dict[str, Any]:
     return {"type": _GA_TYPES[fmt.encoding], "rate": fmt.sample_rate}
 
 
-@dataclass
-class Response:
-    id: str
-    item_id: str
-    transcript: list[str] = field(default_factory=list)
-
-
 def is_beta(request: web.Request) -> bool:
     header = request.headers.get("OpenAI-Beta", "").replace(" ", "").lower()
     return "realtime=v1" in header or BETA_SUBPROTOCOL in offered_subprotocols(request)
+
+
+def _metadata(value: object) -> dict[str, str] | None:
+    """OpenAI's metadata: at most 16 string pairs (keys up to 64 characters, values up to 512)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > 16 or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()):
+        raise ProtocolError("bad_event", "`metadata` must be at most 16 string pairs (keys up to 64 characters, "
+                            "values up to 512)", param="response.metadata")
+    return dict(value)
+
+
+def _texts(item: dict[str, Any]) -> list[str]:
+    content = item.get("content") if isinstance(item.get("content"), list) else []
+    return [p["text"] for p in content
+            if isinstance(p, dict) and p.get("type") in _TEXT_PARTS and isinstance(p.get("text"), str)]
 
 
 class RealtimeSession(Session):
@@ -119,11 +133,23 @@ class RealtimeSession(Session):
         super().__init__(ctx)
         self.beta = beta
         self.names = BETA_NAMES if self.beta else GA_NAMES
-        self.session_id = f"sess_{uuid.uuid4().hex[:24]}"
+        self.session_id = new_id("sess")
         self.config: SessionConfig = SessionConfig()
         self.decoder: InputDecoder | None = None
         self.encoder: OutputEncoder | None = None
-        self.response: Response | None = None
+        self.items = ConversationItems()
+        self.response: Response | None = None       # the open response
+        self.last_response_id: str | None = None
+        self.restart_on_cancel = False
+        self.stats_interval_s = 0.0                  # `session.stats` (WebRTC calls) every this many seconds; 0: none
+        self.turn_detection: dict[str, Any] | None = None
+        self._muted = False                          # cut: frames are not sent until the model's next utterance
+        self._quiet = 0                              # frames without text since the cut
+        self._next_metadata: dict[str, str] | None = None   # for the response the next frame opens
+        self._prompt_notes: list[str] = []           # folded into the start's prompt
+        self._pending_prompts: list[str] = []        # to prefill into the live context
+        self._pending_persona: str | None = None
+        self._prompt_task: asyncio.Task[None] | None = None
         self._start_task: asyncio.Task[None] | None = None
 
     # ---- open ------------------------------------------------------------------------------------------------
@@ -143,9 +169,11 @@ class RealtimeSession(Session):
         await self.send({"type": "session.created", "session": self.session_object()})
 
     def session_object(self) -> dict[str, Any]:
+        """The session as GA clients read it, with the beta spellings beside; where the beta type allows only
+        OpenAI's own values (its model names, three audio formats) those fields are left out for beta clients."""
         c = self.config
         assert self.conversation is not None and self.ctx.engine is not None
-        return {
+        session: dict[str, Any] = {
             "object": "realtime.session",
             "id": self.session_id,
             "type": "realtime",
@@ -156,21 +184,29 @@ class RealtimeSession(Session):
             "instructions": c.persona,
             "voice": c.voice_name,
             "audio": {
-                "input": {"format": ga_format(c.input_format), "turn_detection": None},
+                "input": {"format": ga_format(c.input_format), "turn_detection": self.turn_detection},
                 "output": {"format": ga_format(c.output_format), "voice": c.voice_name},
             },
             "input_audio_format": _BETA_TYPES[c.input_format.encoding],
             "input_sample_rate_hz": c.input_format.sample_rate,
             "output_audio_format": _BETA_TYPES[c.output_format.encoding],
             "output_sample_rate_hz": c.output_format.sample_rate,
-            "turn_detection": None,
+            "turn_detection": self.turn_detection,
             "temperature": c.sampling.temp_audio,
             "sampling": c.sampling_dict(),
             "pacing": c.pacing,
             "idle_timeout_s": self.idle_timeout_s,
+            "restart_on_cancel": self.restart_on_cancel,
+            "stats_interval_s": self.stats_interval_s,
             "conversation_state": self.conversation.state.value,
             "capabilities": capabilities(self.ctx.engine.max_sessions),
         }
+        if self.beta:
+            del session["model"]
+            for key in ("input_audio_format", "output_audio_format"):
+                if session[key] not in _BETA_NAMES_OF_SDK:
+                    del session[key]
+        return session
 
     def closed_event(self, reason: str) -> dict[str, Any]:
         counters = self.conversation.counters() if self.conversation is not None else {}
@@ -192,65 +228,62 @@ class RealtimeSession(Session):
         s = event.get("session")
         if not isinstance(s, dict):
             raise ProtocolError("bad_event", "`session.update` needs a `session` object", param="session")
-        assert self.conversation is not None and self.decoder is not None and self.encoder is not None
-        if s.get("type") not in (None, "realtime"):
-            raise ProtocolError("invalid_session_config", "only `realtime` sessions are served", param="session.type")
-        modalities = s.get("output_modalities", s.get("modalities"))
-        if modalities is not None and (not isinstance(modalities, list) or "audio" not in modalities):
-            raise ProtocolError("invalid_session_config", "this model always speaks: modalities must include "
-                                "\"audio\"", param="session.output_modalities")
-        extra = check_extra_body(s.get("extra_body"))
-        up = ConfigUpdate()
-        up.persona = s.get("instructions")
-        audio = s.get("audio") if isinstance(s.get("audio"), dict) else {}
-        audio_in = audio.get("input") if isinstance(audio.get("input"), dict) else {}
-        audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
-        if "voice" in audio_out:
-            up.voice = audio_out["voice"]
-        elif "voice" in s:
-            up.voice = s["voice"]
-        up.sampling_fields = {k: v for src in (s, extra) for k, v in src.items()
-                              if k in SAMPLING_KEYS or k == "temperature"}
-        up.pacing = extra.get("pacing", s.get("pacing"))
-        if "format" in audio_in:
-            up.input_format = format_from(audio_in["format"], None, "session.audio.input.format")
-        elif "input_audio_format" in s:
-            up.input_format = format_from(s["input_audio_format"], s.get("input_sample_rate_hz"),
-                                          "session.input_audio_format")
-        if "format" in audio_out:
-            up.output_format = format_from(audio_out["format"], None, "session.audio.output.format")
-        elif "output_audio_format" in s:
-            up.output_format = format_from(s["output_audio_format"], s.get("output_sample_rate_hz"),
-                                           "session.output_audio_format")
-        idle = s.get("idle_timeout_s")
-        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float))
-                                 or not 1 <= idle <= 86400):
-            raise ProtocolError("invalid_session_config", "`idle_timeout_s` must be a number of seconds (1–86400)",
-                                param="session.idle_timeout_s")
-        turn = audio_in.get("turn_detection", s.get("turn_detection"))
-        self.config = with_update(self.ctx, self.config, up, started=self.conversation.started)
-        self.decoder.set_format(self.config.input_format)
-        if self.config.output_format != self.encoder.format:
-            self.encoder = OutputEncoder(self.config.output_format)
-        if idle is not None:
-            self.idle_timeout_s = float(idle)
-        await self.send({"type": "session.updated", "session": self.session_object()})
-        if turn is not None:
-            # The rest of the update stands: OpenAI clients send server VAD by habit; turns here are model-native.
-            raise ProtocolError("unsupported_turn_detection", "turn_detection must be null: the model takes turns "
-                                "by itself (the rest of this update was applied)", param="session.turn_detection")
+        ignored = self.apply_update(read_update(s))
+        await self.send({"type": "session.updated", "session": self.session_object(),
+                         "ignored": [i.as_dict() for i in ignored]})
+
+    def apply_update(self, update: SessionUpdate) -> list[Ignored]:
+        """Apply a read `session` object (a `session.update`, a client secret's config, a call's offer); the fields
+        it left alone, and why. Mid-call, the voice, sampling and pacing stay as they are (listed) and new
+        instructions are prefilled into the live context."""
+        conv, decoder, encoder = self.conversation, self.decoder, self.encoder
+        assert conv is not None and decoder is not None and encoder is not None
+        old, up = self.config, update.config
+        new = with_update(self.ctx, old, up)
+        ignored = list(update.ignored)
+        if update.openai_voice is not None:
+            ignored.append(Ignored(up.path("voice", "session."), f"{update.openai_voice!r} is an OpenAI voice: "
+                                   f"this model speaks with the default voice {new.voice_name!r}"))
+        if conv.started:
+            locked = {"voice": (new.voice != old.voice, {"voice": old.voice, "voice_name": old.voice_name}),
+                      "sampling": (new.sampling != old.sampling, {"sampling": old.sampling}),
+                      "pacing": (new.pacing != old.pacing, {"pacing": old.pacing})}
+            for name, (changed, keep) in locked.items():
+                if changed:
+                    new = replace(new, **keep)
+                    param = up.path(name, "session.") if name != "sampling" else "session.sampling"
+                    ignored.append(Ignored(param, f"the {name} is fixed once the conversation started"))
+        self.config = new
+        decoder.set_format(new.input_format)
+        if new.output_format != encoder.format:
+            self.encoder = OutputEncoder(new.output_format)
+        if update.idle_timeout_s is not None:
+            self.idle_timeout_s = update.idle_timeout_s
+        if update.restart_on_cancel is not None:
+            self.restart_on_cancel = update.restart_on_cancel
+        if update.stats_interval_s is not None:
+            self.stats_interval_s = update.stats_interval_s
+        if update.turn_detection_given:
+            self.turn_detection = update.turn_detection
+        if conv.started and new.persona != old.persona:
+            self._queue_prompt(new.persona, persona=new.persona)
+        return ignored
 
     async def on_append(self, event: dict[str, Any]) -> None:
-        conv, decoder = self.conversation, self.decoder
-        assert conv is not None and decoder is not None
         if "audio" not in event:
             raise ProtocolError("bad_event", "`input_audio_buffer.append` needs `audio` (base64)", param="audio")
+        decoder = self.decoder
+        assert decoder is not None
         data = b64decode(event["audio"])
         if "format" in event or "sample_rate_hz" in event:
             fmt = format_from(event.get("format", _BETA_TYPES[decoder.format.encoding]), event.get("sample_rate_hz"),
                               "format")
             decoder.set_format(fmt)
-        samples = decoder.decode(data)
+        self._push(decoder.decode(data))
+
+    def _push(self, samples: np.ndarray) -> None:
+        conv = self.conversation
+        assert conv is not None
         if conv.state is State.IDLE:
             self._start()
         if samples.size:
@@ -261,7 +294,11 @@ class RealtimeSession(Session):
 
     def _start(self) -> None:
         assert self.conversation is not None
-        self._start_task = self.conversation.start(self.config.params())
+        params = self.config.params()
+        if self._prompt_notes:
+            params = replace(params, persona="\n".join([params.persona, *self._prompt_notes]).strip())
+            self._prompt_notes = []
+        self._start_task = self.conversation.start(params)
         self._start_task.add_done_callback(self._started)
 
     def _started(self, task: asyncio.Task[None]) -> None:
@@ -277,22 +314,33 @@ class RealtimeSession(Session):
             self.send_error_nowait(ProtocolError("internal_error", f"the conversation did not start: {e}"))
 
     async def on_cancel(self, event: dict[str, Any]) -> None:
+        """Cut what the caller hears; the model keeps its context (or starts a fresh one: `restart_on_cancel`).
+        Nothing to cut (no open response, or another response's id) is not an error: the request is already met."""
         conv = self.conversation
         assert conv is not None
         rid = event.get("response_id")
-        if not conv.started:
-            raise ProtocolError("response_not_active", "no conversation yet: nothing to cancel", param="response_id")
-        if rid is not None and (self.response is None or rid != self.response.id):
-            raise ProtocolError("response_not_active", f"response {rid!r} is not the open response",
-                                param="response_id")
-        self._end_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
-        if event["type"] == "output_audio_buffer.clear":
-            await self.send({"type": "output_audio_buffer.cleared", "response_id": rid})
+        if rid is not None and not isinstance(rid, str):
+            raise ProtocolError("bad_event", "`response_id` must be a string", param="response_id")
+        open_ = self.response
+        if open_ is not None and rid in (None, open_.id):
+            self.cut("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
+        if event["type"] == "output_audio_buffer.clear" and self.last_response_id is not None:
+            await self.send({"type": "output_audio_buffer.cleared", "response_id": self.last_response_id})
+        if not self.restart_on_cancel or open_ is None:
+            return
         if conv.state is State.STARTING and self._start_task is not None:
             await asyncio.wait([self._start_task])
         if conv.state is State.LIVE:
             await conv.restart()
+            self._muted = False
             self.encoder = OutputEncoder(self.config.output_format)
+
+    def cut(self, status: str, details: dict[str, Any] | None) -> None:
+        """End the open response now: its queued audio is withdrawn and the model is muted until its next
+        utterance."""
+        self.outbox.drop_tagged(OUTPUT_TAG)
+        self._end_response(status, details)
+        self._muted, self._quiet = True, 0
 
     async def on_input_clear(self, event: dict[str, Any]) -> None:
         assert self.conversation is not None and self.decoder is not None
@@ -312,20 +360,82 @@ class RealtimeSession(Session):
                 except Backpressure as e:
                     raise ProtocolError("input_backpressure", str(e)) from None
         await self.send({"type": "input_audio_buffer.committed", "previous_item_id": None,
-                         "item_id": f"item_{uuid.uuid4().hex[:20]}"})
+                         "item_id": new_id("item")})
 
     async def on_response_create(self, event: dict[str, Any]) -> None:
-        assert self.conversation is not None
-        if not self.conversation.started:
-            raise ProtocolError("response_create_without_input",
-                                "the model answers by itself once audio flows: send input_audio_buffer.append")
-        raise ProtocolError("conversation_already_has_active_response",
-                            "the conversation's response is already open; the model decides when to speak")
+        """Before any audio: start the conversation (the model may speak first). During it: the open response
+        ends and one carrying this request's metadata opens; `response.instructions` beyond the session's are
+        prefilled into the context."""
+        request = event.get("response") if event.get("response") is not None else {}
+        if not isinstance(request, dict):
+            raise ProtocolError("bad_event", "`response` must be an object", param="response")
+        metadata = _metadata(request.get("metadata"))
+        instructions = request.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise ProtocolError("bad_event", "`response.instructions` must be a string", param="response.instructions")
+        conv = self.conversation
+        assert conv is not None
+        persona = self.config.persona
+        if instructions and instructions.strip() != persona.strip():
+            note = instructions[len(persona):] if persona and instructions.startswith(persona) else instructions
+            self._queue_prompt(note.strip())
+        if conv.state is State.IDLE:
+            self._next_metadata = metadata
+            self._start()
+        elif self.response is not None:
+            self._end_response("completed", None)
+            self._open_response(metadata)
+        elif self._muted:
+            self._muted = False
+            self._open_response(metadata)
+        else:  # the conversation's first frame (or a fresh context's) is still to come
+            self._next_metadata = metadata
 
     async def on_item_create(self, event: dict[str, Any]) -> None:
-        raise ProtocolError("native_text_append_unsupported",
-                            "conversation items cannot be added: the model only listens to the audio stream",
-                            param="item")
+        """A client's item: a system, developer or user text is prefilled into the model's context; a user's
+        `input_audio` is heard as input; every item is kept and acknowledged."""
+        item = event.get("item")
+        if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+            raise ProtocolError("bad_event", "`conversation.item.create` needs an `item` with a `type`", param="item")
+        item_id = item.get("id") if item.get("id") is not None else new_id("item")
+        if not isinstance(item_id, str) or len(item_id) > MAX_ECHO_CHARS:
+            raise ProtocolError("bad_event", f"`item.id` must be a string of at most {MAX_ECHO_CHARS} characters",
+                                param="item.id")
+        content = item.get("content") if isinstance(item.get("content"), list) else []
+        audio = [p for p in content if isinstance(p, dict) and p.get("type") == "input_audio" and "audio" in p]
+        if item.get("type") == "message" and item.get("role") == "user" and audio:
+            assert self.decoder is not None
+            for part in audio:
+                self._push(self.decoder.decode(b64decode(part["audio"], param="item.content.audio"),
+                                               param="item.content.audio"))
+        texts = _texts(item)
+        if item.get("type") == "message" and item.get("role") in ("system", "developer", "user") and texts:
+            self._queue_prompt("\n".join(texts))
+        parts = [{k: v for k, v in p.items() if k != "audio"} if isinstance(p, dict) else p for p in content]
+        stored = {**item, "id": item_id, "object": "realtime.item", "status": "completed"}
+        if "content" in item:
+            stored["content"] = parts
+        previous = self.items.add(stored)
+        await self.send({"type": self.names["item_added"], "previous_item_id": previous, "item": stored})
+        if self.names["item_done"]:
+            await self.send({"type": self.names["item_done"], "previous_item_id": previous, "item": stored})
+
+    async def on_item_retrieve(self, event: dict[str, Any]) -> None:
+        await self.send({"type": "conversation.item.retrieved", "item": self.items.get(event.get("item_id"))})
+
+    async def on_item_delete(self, event: dict[str, Any]) -> None:
+        self.items.delete(event.get("item_id"))
+        await self.send({"type": "conversation.item.deleted", "item_id": event["item_id"]})
+
+    async def on_item_truncate(self, event: dict[str, Any]) -> None:
+        """Playback bookkeeping: the item's transcript is cut at the audio the client played; the model's context
+        is not rewound (it heard the caller talk over it)."""
+        content_index = event.get("content_index", 0)
+        if isinstance(content_index, bool) or not isinstance(content_index, int) or content_index < 0:
+            raise ProtocolError("bad_event", "`content_index` must be a non-negative integer", param="content_index")
+        response = self.items.truncate(event.get("item_id"), event.get("audio_end_ms"))
+        await self.send({"type": "conversation.item.truncated", "item_id": response.item_id,
+                         "content_index": content_index, "audio_end_ms": response.played_ms})
 
     async def on_heartbeat(self, event: dict[str, Any]) -> None:
         await self.send({"type": "session.heartbeat_ack", "session_id": self.session_id})
@@ -350,44 +460,103 @@ class RealtimeSession(Session):
         reason = event.get("reason") if isinstance(event.get("reason"), str) else "client_close"
         await self.close(CLOSE_NORMAL, reason)
 
+    # ---- prompts into the live context -----------------------------------------------------------------------
+
+    def _queue_prompt(self, text: str, persona: str | None = None) -> None:
+        """Prefill `text` (as a `<system>` prompt) into the model's context: into the start's prompt before the
+        conversation starts, else at the next frame boundary (several queued meanwhile go in one prefill)."""
+        conv = self.conversation
+        assert conv is not None
+        if persona is not None:
+            self._pending_persona = persona
+        if not conv.started:
+            if persona is None:
+                self._prompt_notes.append(text)
+            return
+        self._pending_prompts.append(text)
+        if self._prompt_task is None or self._prompt_task.done():
+            self._prompt_task = asyncio.get_running_loop().create_task(self._run_prompts())
+            self.ctx.tasks.add(self._prompt_task)
+            self._prompt_task.add_done_callback(self.ctx.tasks.discard)
+
+    async def _run_prompts(self) -> None:
+        conv = self.conversation
+        assert conv is not None
+        while self._pending_prompts and not self.closed:
+            if self._start_task is not None and not self._start_task.done():
+                await asyncio.wait([self._start_task])
+            if conv.state is not State.LIVE:
+                return
+            text, self._pending_prompts = "\n".join(self._pending_prompts), []
+            persona, self._pending_persona = self._pending_persona, None
+            try:
+                await conv.add_prompt(text, persona)
+            except EngineError as e:
+                if not self.closed and conv.state is State.LIVE:
+                    self.send_error_nowait(ProtocolError("internal_error", f"the prompt was not added: {e.message}"))
+
     # ---- engine output ---------------------------------------------------------------------------------------
 
     def _on_frame(self, frame: FrameOutput) -> None:
-        if self.closed:
+        if self.closed or not self._audible(frame):
             return
         if self.response is None:
-            self._open_response()
-        assert self.response is not None and self.encoder is not None
+            self._open_response(self._next_metadata)
+            self._next_metadata = None
+        assert self.response is not None
         r = self.response
         ids = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
+        self.play(frame, ids)
+        r.frames += 1
+        if frame.text:
+            r.pieces.append((r.frames - 1, frame.text))
+            self.send_nowait({"type": self.names["transcript_delta"], **ids, "delta": frame.text}, OUTPUT_TAG)
+
+    def _audible(self, frame: FrameOutput) -> bool:
+        """Whether the frame is heard: always, unless a cut muted the model and its utterance is not over yet."""
+        if not self._muted:
+            return True
+        if frame.text:
+            if self._quiet >= QUIET_FRAMES:
+                self._muted = False
+                return True
+            self._quiet = 0
+        else:
+            self._quiet += 1
+        return False
+
+    def play(self, frame: FrameOutput, ids: dict[str, Any]) -> None:
+        """The frame's audio to the caller: an audio delta (a WebRTC call plays it on its track instead)."""
+        assert self.encoder is not None
         if self.sends_audio:
             self.send_audio_nowait({"type": self.names["audio_delta"], **ids,
                                     "delta": b64encode(self.encoder.encode(frame.audio))})
-        if frame.text:
-            r.transcript.append(frame.text)
-            self.send_nowait({"type": self.names["transcript_delta"], **ids, "delta": frame.text})
 
     def _item(self, r: Response, status: str) -> dict[str, Any]:
-        part: dict[str, Any] = {"type": self.names["content_type"], "transcript": "".join(r.transcript)}
+        part: dict[str, Any] = {"type": self.names["content_type"], "transcript": r.transcript}
         return {"id": r.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": status, "content": [part] if status != "in_progress" else []}
 
     def _response_object(self, r: Response, status: str, details: dict[str, Any] | None) -> dict[str, Any]:
+        item_status = {"in_progress": "in_progress", "completed": "completed"}.get(status, "incomplete")
         return {"object": "realtime.response", "id": r.id, "status": status, "status_details": details,
-                "output": [self._item(r, status)] if status != "in_progress" else [],
+                "output": [self._item(r, item_status)] if status != "in_progress" else [],
                 "output_modalities": ["audio"], "modalities": ["audio", "text"],
-                "conversation_id": self.session_id, "usage": None, "metadata": None}
+                "conversation_id": self.session_id, "usage": None, "metadata": r.metadata,
+                "audio": {"output": {"format": ga_format(self.config.output_format),
+                                     "voice": self.config.voice_name}}}
 
-    def _open_response(self) -> None:
-        rid = f"resp_{uuid.uuid4().hex[:20]}"
-        r = self.response = Response(id=rid, item_id=f"item_{rid[5:]}")
-        self.send_nowait({"type": "response.created", "response_id": rid,
+    def _open_response(self, metadata: dict[str, str] | None) -> None:
+        r = self.response = Response.open(metadata)
+        self.last_response_id = r.id
+        item = self._item(r, "in_progress")
+        previous = self.items.add(item, r)
+        self.send_nowait({"type": "response.created", "response_id": r.id,
                           "response": self._response_object(r, "in_progress", None)})
-        self.send_nowait({"type": self.names["item_added"], "previous_item_id": None,
-                          "item": self._item(r, "in_progress")})
-        self.send_nowait({"type": "response.output_item.added", "response_id": rid, "output_index": 0,
-                          "item": self._item(r, "in_progress")})
-        self.send_nowait({"type": "response.content_part.added", "response_id": rid, "item_id": r.item_id,
+        self.send_nowait({"type": self.names["item_added"], "previous_item_id": previous, "item": item})
+        self.send_nowait({"type": "response.output_item.added", "response_id": r.id, "output_index": 0,
+                          "item": item})
+        self.send_nowait({"type": "response.content_part.added", "response_id": r.id, "item_id": r.item_id,
                           "output_index": 0, "content_index": 0,
                           "part": {"type": "audio", "transcript": ""}})
 
@@ -397,16 +566,17 @@ class RealtimeSession(Session):
             return
         self.response = None
         ids = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
-        transcript = "".join(r.transcript)
+        transcript = r.transcript
+        item = self._item(r, "completed" if status == "completed" else "incomplete")
+        self.items.update(item)
         self.send_nowait({"type": self.names["audio_done"], **ids})
         self.send_nowait({"type": self.names["transcript_done"], **ids, "transcript": transcript})
         self.send_nowait({"type": "response.content_part.done", **ids,
                           "part": {"type": "audio", "transcript": transcript}})
         self.send_nowait({"type": "response.output_item.done", "response_id": r.id, "output_index": 0,
-                          "item": self._item(r, "completed" if status == "completed" else "incomplete")})
+                          "item": item})
         if self.names["item_done"]:
-            self.send_nowait({"type": self.names["item_done"], "previous_item_id": None,
-                              "item": self._item(r, "incomplete")})
+            self.send_nowait({"type": self.names["item_done"], "previous_item_id": None, "item": item})
         self.send_nowait({"type": "response.done", "response": self._response_object(r, status, details)})
         self.send_nowait({"type": "rate_limits.updated", "rate_limits": []})
 
@@ -430,9 +600,9 @@ _HANDLERS = {
     "output_audio_buffer.clear": RealtimeSession.on_cancel,
     "response.create": RealtimeSession.on_response_create,
     "conversation.item.create": RealtimeSession.on_item_create,
-    "input.text.append": RealtimeSession.on_item_create,
-    "input_text.append": RealtimeSession.on_item_create,
-    "push_text": RealtimeSession.on_item_create,
+    "conversation.item.retrieve": RealtimeSession.on_item_retrieve,
+    "conversation.item.delete": RealtimeSession.on_item_delete,
+    "conversation.item.truncate": RealtimeSession.on_item_truncate,
     "session.heartbeat": RealtimeSession.on_heartbeat,
     "playback.ack": RealtimeSession.on_playback_ack,
     "audio.playback_ack": RealtimeSession.on_playback_ack,
@@ -442,10 +612,8 @@ _HANDLERS = {
 }
 _UNSUPPORTED = {
     "session.resume": ("unsupported_session_resume", "sessions cannot be resumed; open a new one"),
-    "conversation.item.retrieve": ("unsupported_event", "the conversation keeps no retrievable items"),
-    "conversation.item.truncate": ("unsupported_event", "audio cannot be truncated (supports_audio_truncate=false)"),
-    "conversation.item.delete": ("unsupported_event", "the conversation keeps no deletable items"),
-    "barge_in": ("unsupported_event", "the model handles interruptions itself (supports_barge_in=false)"),
+    "barge_in": ("unsupported_event", "the model handles interruptions itself (supports_barge_in=false); "
+                 "response.cancel cuts what the caller hears"),
     "turn.signal": ("unsupported_event", "no external turn signals (supports_external_turn_signal=false)"),
     "transcription_session.update": ("unsupported_event", "transcription sessions are not served"),
 }

@@ -29,6 +29,8 @@ from model.engine import Slot
 
 logger = logging.getLogger(__name__)
 
+OUTPUT_TAG = "output"   # the model's audio and what goes with it: withdrawn from the outbox when a response is cut
+
 
 class Session:
     route = ""
@@ -135,14 +137,14 @@ class Session:
 
     # ---- output ----------------------------------------------------------------------------------------------
 
-    def send_nowait(self, event: dict[str, Any]) -> None:
+    def send_nowait(self, event: dict[str, Any], tag: str | None = None) -> None:
         """Queue one server event (an `event_id` is added where the dialect's events have one); safe from loop
-        callbacks."""
+        callbacks. A tagged event can be withdrawn while queued (`Outbox.drop_tagged`)."""
         if self.closed or (self.transport is not None and not self.transport.carries_events):
             return
         if "event_id" not in event and self.type_key == "type":
             event = {"type": event["type"], "event_id": new_event_id(), **event}
-        self.outbox.put(dumps(event))
+        self.outbox.put(dumps(event), tag)
 
     @property
     def sends_audio(self) -> bool:
@@ -150,13 +152,13 @@ class Session:
         return not self.closed and (self.transport is None or self.transport.carries_audio)
 
     def send_audio_nowait(self, payload: dict[str, Any] | bytes) -> None:
-        """Queue one frame's audio (a JSON event or a binary message)."""
+        """Queue one frame's audio (a JSON event or a binary message), tagged `OUTPUT_TAG`."""
         if not self.sends_audio:
             return
         if isinstance(payload, bytes):
-            self.outbox.put(payload)
+            self.outbox.put(payload, OUTPUT_TAG)
         else:
-            self.send_nowait(payload)
+            self.send_nowait(payload, OUTPUT_TAG)
 
     async def send(self, event: dict[str, Any]) -> None:
         self.send_nowait(event)

@@ -1,9 +1,8 @@
 """A conversation's client-chosen settings, validated field by field, shared by the Realtime and native dialects.
 
-`SessionConfig` holds persona, voice, sampling, pacing and the wire formats; `with_fields` returns an updated copy
-or raises a `ProtocolError` naming the bad field (nothing changes then). Once the conversation has started, the
-voice and persona are fixed (`voice_update_unsupported` / `persona_update_unsupported`) and so are sampling and
-pacing (`session_config_locked`); re-sending the same values is fine, and formats may change at any time.
+`SessionConfig` holds persona, voice, sampling, pacing and the wire formats; `with_update` returns an updated copy
+or raises a `ProtocolError` whose `param` is the path the client sent the bad field at (`ConfigUpdate.paths`; nothing
+changes then). What may change once a conversation has started is the dialect's business (`app.realtime_update`).
 """
 
 from __future__ import annotations
@@ -65,30 +64,33 @@ def _topk(value: object, param: str) -> int:
     return value
 
 
-def sampling_with(s: SamplingParams, fields: dict[str, Any], prefix: str = "session.") -> SamplingParams:
-    """`temperature` sets both temperatures; the specific keys win over it."""
+def sampling_with(s: SamplingParams, fields: dict[str, Any], prefix: str = "session.",
+                  paths: dict[str, str] | None = None) -> SamplingParams:
+    """`temperature` sets both temperatures; the specific keys win over it. A bad value's `param` is its path in
+    `paths` (where the client sent it), else `prefix` + its key."""
+    path = lambda key: (paths or {}).get(key, prefix + key)
     changes: dict[str, Any] = {}
     if fields.get("temperature") is not None:
-        t = _temperature(fields["temperature"], prefix + "temperature")
+        t = _temperature(fields["temperature"], path("temperature"))
         changes.update(temp_text=t, temp_audio=t)
     if "text_temperature" in fields:
-        changes["temp_text"] = _temperature(fields["text_temperature"], prefix + "text_temperature")
+        changes["temp_text"] = _temperature(fields["text_temperature"], path("text_temperature"))
     if "audio_temperature" in fields:
-        changes["temp_audio"] = _temperature(fields["audio_temperature"], prefix + "audio_temperature")
+        changes["temp_audio"] = _temperature(fields["audio_temperature"], path("audio_temperature"))
     if "text_topk" in fields:
-        changes["topk_text"] = _topk(fields["text_topk"], prefix + "text_topk")
+        changes["topk_text"] = _topk(fields["text_topk"], path("text_topk"))
     if "audio_topk" in fields:
-        changes["topk_audio"] = _topk(fields["audio_topk"], prefix + "audio_topk")
+        changes["topk_audio"] = _topk(fields["audio_topk"], path("audio_topk"))
     if "seed" in fields:
         seed = fields["seed"]
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise ProtocolError("invalid_session_config", f"`{prefix}seed` must be a non-negative integer or null",
-                                param=prefix + "seed")
+            raise ProtocolError("invalid_session_config", f"`{path('seed')}` must be a non-negative integer or null",
+                                param=path("seed"))
         changes["seed"] = seed
     if "greedy" in fields:
         if not isinstance(fields["greedy"], bool):
-            raise ProtocolError("invalid_session_config", f"`{prefix}greedy` must be true or false",
-                                param=prefix + "greedy")
+            raise ProtocolError("invalid_session_config", f"`{path('greedy')}` must be true or false",
+                                param=path("greedy"))
         changes["greedy"] = fields["greedy"]
     return replace(s, **changes) if changes else s
 
@@ -107,7 +109,8 @@ def check_extra_body(extra: object, param: str = "session.extra_body") -> dict[s
 
 @dataclass
 class ConfigUpdate:
-    """Parsed, not yet validated against the session: the dialect fills only what its event carried."""
+    """Parsed, not yet validated against the session: the dialect fills only what its event carried, and `paths`
+    says where the client sent each field (`voice` -> `session.audio.output.voice`), for the error's `param`."""
 
     persona: str | None = None
     voice: object = ...                   # ... = not given; None or "" = default voice
@@ -115,42 +118,29 @@ class ConfigUpdate:
     pacing: object = None
     input_format: AudioFormat | None = None
     output_format: AudioFormat | None = None
+    paths: dict[str, str] = field(default_factory=dict)
+
+    def path(self, key: str, prefix: str) -> str:
+        return self.paths.get(key, prefix + key)
 
 
-def with_update(ctx: ServerContext, cfg: SessionConfig, up: ConfigUpdate, *, started: bool,
-                prefix: str = "session.") -> SessionConfig:
-    """The updated config, or a ProtocolError for the first bad or locked field."""
+def with_update(ctx: ServerContext, cfg: SessionConfig, up: ConfigUpdate, *, prefix: str = "session.") -> SessionConfig:
+    """The updated config, or a ProtocolError for the first bad field."""
     changes: dict[str, Any] = {}
     if up.persona is not None:
         if not isinstance(up.persona, str) or len(up.persona) > MAX_PERSONA_CHARS:
             raise ProtocolError("invalid_session_config",
                                 f"`instructions` must be a string of at most {MAX_PERSONA_CHARS} characters",
-                                param=prefix + "instructions")
-        if started and up.persona != cfg.persona:
-            raise ProtocolError("persona_update_unsupported",
-                                "the persona is fixed once the conversation started; open a new session",
-                                param=prefix + "instructions")
+                                param=up.path("instructions", prefix))
         changes["persona"] = up.persona
     if up.voice is not ...:
-        resolved = ctx.resolve_voice(up.voice, param=prefix + "voice")
-        if started and resolved != cfg.voice:
-            raise ProtocolError("voice_update_unsupported",
-                                "the voice is fixed once the conversation started; open a new session",
-                                param=prefix + "voice")
-        changes["voice"] = resolved
+        changes["voice"] = ctx.resolve_voice(up.voice, param=up.path("voice", prefix))
         changes["voice_name"] = up.voice or ctx.default_voice
-    sampling = sampling_with(cfg.sampling, up.sampling_fields, prefix)
-    if started and sampling != cfg.sampling:
-        raise ProtocolError("session_config_locked", "sampling is fixed once the conversation started",
-                            param=prefix + "sampling")
-    changes["sampling"] = sampling
+    changes["sampling"] = sampling_with(cfg.sampling, up.sampling_fields, prefix, up.paths)
     if up.pacing is not None:
         if up.pacing not in PACINGS:
             raise ProtocolError("invalid_session_config", f"`pacing` must be one of {PACINGS}, got {up.pacing!r}",
-                                param=prefix + "pacing")
-        if started and up.pacing != cfg.pacing:
-            raise ProtocolError("session_config_locked", "pacing is fixed once the conversation started",
-                                param=prefix + "pacing")
+                                param=up.path("pacing", prefix))
         changes["pacing"] = up.pacing
     if up.input_format is not None:
         changes["input_format"] = up.input_format

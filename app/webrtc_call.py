@@ -4,13 +4,14 @@ Realtime dialect (`CallDialect`, the `app.realtime` dialect with WebRTC's differ
 `Call` is the transport: it negotiates the peer, drains the session's outbox into the data channel only as fast as
 SCTP takes it (what the peer does not read stays in the outbox, where its bound sees it; aiortc's own send queue is
 unbounded), reads the channel under the session's flood guard and size bound, feeds received RTP audio to the
-conversation, plays the model's audio on the outbound track, sends `session.stats` every second, and ends the call
-(flush, peer closed, slot freed) on DELETE, ICE failure or timeout, peer close, or shutdown.
+conversation, plays the model's audio on the outbound track, sends `session.stats` as often as the session asks
+(`stats_interval_s`; none by default), and ends the call (flush, peer closed, slot freed) on DELETE, ICE failure or
+timeout, peer close, or shutdown.
 
 What differs in the dialect on WebRTC: the microphone arrives on the RTP track (appends are refused), the model's
-audio leaves on the RTP track (no audio deltas), the conversation starts with the first RTP audio, `response.cancel`
-also empties the playout buffer, and input comes under the jitter buffer's own network bounds (late audio is
-worthless on a call) instead of the WebSocket's refuse-past-backlog.
+audio leaves on the RTP track (no audio deltas), the conversation starts with the offer (its prefill overlaps ICE),
+a cut response (`response.cancel`) also empties the playout buffer, and input comes under the jitter buffer's own
+network bounds (late audio is worthless on a call) instead of the WebSocket's refuse-past-backlog.
 
 Media: aiortc's receive jitter buffer is bypassed (`media.tracks.InboundAudio`): each 20 ms packet is decoded as
 it arrives, resampled to 24 kHz and lands at its pts in the conversation's jitter buffer; engine frames go to a
@@ -77,7 +78,6 @@ class WebRTCConfig:
     ice_servers: tuple[RTCIceServer, ...] = ()
     relay_only: bool = False
     connect_timeout_s: float = 20.0        # ICE + DTLS must be up this long after the answer, or the call ends
-    stats_interval_s: float = 1.0          # `session.stats` on the data channel
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WebRTCConfig:
@@ -170,8 +170,10 @@ class CallDialect(RealtimeSession):
         await super().on_event(event)
         if kind in ("input_audio_buffer.clear", "input.cancel"):
             self.call.input_cleared()
-        if kind in ("response.cancel", "output_audio_buffer.clear"):
-            self.call.playout.clear()                      # the cancelled context's audio must not play on
+
+    def cut(self, status: str, details: dict[str, Any] | None) -> None:
+        super().cut(status, details)
+        self.call.cut_playback()                           # what the caller would still hear of it
 
     def _started(self, task: asyncio.Task[None]) -> None:
         super()._started(task)
@@ -180,8 +182,11 @@ class CallDialect(RealtimeSession):
 
     def _on_frame(self, frame: FrameOutput) -> None:
         if not self.closed:
-            self.call.on_frame(frame)
+            self.call.time_input(frame)
         super()._on_frame(frame)
+
+    def play(self, frame: FrameOutput, ids: dict[str, Any]) -> None:
+        self.call.play(frame)
 
 
 class Call:
@@ -380,13 +385,21 @@ class Call:
                 self.input_waits_ms.append((now - self._tick_s - arrival) * 1000.0)
                 return
 
-    def on_frame(self, frame: FrameOutput) -> None:
-        """An engine frame: time the input it answered, play its audio."""
+    def time_input(self, frame: FrameOutput) -> None:
+        """An engine frame (heard or not): time the input it answered."""
         conv = self.conversation
         if conv is not None and conv.input is not None:
             if frame.index % 25 == 0 and self.ctx.engine is not None:
                 self._tick_s = self.ctx.engine.stats().tick_ms_p50 / 1000.0
             self._time_input_wait(conv.input.stats(), time.monotonic())
+
+    def cut_playback(self) -> None:
+        """A cut response: what is buffered is not played; the next frame played restarts playback."""
+        self.playout.clear()
+        self._playing = False
+
+    def play(self, frame: FrameOutput) -> None:
+        """An engine frame the caller hears: onto the outbound track."""
         if frame.index >= FIRST_PLAYED_FRAME and self.connected_at is not None:
             self._pace_reads(frame.index, first=not self._playing)
             self._playing = True
@@ -444,9 +457,11 @@ class Call:
         }
 
     async def _send_stats(self) -> None:
+        """`session.stats` every `stats_interval_s` the session asked for (none by default: an extension)."""
         while not self.closed:
-            await asyncio.sleep(self.webrtc.stats_interval_s)
-            if not self.closed:
+            interval = self.session.stats_interval_s
+            await asyncio.sleep(interval or 0.5)
+            if interval and not self.closed:
                 self.session.send_nowait(await self.stats())
 
     # ---- ending ----------------------------------------------------------------------------------------------

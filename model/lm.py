@@ -329,22 +329,26 @@ class LM(nn.Module):
         layers = self.transformer.layers
         return layers[i + 1].norm1 if i + 1 < len(layers) else self.out_norm
 
-    def prefill(self, x: Tensor, state: LMState, row: int, window: int | None = None) -> Tensor:
+    def prefill(self, x: Tensor, state: LMState, row: int, window: int | None = None, origin: int = 0,
+                ring: int | None = None) -> Tensor:
         """Run T known frames x [T, dim] for one row in one forward -> post-out_norm hidden [T, dim].
 
-        Attends to the row's existing ring plus the chunk itself (causal, sliding window of `context`), then
-        keeps the chunk's last `context` keys in the ring. Equals T calls of `temporal_step` on that row.
+        Attends to the row's existing ring plus the chunk itself (causal, sliding window of the ring's size), then
+        keeps the chunk's last keys in the ring. Equals T calls of `temporal_step` on that row.
         `window` fixes the ring slots read to [0, window), masked by position, instead of the slots below the
         row's position (read from the device): a fixed shape and no host sync, as CUDA graphs need.
+        `origin` and `ring` are the row's ring as `temporal_step` sees it (`state.origin`, `state.window`: a live
+        row's ring the page pool shrank or slid); by default a fresh row's, `context` slots from frame 0.
         """
         cfg = self.cfg
         T = x.shape[0]
-        C = cfg.context
+        C = cfg.context if ring is None else ring
         p0 = state.pos[row]
         qpos = p0 + torch.arange(T, device=x.device)
-        # Position p sits in slot p % C, so before the ring wraps only the slots below the row's position can hold
-        # keys: read and attend to those, not the whole ring (a prompt is a few hundred frames of a 3000-slot ring).
-        span = min(int(p0), C) if window is None else window
+        # Position p sits in slot (p - origin) % C, so before the ring wraps only the slots below the row's position
+        # can hold keys: read and attend to those, not the whole ring (a prompt is a few hundred frames of a
+        # 3000-slot ring).
+        span = min(int(p0) - origin, C) if window is None else window
         old = state.kpos[row, :span]
         old_ok = (old >= 0).unsqueeze(0) & (old.unsqueeze(0) > qpos.unsqueeze(1) - C)
         rel = torch.arange(T, device=x.device)
@@ -352,7 +356,7 @@ class LM(nn.Module):
         mask = torch.cat((old_ok, new_ok), dim=1).view(1, 1, T, span + T)
         rotation = rope_rotation(qpos.view(1, 1, T), cfg.head_dim, cfg.max_period)
         keep = min(T, C)
-        slots = (qpos[T - keep :] % C).long()
+        slots = ((qpos[T - keep :] - origin) % C).long()
         layers = self.transformer.layers
         h = x.unsqueeze(0)
         normed = layers[0].norm1(h)

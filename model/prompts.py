@@ -131,6 +131,29 @@ def plan_prompt(lm: LM, voice: VoicePrompt | Tensor | None, persona: list[int]) 
     return PromptPlan(embeddings=embeddings, ring=ring, offset=offset)
 
 
+@torch.no_grad()
+def plan_continuation(lm: LM, ring: Tensor, offset: int, persona: list[int], pending: bool) -> PromptPlan:
+    """Plan a prompt (spacer, `<system>` text, spacer) for a row in the middle of a conversation: its ring [17, 4]
+    and call counter as they are, prefilled after the context it has (a persona changed mid-call).
+
+    `pending`: the row ran the model half of call `offset - 1` ahead of that call's user frame (the engine's order,
+    model/step.py), so that frame is incomplete: its user codes are written as the prompt's frames carry them (the
+    sine codes) and its agent codes still to be sampled as silence, as if caller and model were silent for it.
+    Without `pending` (right after a prompt) the row's last frame is complete and the prompt simply goes on.
+    """
+    cfg = lm.cfg
+    cells = ring.clone().cpu()
+    if pending:
+        frame = forced_frame(cfg, TEXT_PAD, SILENCE_TOKENS[: cfg.num_audio_codebooks])
+        for r, delay in enumerate(cfg.delays):
+            if delay > 0 or r > cfg.num_audio_codebooks:  # the cells call offset - 1 has not written
+                cells[r, (offset - 1 + delay) % RING_SIZE] = frame[r]
+    columns, cells, offset = simulate_ring(cfg, lm.initial_column(), cells, offset,
+                                           prompt_frames(cfg, None, persona))
+    embeddings = lm.embed_column(columns.to(lm.text_linear.weight.device))
+    return PromptPlan(embeddings=embeddings, ring=cells, offset=offset)
+
+
 def plan_voice(lm: LM, voice_codes: Tensor) -> VoicePrompt:
     """Turn a wav voice's Mimi codes [N, 8] into the replayable `.pt` form (what the reference saves)."""
     frames = [forced_frame(lm.cfg, TEXT_PAD, row) for row in voice_codes.tolist()]

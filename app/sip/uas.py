@@ -389,7 +389,7 @@ class SipServer:
                               [("Retry-After", RETRY_AFTER_S)]) from None
             self._send(tx, req, 180, "Ringing", tag, [("Contact", self._contact(req, tx.peer))])
             try:
-                config = with_update(self.ctx, default_config(self.ctx), update, started=False, prefix="sip.")
+                config = with_update(self.ctx, default_config(self.ctx), update, prefix="sip.")
                 await media.start(config.params())
             except (ProtocolError, EngineError) as e:
                 logger.warning("SIP call %s: the conversation did not start: %s", req.call_id, e)
@@ -455,7 +455,7 @@ class SipServer:
             if req.headers.get("X-Voice"):
                 update.voice = req.headers.get("X-Voice")
         try:
-            with_update(self.ctx, default_config(self.ctx), update, started=False, prefix="sip.")
+            with_update(self.ctx, default_config(self.ctx), update, prefix="sip.")
         except ProtocolError as e:
             raise Refusal(400, "Bad Request", e.code, [("Warning", f'399 personaplex "{e}"')]) from None
         return offer, choice, agent, update

@@ -3,8 +3,8 @@
 One Unix stream socket per worker. Each message is a msgpack body (msgspec) behind a 4-byte big-endian length.
 Audio crosses as raw float32 bytes, one frame (1920 samples) per session, batched per tick in both directions:
 a worker sends one `Frames` message a tick for all its realtime sessions, the engine one `Tick` message a tick with
-all that worker's outputs and session counters. Requests (`Reserve`, `Start`, `Restart`, `StatsRequest`) carry a
-request number that their `Reply` echoes.
+all that worker's outputs and session counters. Requests (`Reserve`, `Start`, `Restart`, `AddPrompt`,
+`StatsRequest`) carry a request number that their `Reply` echoes.
 
 Nothing here imports torch: a worker process needs only this to talk to the engine.
 """
@@ -53,6 +53,13 @@ class Start(msgspec.Struct, tag=True):
 class Restart(msgspec.Struct, tag=True):
     req: int
     sid: str
+
+
+class AddPrompt(msgspec.Struct, tag=True):
+    req: int
+    sid: str
+    text: str
+    persona: str | None = None
 
 
 class Close(msgspec.Struct, tag=True):
@@ -147,7 +154,7 @@ class Welcome(msgspec.Struct, tag=True):
     stats: Stats
 
 
-ToEngine = Hello | Reserve | Start | Restart | Close | Frames | StatsRequest | WorkerCounters
+ToEngine = Hello | Reserve | Start | Restart | AddPrompt | Close | Frames | StatsRequest | WorkerCounters
 ToWorker = Welcome | Reply | Tick | Failed | Stats
 
 _encoder = msgspec.msgpack.Encoder()

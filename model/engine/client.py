@@ -39,6 +39,7 @@ from model.engine import (
 )
 from model.engine.api import check_params
 from model.engine.channel import (
+    AddPrompt,
     Close,
     Counters,
     Failed,
@@ -116,6 +117,11 @@ class RemoteSlot:
         if self.source is None:
             raise EngineError("session not started", "invalid_state")
         await self._engine.request(Restart(self._engine.next_req(), self.id))
+
+    async def add_prompt(self, text: str, persona: str | None = None) -> None:
+        if self.source is None:
+            raise EngineError("session not started", "invalid_state")
+        await self._engine.request(AddPrompt(self._engine.next_req(), self.id, text, persona))
 
     def close(self) -> None:
         if self.state in ("closed", "failed"):
@@ -233,7 +239,7 @@ class RemoteEngine:
         self._req += 1
         return self._req
 
-    async def request(self, message: Reserve | Start | Restart | StatsRequest) -> Reply:
+    async def request(self, message: Reserve | Start | Restart | AddPrompt | StatsRequest) -> Reply:
         if self._writer is None:
             raise EngineError("the engine process is not running", "engine_stopped")
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -226,6 +227,10 @@ class Engine:
         session.start_requested_at = time.monotonic()
         await self.submit(lambda: self._start_steps(session), session.index)
 
+    async def add_prompt(self, session: Session, text: str, persona: str | None) -> None:
+        """Prefill `text` as a `<system>` prompt into a live session's context between ticks (slots.SessionHost)."""
+        await self.submit(lambda: self._prompt_steps(session, text, persona), session.index)
+
     async def submit(self, fn: Callable[[], Iterator[str] | None], row: int | None = None) -> None:
         """Run `fn` (work on slot `row`) on the engine thread between ticks; its exception is raised here.
 
@@ -401,6 +406,43 @@ class Engine:
             # In a gap before its first tick if one fits: then the tick neither waits nor skips its input.
             steps = self._first_half_step(session)
             self.scheduler.add_job(steps, lambda exc: None, next(steps), row)  # a job stands before its first step
+
+    def _prompt_steps(self, session: Session, text: str, persona: str | None) -> Iterator[str]:
+        """A prompt added to a live session's context, one chunk per gap between ticks (most prompts are one).
+
+        The row leaves the ticks while it runs (`prefill`), its context goes on from where it is (prompts.py,
+        `plan_continuation`), and it comes back as a session's start does: its first half runs before or in its
+        next tick, so the caller's next frame of audio meets the model one call ahead again. A prompt of one chunk
+        runs between two ticks and the caller misses no frame; a longer one misses the ticks it spans, after which
+        the row's codec state starts fresh (the ticks in between ran Mimi over the inactive row).
+        """
+        yield "chunk"
+        if not session.live:
+            raise EngineError(f"the session is {session.state}, not live", "invalid_state")
+        runner, row = self.runner, session.index
+        pending = not session.first_half_pending
+        plan = runner.continuation(row, persona_tokens(self.model.tokenizer, text), pending)
+        if not self.slots.move(session, "prefill"):
+            raise EngineError("the session was closed", "session_closed")
+        for i, chunk in enumerate(runner.prompt_chunks(plan)):
+            if i:
+                yield "chunk"
+                if session.state != "prefill":
+                    raise EngineError("the session was closed", "session_closed")
+                runner.reset_mimi_row(row)
+            runner.prefill_chunk(chunk, row)
+        runner.end_prompt(plan, row)
+        if persona is not None:
+            session.params = replace(session.params, persona=persona)
+        first = None
+        if session.offline:
+            yield "first_half"
+            first = runner.first_half(row)
+        with self._lock:
+            if self.slots.move(session, "live"):
+                session.first_half_pending = not session.offline
+        if first is not None:
+            self._deliver(session, *first)
 
     def _first_half_step(self, session: Session) -> Generator[str, None, bool]:
         """A job of one step: the session's first half, unless its first tick ran it already (or the session

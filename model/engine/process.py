@@ -22,6 +22,7 @@ import numpy as np
 
 from model.engine import Engine, EngineError, FrameOutput, Slot
 from model.engine.channel import (
+    AddPrompt,
     Close,
     Counters,
     Failed,
@@ -176,6 +177,9 @@ class WorkerLink:
             return Reply(req=message.req, ok=True, sid=message.sid)
         if isinstance(message, Restart):
             await self._session(message.sid).slot.restart()
+            return Reply(req=message.req, ok=True, sid=message.sid)
+        if isinstance(message, AddPrompt):
+            await self._session(message.sid).slot.add_prompt(message.text, message.persona)
             return Reply(req=message.req, ok=True, sid=message.sid)
         if isinstance(message, StatsRequest):
             return Reply(req=message.req, ok=True, stats=self.host.stats_message())

@@ -26,7 +26,7 @@ from model.lm import LMState
 from model.loading import PersonaPlex
 from model.mimi import Mimi
 from model.prompt_prefill import PromptPrefill
-from model.prompts import PromptPlan, finish_prompt
+from model.prompts import PromptPlan, finish_prompt, plan_continuation
 from model.sampling import SamplingParams, row_sampling
 from model.step import StepConstants
 
@@ -344,8 +344,21 @@ class Runner:
 
     @torch.no_grad()
     def prefill_chunk(self, chunk: Tensor, row: int) -> None:
+        """Prefill `chunk` after what the row holds (a fresh row's prompt, or a prompt added to a live context)."""
         self._take_pages(row, chunk.shape[0])
-        self.model.lm.prefill(chunk, self.lm_state, row)
+        pages = self.pages
+        self.model.lm.prefill(chunk, self.lm_state, row, origin=int(pages.origin[row]), ring=int(pages.window[row]))
+
+    @torch.no_grad()
+    def continuation(self, row: int, persona: list[int], pending: bool) -> PromptPlan:
+        """A prompt for a live row, from its ring and call counter as they are (prompts.plan_continuation)."""
+        state = self.lm_state
+        return plan_continuation(self.model.lm, state.ring[row], int(state.offset[row]), persona, pending)
+
+    @torch.no_grad()
+    def end_prompt(self, plan: PromptPlan, row: int) -> None:
+        """After a continuation's last chunk: the row's ring, call counter and forced tokens."""
+        finish_prompt(self.model.lm, self.lm_state, row, plan)
 
     @torch.no_grad()
     def finish_prompt(self, plan: PromptPlan, row: int) -> CachedPrompt:

@@ -124,6 +124,8 @@ class SessionHost(Protocol):
 
     async def start_session(self, session: Session) -> None: ...
 
+    async def add_prompt(self, session: Session, text: str, persona: str | None) -> None: ...
+
     def release(self, session: Session) -> None: ...
 
 
@@ -153,6 +155,13 @@ class Slot:
         if self._session.params is None:
             raise EngineError("session not started", "invalid_state")
         await self._host.start_session(self._session)
+
+    async def add_prompt(self, text: str, persona: str | None = None) -> None:
+        """Prefill `text` as a `<system>` prompt into the live context at the next frame boundary (the context and
+        the output's frame indices go on); `persona`, when given, is what a later restart prompts with."""
+        if self._session.params is None:
+            raise EngineError("session not started", "invalid_state")
+        await self._host.add_prompt(self._session, text, persona)
 
     def close(self) -> None:
         self._host.release(self._session)
