@@ -21,8 +21,9 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   read within a few ms of its last sample's arrival.
 - Underrun (a primed read finds less than a frame): `read_frame` returns None (the engine feeds silence and
   counts it), the read position stays, so nothing the client sent is lost; the buffer re-primes and its margin
-  rises by 20 ms, falling back by 20 ms per 5 s without an underrun. A dry spell longer than the largest margin
-  (a stalled link, which no margin rides out) takes that step back when the buffer re-primes.
+  rises by 20 ms, falling back by 20 ms per 5 s without an underrun. When no margin would have helped, the step
+  is taken back as the buffer re-primes: the audio due when it ran dry never came while later audio did (lost: it
+  is concealed), or the dry spell was longer than the largest margin (a stalled link).
 - A stalled link delivers what it held at once: when the buffer re-primes more than a frame above its target it
   catches up: silence goes as in the gentle path below but judged on the current level, and after two reads
   with no silence to cut, sound goes in two pitch cuts a read (see acceleration below; at most 25 ms per 80 ms
@@ -160,6 +161,7 @@ class JitterBuffer:
         self._reads_since_underrun = 0
         self._excess_reads = 0
         self._dry_reads = 0  # reads that found the buffer dry since the last underrun
+        self._dry_from = 0  # the timeline's end when it ran dry
         self._catch_up = False  # draining what a stalled link delivered at once (see _reprimed)
         self._levels: deque[int] = deque(maxlen=cfg.level_window_reads)
         self._base: float | None = None  # smallest (arrival time - pts time of a packet's end) seen, drifting up
@@ -355,14 +357,20 @@ class JitterBuffer:
         self._boost_ms = min(self._boost_ms + self.config.underrun_step_ms, self.config.max_margin_ms)
         self._reads_since_underrun = 0
         self._dry_reads = 0
+        assert self._read is not None
+        self._dry_from = self._end
         self._levels.clear()
 
     def _reprimed(self, level: int, target: int) -> None:
-        """Enough audio to play again. After a dry spell longer than the largest margin (a stalled link: no margin
-        would have ridden it out) the underrun's margin step is taken back, and what the link then delivered at once
-        drains by catching up (`_plan_cuts`) rather than by a hard cut of sound."""
+        """Enough audio to play again. The underrun's margin step is taken back when no margin would have helped:
+        the audio that was due when the buffer ran dry never came while later audio did (it was lost: it is
+        concealed, and waiting longer would not have brought it), or the dry spell was longer than the largest
+        margin (a stalled link). What a stalled link then delivered at once drains by catching up (`_plan_cuts`)
+        rather than by a hard cut of sound."""
         if self._ever_primed:
-            if self._dry_reads * self._frame > self.config.max_margin_ms * self.config.sample_rate / 1000.0:
+            long_dry = self._dry_reads * self._frame > self.config.max_margin_ms * self.config.sample_rate / 1000.0
+            lost = not self._copy(self._dry_from, 1)[1][0]
+            if long_dry or lost:
                 self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)
             self._catch_up = level - target >= self._frame   # a burst, not the packet that ended a short dry spell
         self._primed = self._ever_primed = True

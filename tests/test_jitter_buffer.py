@@ -458,3 +458,16 @@ def test_a_stalled_link_drains_within_two_seconds_by_bounded_cuts() -> None:
         assert stall["back_after_s"] is not None and stall["back_after_s"] <= 2.0, report
     assert report["hard_cuts"] == 0 and report["sound_cut_max_ms"] <= 25.0, report
     assert report["target_ms"] <= 80 + report["jitter_p95_ms"] + 20.0, report
+
+
+def test_an_underrun_that_a_loss_burst_explains_keeps_no_raised_margin() -> None:
+    """Four packets lost in a row leave the buffer dry at a read; they never come, the next ones do. A wider
+    margin would not have helped (the audio was lost, not late), so the underrun's margin step is taken back as the
+    buffer re-primes, instead of adding 20 ms of latency for the next 5 s. The loss itself is concealed."""
+    sig = noise(RATE * 8, seed=25)
+    lost = set(range(150, 154))
+    run = simulate(sig, [a for i, a in enumerate(steady(len(sig) // PACKET)) if i not in lost], 7.9)
+    s = run.buffer.stats()
+    assert s.underruns >= 1 and s.concealed_ms == pytest.approx(80.0)
+    before = run.stats[int(2.9 / TICK)].target_ms
+    assert all(st.target_ms == pytest.approx(before) for st in run.stats[int(3.3 / TICK) :]), before
