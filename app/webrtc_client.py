@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,11 +93,15 @@ class RealtimeCall:
 
     def __init__(self, base_url: str, audio: np.ndarray | None = None, *, session: dict[str, Any] | None = None,
                  api_key: str | None = None, ice_servers: list[RTCIceServer] | None = None, loop_audio: bool = False,
-                 multipart: bool | None = None) -> None:
+                 multipart: bool | None = None,
+                 on_answer: Callable[[RTCPeerConnection], object] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
         self.api_key = api_key
         self.multipart = session is not None if multipart is None else multipart
+        # Called once the answer is applied, before ICE and DTLS start (a test or load driver puts the peer's
+        # transport behind an impaired link there: bench/impair.py).
+        self.on_answer = on_answer
         self.source = ArraySource(np.zeros(0, np.float32) if audio is None else audio, loop=loop_audio)
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers or []))
         self.mic = OutboundAudioTrack(self.source)
@@ -137,6 +142,8 @@ class RealtimeCall:
         await pc.setLocalDescription(await pc.createOffer())
         answer = await self._post_offer(pc.localDescription.sdp)
         await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+        if self.on_answer is not None:
+            self.on_answer(pc)
         # the remote track exists from here on; packets can only come after ICE and DTLS
         self.inbound = InboundAudio(transceiver.receiver, self.recording)
         waits = [asyncio.ensure_future(self._connected.wait()), asyncio.ensure_future(self._failed.wait())]

@@ -112,6 +112,7 @@ class LinkStats:
     reordered: int = 0
     stalled: int = 0            # held by a stall
     transits_s: list[float] = field(default_factory=list)   # per delivered packet (first copy)
+    lost_at: list[float] = field(default_factory=list)      # send times of the lost (or retransmitted) packets
 
     def jitter_ms(self, q: float = 95.0) -> float:
         """The q-th percentile of each delivered packet's transit above the fastest one's (what a receiver's jitter
@@ -158,6 +159,7 @@ class LinkModel:
         reordered = not self.reliable and link.reorder > 0 and rng.random() < link.reorder
         if lost:
             st.lost += 1
+            st.lost_at.append(sent_at)
             if not self.reliable:
                 return []
             at += self.retransmit_s
@@ -228,13 +230,16 @@ class Delayer:
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._count = itertools.count()
 
-    def submit(self, item: Any) -> None:
+    def submit(self, item: Any) -> list[float]:
+        """Schedule `item`; its delivery times ([]: lost)."""
         if self.bypass:
             self._fire(None, item)
-            return
-        for at in self.model.schedule(self._loop.time()):
+            return [self._loop.time()]
+        times = self.model.schedule(self._loop.time())
+        for at in times:
             key = next(self._count)
             self._timers[key] = self._loop.call_at(at, self._fire, key, item)
+        return times
 
     def _fire(self, key: int | None, item: Any) -> None:
         self._timers.pop(key, None)  # type: ignore[arg-type]
@@ -421,7 +426,7 @@ class PeerImpairment:
     up: LinkModel
     down: LinkModel
     remove: Callable[[], None]
-    pump: asyncio.Task[None]
+    rtp_lost_at: list[float]       # send times of the RTP packets (not RTCP, DTLS or SCTP) the up link lost
 
 
 def impair_peer(pc: Any, up: Link, down: Link, seed: int = 0) -> PeerImpairment:
@@ -446,8 +451,11 @@ def impair_peer(pc: Any, up: Link, down: Link, seed: int = 0) -> PeerImpairment:
     inbox: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
     receiver = Delayer(down_model, inbox.put_nowait)
 
+    rtp_lost_at: list[float] = []
+
     async def impaired_send(data: bytes) -> None:
-        sender.submit(data)
+        if not sender.submit(data) and is_rtp(data):
+            rtp_lost_at.append(loop.time())
 
     async def pump() -> None:
         while True:
@@ -458,14 +466,17 @@ def impair_peer(pc: Any, up: Link, down: Link, seed: int = 0) -> PeerImpairment:
                 return
             receiver.submit(data)
 
+    pumping: list[asyncio.Task[None]] = []
+
     async def impaired_recv() -> bytes:
+        if not pumping:           # the first read comes once ICE is up (reading before that is an error)
+            pumping.append(loop.create_task(pump()))
         item = await inbox.get()
         if isinstance(item, BaseException):
             inbox.put_nowait(item)
             raise item
         return item
 
-    pumping = loop.create_task(pump())
     ice._send, ice._recv = impaired_send, impaired_recv
 
     def remove() -> None:
@@ -475,4 +486,9 @@ def impair_peer(pc: Any, up: Link, down: Link, seed: int = 0) -> PeerImpairment:
         receiver.cancel()
         ice._send = send
 
-    return PeerImpairment(up_model, down_model, remove, pumping)
+    return PeerImpairment(up_model, down_model, remove, rtp_lost_at)
+
+
+def is_rtp(datagram: bytes) -> bool:
+    """An (S)RTP packet, not RTCP (RFC 5761 s.4: its second byte is 192-223), DTLS or STUN (RFC 7983)."""
+    return len(datagram) >= 12 and 128 <= datagram[0] <= 191 and not 192 <= datagram[1] <= 223

@@ -19,7 +19,6 @@ player is `adaptive_player`: the received packets (pts and arrival) replayed int
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -57,6 +56,24 @@ def stall_recovery(trace: Sequence[ReadRecord], stall_starts: Sequence[float], s
                     break
         out.append({"at_s": start, "added_before_ms": None if pre is None else round(pre, 1), "back_after_s": back,
                     "peak_ms": round(float(after[:CYCLE_READS * 4].max()), 1) if after.size else None})
+    return out
+
+
+def underrun_onsets(trace: Sequence[ReadRecord], since: float, until: float) -> list[float]:
+    """When reads began to find the buffer dry (a read that handed out nothing after one that did)."""
+    return [b.at for a, b in zip(trace, trace[1:])
+            if b.added_ms is None and a.added_ms is not None and since <= b.at <= until]
+
+
+def unexplained(onsets: Sequence[float], causes: Sequence[float], window_s: float = 1.0) -> list[float]:
+    """The underruns no cause (a loss's send time, a retransmission, a stall, the client's own late send) came
+    within `window_s` before."""
+    c = np.sort(np.asarray(causes, dtype=np.float64))
+    out = []
+    for t in onsets:
+        i = int(np.searchsorted(c, t, side="right"))
+        if i == 0 or t - c[i - 1] > window_s:
+            out.append(t)
     return out
 
 
@@ -122,7 +139,3 @@ def adaptive_player(chunks: Sequence[tuple[int, np.ndarray, float]], tail_s: flo
     held = [r.added_ms for r in jb.trace() if r.added_ms is not None]
     return {"concealed_ms": round(st.concealed_ms, 1), "underruns": st.underruns, "late_drops": st.late_drops,
             "delay_ms": {"p50": _q(held, 50), "p95": _q(held, 95)}, "target_ms": round(st.target_ms, 1)}
-
-
-def jitter_stats_dict(stats: JitterStats) -> dict[str, Any]:
-    return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(stats).items()}
