@@ -578,3 +578,58 @@ async def test_tick_listeners_hear_each_tick_after_its_frames_with_the_next_dead
     tick_s = engine.config.tick_ms / 1000
     assert all(b - a >= tick_s - 1e-9 for a, b in itertools.pairwise(deadlines))
     assert before < engine.stats().last_tick_at <= time.monotonic()
+
+
+async def test_a_prompt_added_mid_call_goes_on_in_the_context_and_a_restart_takes_the_new_persona(make_engine):
+    """Slot.add_prompt: the row's context goes on (frame indices continue, the frames before are untouched, the
+    frames after answer the longer context), and the persona it sets is the one a later restart prompts with."""
+    engine = make_engine()
+    frames = speechlike(16, 11)
+    new = "You speak only about the weather."
+
+    async def call(add: bool) -> tuple[list[FrameOutput], list[FrameOutput]]:
+        source, sink, slot = QueueSource(frames[:6]), Collector(), engine.reserve()
+        await slot.start(PARAMS, source, sink.on_output, sink.on_error)
+        before = list(await sink.wait_for(7))
+        if add:
+            await slot.add_prompt(new, persona=new)
+        for f in frames[6:]:
+            source.push(f)
+        after = await sink.wait_for(7 + 10 + int(add))   # an input-clocked row's return gives one frame more
+        assert not sink.errors
+        if add:
+            sink.outputs.clear()
+            await slot.restart()
+            for f in frames[:6]:
+                source.push(f)
+            restarted = await sink.wait_for(7)
+            fresh_source, fresh_sink, fresh = QueueSource(frames[:6]), Collector(), engine.reserve()
+            await fresh.start(dataclasses.replace(PARAMS, persona=new), fresh_source, fresh_sink.on_output,
+                              fresh_sink.on_error)
+            assert same(restarted, await fresh_sink.wait_for(7))
+            fresh.close()
+        slot.close()
+        return before, after
+
+    plain_before, plain_after = await call(add=False)
+    before, after = await call(add=True)
+    assert same(before, plain_before)
+    assert [f.index for f in after] == list(range(len(after)))
+    assert not same(after[7:], plain_after[7:])
+
+
+async def test_a_prompt_added_to_a_realtime_call_costs_the_caller_no_frame(make_engine):
+    """A realtime row leaves the ticks only between two of them: every tick still hands it its frame."""
+    engine = make_engine()
+    source, sink, slot = QueueSource(speechlike(200, 12)), Collector(), engine.reserve()
+    await slot.start(dataclasses.replace(PARAMS, pacing="realtime"), source, sink.on_output, sink.on_error)
+    await sink.wait_for(5)
+    ticks_before = engine.stats().ticks
+    await slot.add_prompt("Be brief.")
+    await sink.wait_for(len(sink.outputs) + 10)
+    ticks = engine.stats().ticks - ticks_before
+    outputs = list(sink.outputs)
+    slot.close()
+    assert [f.index for f in outputs] == list(range(len(outputs)))
+    assert not sink.errors and slot.stats().underruns == 0
+    assert len(outputs) - 5 >= ticks - 1     # one frame per tick since the prompt was asked for

@@ -366,3 +366,47 @@ def test_prompt_prefill_on_the_scratch_row_equals_prefill_on_the_row(fp8_kv: boo
     for a, b in ((got.kpos[:, :57], want.kpos[:, :57]), (got.pos, want.pos), (got.ring, want.ring),
                  (got.offset, want.offset), (got.forced, want.forced)):
         assert torch.equal(a, b)
+
+
+def test_a_prompt_continued_after_a_prompt_equals_one_longer_prompt():
+    """plan_continuation from a row right after its prompt is that prompt made longer (ring, KV, what follows)."""
+    from model.prompts import plan_continuation, prompt_frames, simulate_ring
+    lm = make_lm(8)
+    first, second = list(range(40, 49)), list(range(60, 66))
+    a, b = lm.init_state(1), lm.init_state(1)
+    apply_prompt(lm, a, 0, plan_prompt(lm, None, first))
+    more = plan_continuation(lm, a.ring[0], int(a.offset[0]), second, pending=False)
+    lm.prefill(more.embeddings, a, 0)
+    finish_prompt(lm, a, 0, more)
+    frames = prompt_frames(lm.cfg, None, first) + prompt_frames(lm.cfg, None, second)
+    columns, ring, offset = simulate_ring(lm.cfg, lm.initial_column(), torch.zeros(17, RING_SIZE, dtype=torch.long),
+                                          0, frames)
+    from model.prompts import PromptPlan
+    apply_prompt(lm, b, 0, PromptPlan(embeddings=lm.embed_column(columns), ring=ring, offset=offset))
+    assert torch.equal(a.ring, b.ring) and torch.equal(a.offset, b.offset) and torch.equal(a.kpos, b.kpos)
+    torch.testing.assert_close(a.kv.k, b.kv.k, atol=1e-5, rtol=0)
+    user = random_user(12, 1, 3)
+    assert torch.equal(run_steps(lm, a, user)[0], run_steps(lm, b, user)[0])
+
+
+@pytest.mark.parametrize("origin,window", [(0, 5), (7, 5), (7, None)])
+def test_prefill_on_a_shrunk_or_slid_ring_equals_frame_by_frame(origin: int, window: int | None):
+    """A live row's ring may be smaller than the context (the page pool shrank it) and start at a later frame:
+    prefill attends and stores as temporal_step does there."""
+    lm = make_lm(9)
+    ring = window or lm.cfg.context
+    a, b = lm.init_state(1), lm.init_state(1)
+    for state in (a, b):
+        state.pos.fill_(origin)
+        state.origin.fill_(origin)
+        state.window.fill_(ring)
+    x = torch.randn(3 * ring // 2 + 4, lm.cfg.dim)
+    with torch.no_grad():
+        whole = lm.prefill(x, a, 0, origin=origin, ring=ring)
+        steps = []
+        for t in range(x.shape[0]):
+            steps.append(lm.temporal_step(x[t:t + 1], b))
+            b.pos += 1
+    torch.testing.assert_close(whole, torch.cat(steps), atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.kpos, b.kpos) and torch.equal(a.pos, b.pos)
+    torch.testing.assert_close(a.kv.k, b.kv.k, atol=1e-5, rtol=0)
