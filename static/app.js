@@ -37,7 +37,7 @@ function authHeaders(secret) {
 
 function sessionConfig() {
   // Only what the user chose: an empty field leaves the server's default (or the secret's bound session).
-  const session = { type: "realtime" };
+  const session = { type: "realtime", stats_interval_s: 1 };   // the call's stats panel reads `session.stats`
   const persona = ui.persona.value.trim();
   if (persona) session.instructions = persona;
   if (ui.voice.value) session.voice = ui.voice.value;
