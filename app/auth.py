@@ -4,7 +4,7 @@ that never writes a credential.
 A key is accepted from `Authorization: Bearer <key>`, `?api_key=<key>`, or the WebSocket subprotocol
 `openai-insecure-api-key.<key>` that browser Realtime clients send (browsers cannot set headers on a WebSocket).
 Keys are compared in constant time. An ephemeral client secret (`ek_…`, app/client_secrets.py) is presented the same
-way; that module checks it first and marks the request (`CLIENT_SECRET`), which then passes the key check here.
+way; that module checks it first and marks the request (`CLIENT_SECRET`), which `authorized` then lets through.
 `RedactingAccessLogger` replaces the value of every credential-like query parameter (`api_key`, `token`, `key`,
 `secret`, `password`, …) with `REDACTED` in the access log, and any `ek_…` value wherever it appears.
 """
@@ -53,7 +53,7 @@ def presented_key(request: web.Request) -> str | None:
 
 
 def key_ok(request: web.Request, keys: tuple[str, ...]) -> bool:
-    if not keys or CLIENT_SECRET in request:
+    if not keys:
         return True
     key = presented_key(request)
     if key is None:
@@ -62,6 +62,11 @@ def key_ok(request: web.Request, keys: tuple[str, ...]) -> bool:
     # key (or how much of one) matched.
     matches = [hmac.compare_digest(key.encode(), k.encode()) for k in keys]
     return any(matches)
+
+
+def authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
+    """A configured key, or a client secret that app/client_secrets.py checked for this request's route."""
+    return CLIENT_SECRET in request or key_ok(request, keys)
 
 
 def origin_ok(request: web.Request, allowed: tuple[str, ...]) -> bool:
@@ -75,7 +80,7 @@ def refusal(request: web.Request, keys: tuple[str, ...], allowed: tuple[str, ...
     if not origin_ok(request, allowed):
         body = http_error_body("origin_not_allowed", f"Origin {request.headers.get('Origin')!r} is not allowed")
         return web.Response(status=403, text=json.dumps(body), content_type="application/json")
-    if not key_ok(request, keys):
+    if not authorized(request, keys):
         body = http_error_body("unauthorized", "a valid API key is required (Authorization: Bearer, ?api_key=, "
                                                f"or the {KEY_SUBPROTOCOL}<key> subprotocol)")
         return web.Response(status=401, text=json.dumps(body), content_type="application/json",

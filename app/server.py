@@ -28,7 +28,7 @@ import torch
 from aiohttp import web
 
 from app.audiosocket import setup_audiosocket
-from app.auth import RedactingAccessLogger, key_ok
+from app.auth import RedactingAccessLogger, authorized
 from app.client_secrets import realtime_entry, setup_client_secrets
 from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
@@ -155,7 +155,7 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 
 def _unauthorized(request: web.Request) -> web.Response | None:
-    if key_ok(request, request.app[CONTEXT].settings.api_keys):
+    if authorized(request, request.app[CONTEXT].settings.api_keys):
         return None
     return _json(http_error_body("unauthorized", "a valid API key is required"), status=401)
 
