@@ -7,10 +7,16 @@ frame per 80 ms model frame, or `response.output_audio.delta {frame, audio}` whe
 model's text arrives as `response.output_text.delta {frame, delta}`, `frame` being the frame index it belongs to.
 `conversation.restart` starts a fresh model context (frame indices restart at 0); `session.close` answers
 `session.closed` with the session's counters.
+
+`session.create {link_report_s}` (0.5-60 s; off by default) asks for `session.link` every that many seconds: what the
+server measures of the link from the client (the input buffer's arrival jitter, target, depth, the latency it added
+over the period, underruns, concealment, drops) and `playout_ms`, the playout buffer the client's own player needs
+to play the model's audio without gaps over this link (`media.playout.advised_playout_ms`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -26,9 +32,12 @@ from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, defau
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
 from app.websocket import serve
 from media.codecs import AudioFormat
+from media.jitter import FRAME, SAMPLE_RATE
+from media.playout import advised_playout_ms
 from model.engine import EngineError, FrameOutput, InvalidSessionParams
 
 OUTPUT_TRANSPORTS = ("binary", "json")
+LINK_REPORT_S = (0.5, 60.0)
 
 
 def format_object(fmt: AudioFormat) -> dict[str, Any]:
@@ -47,6 +56,7 @@ class DuplexSession(Session):
         self.decoder: InputDecoder | None = None
         self.encoder: OutputEncoder | None = None
         self.frames_sent = 0
+        self.link_report_s = 0.0
         self._early: list[FrameOutput] | None = None
 
     def closed_event(self, reason: str) -> dict[str, Any] | None:
@@ -122,6 +132,11 @@ class DuplexSession(Session):
         if transport not in OUTPUT_TRANSPORTS:
             raise ProtocolError("invalid_session_config", f"`output_transport` must be one of {OUTPUT_TRANSPORTS}",
                                 param="session.output_transport")
+        link_s = s.get("link_report_s") or 0.0
+        if isinstance(link_s, bool) or not isinstance(link_s, (int, float)) or \
+                (link_s and not LINK_REPORT_S[0] <= link_s <= LINK_REPORT_S[1]):
+            raise ProtocolError("invalid_session_config", f"`link_report_s` must be 0 (off) or {LINK_REPORT_S[0]} to "
+                                f"{LINK_REPORT_S[1]} seconds", param="session.link_report_s")
         slot = await self.reserve()
         if slot is None:
             return
@@ -144,17 +159,45 @@ class DuplexSession(Session):
             await self.close(CLOSE_INTERNAL, "runtime_failed", send_closed=False)
             return
         self.config = config
+        self.link_report_s = float(link_s)
         assert self.ctx.engine is not None
         await self.send({"type": "session.created", "session": {
             "id": self.session_id, "model": self.ctx.model_id, "voice": config.voice_name,
             "persona": config.persona, "sampling": config.sampling_dict(), "pacing": config.pacing,
             "input": format_object(config.input_format),
             "output": format_object(config.output_format) | {"transport": transport},
-            "frame_ms": 80, "idle_timeout_s": self.idle_timeout_s,
+            "frame_ms": 80, "idle_timeout_s": self.idle_timeout_s, "link_report_s": self.link_report_s,
             "capabilities": capabilities(self.ctx.engine.max_sessions)}})
         early, self._early = self._early, None
         for frame in early or ():
             self._on_frame(frame)
+        if self.link_report_s:
+            self.spawn(self._report_link())
+
+    async def _report_link(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(self.link_report_s)
+            event = self.link_event()
+            if event is not None and not self.closed:
+                self.send_nowait(event)
+
+    def link_event(self) -> dict[str, Any] | None:
+        """`session.link`: the input side of the link as the server measured it over the last period, and the playout
+        buffer the client should hold."""
+        conv = self.conversation
+        if conv is None or conv.input is None or self.ctx.engine is None:
+            return None
+        jb = conv.input
+        st = jb.stats()
+        added = jb.added_ms(max(1, round(self.link_report_s * SAMPLE_RATE / FRAME)))
+        engine = self.ctx.engine.stats()
+        return {"type": "session.link", "session_id": self.session_id, "input": {
+            "jitter_ms": round(st.jitter_ms, 1), "target_ms": round(st.target_ms, 1), "depth_ms": round(st.depth_ms, 1),
+            "added_ms": None if added is None else {"p50": round(added[0], 1), "p95": round(added[1], 1)},
+            "underruns": st.underruns, "concealed_ms": round(st.concealed_ms, 1), "late_drops": st.late_drops,
+            "overrun_drops_ms": round(st.overrun_drops_ms, 1), "sound_cut_max_ms": round(st.sound_cut_max_ms, 1),
+            "hard_cuts": st.hard_cuts},
+            "playout_ms": advised_playout_ms(st.jitter_ms, engine.tick_ms_p99 - engine.tick_ms_p50)}
 
     def _parse(self, s: dict[str, Any]) -> SessionConfig:
         up = ConfigUpdate()

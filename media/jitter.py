@@ -271,6 +271,15 @@ class JitterBuffer:
         with self._lock:
             return list(self._trace)
 
+    def added_ms(self, last: int) -> tuple[float, float] | None:
+        """The added latency's median and 95th percentile over the last `last` reads that handed out a frame."""
+        with self._lock:
+            values = [r.added_ms for r in list(self._trace)[-last:] if r.added_ms is not None]
+        if not values:
+            return None
+        p50, p95 = np.percentile(values, [50, 95])
+        return float(p50), float(p95)
+
     def frames_ready(self) -> int:
         """Whole frames `read_frame` would hand out now, without waiting for more audio."""
         with self._lock:

@@ -15,15 +15,28 @@ The consumer (a WebRTC track at 48/24 kHz, a Twilio sender at 8 kHz; resampling 
   generation it started producing under, so a frame finished after the clear is dropped as stale.
 `written_samples` and `drained_samples` (played, shed or cleared) are monotonic positions: audio written at
 position p has left the buffer once drained >= p (what a Twilio `mark` echo waits for).
+
+`advised_playout_ms` is the other end's share: the playout buffer a WebSocket client's own player needs for the link
+the server measures (the native dialect's `session.link` tells the client).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def advised_playout_ms(link_jitter_ms: float, tick_jitter_ms: float, floor_ms: float = 40.0) -> float:
+    """How much a client's fixed-delay player should hold of the model's audio so that no frame comes after its
+    time: the jitter of the link back to it (taken as that of the link from it, measured on its own audio's arrivals:
+    one path, both ways), plus the spread of the engine's ticks (one frame leaves per tick), plus a 20 ms margin;
+    rounded up to 10 ms, at least `floor_ms`."""
+    need = max(0.0, link_jitter_ms) + max(0.0, tick_jitter_ms) + 20.0
+    return max(floor_ms, 10.0 * math.ceil(need / 10.0))
 
 
 @dataclass(frozen=True)
