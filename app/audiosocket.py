@@ -95,7 +95,10 @@ class AudioSocketSession(PhoneLine):
         self.send_audio_nowait(frame(KIND_SLIN, LINE.encode(samples)))
 
     async def close(self, code: int, reason: str, *, send_closed: bool = True) -> None:
-        self.send_audio_nowait(HANGUP)   # the protocol's only word for "this call is over", whatever the reason
+        if self.outbox.overflowed and not self.closed:   # an unread output was dropped: the hang-up still goes
+            self.outbox.put_last(HANGUP)
+        else:
+            self.send_audio_nowait(HANGUP)   # the protocol's only word for "this call is over", whatever the reason
         await super().close(code, reason, send_closed=send_closed)
 
 

@@ -4,8 +4,9 @@ Framing is Asterisk AudioSocket's (`kind: u8 | length: u16 big-endian | payload`
 served; each whole frame (header included) goes to the dialect's `on_binary`. The transport owns the timeouts (a
 first frame within `first_message_timeout_s`, then read-idle `idle_timeout_s`: past either the session closes),
 the session's flood guard, the per-address connection limit, and the output: the session's outbox drained into the
-socket, whose kernel send buffer is capped like a WebSocket's. A close flushes the outbox for a bounded time, then
-closes the socket; an end of stream closes the conversation (frees the slot) at once. There are no server events
+socket, whose kernel send buffer is capped like a WebSocket's. A close flushes the outbox for a bounded time, ends
+our side of the stream, drops what the peer still sends until it ends its side (bounded), then closes the socket;
+an end of stream closes the conversation (frees the slot) at once. There are no server events
 on this transport (`carries_events` is False): the dialect speaks only in frames.
 """
 
@@ -17,7 +18,7 @@ import logging
 import socket
 
 from app.context import ServerContext
-from app.outbox import Message
+from app.outbox import Message, held_by
 from app.session import Session
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_POLICY
 from app.websocket import FLUSH_WAIT_S, SOCKET_SEND_BUFFER
@@ -39,6 +40,8 @@ class TcpTransport:
         self.writer = writer
         self.session = session
         self._flush_wait_s = FLUSH_WAIT_S
+        self._reading: asyncio.Task[None] | None = None   # the task running the read loop
+        self._read_ended = asyncio.Event()
         session.attach(self)
 
     async def serve(self) -> None:
@@ -56,10 +59,11 @@ class TcpTransport:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.ctx.sockets.add(self)
         self.ctx.metrics.connections[route] += 1
-        session.outbox.start(self._send)
+        session.outbox.start(self._send, lambda: held_by(self.writer.transport))
         try:
             await session.on_open()
             if not session.closed:
+                self._reading = asyncio.current_task()
                 await self._read_loop()
         except asyncio.CancelledError:
             if not session.closed:
@@ -80,19 +84,25 @@ class TcpTransport:
     async def _read_loop(self) -> None:
         session = self.session
         timeout = self.settings.first_message_timeout_s
-        while not session.closed:
-            try:
-                header = await asyncio.wait_for(self.reader.readexactly(HEADER_BYTES), timeout)
-                payload = await asyncio.wait_for(self.reader.readexactly(int.from_bytes(header[1:], "big")),
-                                                 self.settings.idle_timeout_s)
-            except asyncio.TimeoutError:
-                await session.close(CLOSE_POLICY, "idle_timeout")
-                return
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return   # the peer hung up (Asterisk closes the socket without a hangup frame)
-            timeout = session.idle_timeout_s
-            if session.flood.admit():
-                await session.dispatch_binary(header + payload)
+        try:
+            while True:
+                try:
+                    header = await asyncio.wait_for(self.reader.readexactly(HEADER_BYTES), timeout)
+                    payload = await asyncio.wait_for(self.reader.readexactly(int.from_bytes(header[1:], "big")),
+                                                     self.settings.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    if not session.closed:
+                        await session.close(CLOSE_POLICY, "idle_timeout")
+                    return
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return   # the peer hung up (Asterisk closes the socket without a hangup frame)
+                if session.closed:
+                    continue   # read and dropped until our close: unread input would turn that close into a reset
+                timeout = session.idle_timeout_s
+                if session.flood.admit():
+                    await session.dispatch_binary(header + payload)
+        finally:
+            self._read_ended.set()
 
     async def _send(self, message: Message) -> bool:
         assert isinstance(message, bytes)   # no events here (`carries_events`): only the dialect's frames
@@ -105,6 +115,14 @@ class TcpTransport:
 
     async def close(self, code: int, reason: str) -> None:
         await self.session.outbox.stop(self._flush_wait_s)
+        # Our end of the stream follows the flushed frames (the hang-up among them); the read loop drops what the
+        # peer still sends until it ends its side too (bounded), so that our close is not a reset that would
+        # overtake what the peer was sent.
+        with contextlib.suppress(Exception):
+            self.writer.write_eof()
+        if self._reading is not None and self._reading is not asyncio.current_task():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._read_ended.wait(), self._flush_wait_s)
         self.writer.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.writer.wait_closed(), self._flush_wait_s)

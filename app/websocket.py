@@ -26,7 +26,7 @@ from app.admission import gate
 from app.auth import refusal, response_subprotocols, too_many_connections
 from app.context import CONTEXT
 from app.errors import ProtocolError, http_error_body
-from app.outbox import Message
+from app.outbox import Message, held_by
 from app.session import Session
 from app.transport import CLOSE_GOING_AWAY, CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG
 
@@ -91,7 +91,7 @@ class WsTransport:
         self._bound_socket_buffer()
         self.ctx.sockets.add(self)
         self.ctx.metrics.connections[self.route] += 1
-        session.outbox.start(self._send)
+        session.outbox.start(self._send, lambda: held_by(self.request.transport))
         try:
             await session.on_open()
             if not session.closed:

@@ -351,7 +351,8 @@ async def test_audiosocket_malformed_frame_hangs_up_and_frees_the_slot(start_ser
 
 async def test_audiosocket_that_never_reads_is_dropped_with_frames_only(start_server):
     """Asterisk stops reading: the output bound ends the call and frees the slot, and nothing but frames was ever
-    written (the output-backpressure error is an event, which this transport has no way to carry)."""
+    written, the hang-up last (the output-backpressure error is an event, which this transport has no way to
+    carry)."""
     port = free_port()
     server = await start_server(audiosocket_port=port, max_output_bytes=4096, max_output_backlog_s=1.0)
     sock = socket.socket()
@@ -367,8 +368,9 @@ async def test_audiosocket_that_never_reads_is_dropped_with_frames_only(start_se
             assert 'personaplex_errors_total{code="output_backpressure"} 1' in await r.text()
     writer.transport.resume_reading()
     data = await asyncio.wait_for(reader.read(), 10)                 # everything, up to the server's close
+    assert data[-3:] == b"\x00\x00\x00"                              # the door's hang-up, last
     at = 0
-    while at < len(data):                                            # whole frames, each 20 ms of audio, to the end
+    while at < len(data) - 3:                                        # before it whole frames, each 20 ms of audio
         kind, size = data[at], int.from_bytes(data[at + 1:at + 3], "big")
         assert kind == 0x10 and size == 320 and at + 3 + size <= len(data), (at, len(data), data[at:at + 40])
         at += 3 + size
