@@ -295,7 +295,7 @@ async def _pinned(url: str) -> dict[int, aiohttp.ClientSession]:
     accepted it), keyed by the worker's pid (/health marks the process that answers)."""
     pinned: dict[int, aiohttp.ClientSession] = {}
     for _ in range(40):
-        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=60))
         async with http.get(url + "/health") as r:
             this = next(p["pid"] for p in (await r.json())["processes"] if p.get("this"))
         if this in pinned:
@@ -344,12 +344,14 @@ async def test_two_workers_share_secrets_and_the_single_use_record(tiny_checkpoi
             else:
                 raise AssertionError("12 sessions all landed on the minting worker")
             try:
-                for worker in (minter, other):            # spent: both workers know it
-                    async with pinned[worker].get(url + "/v1/realtime",
-                                                  headers={"Authorization": f"Bearer {secret}"}) as r:
+                for client in pinned.values():
+                    await client.close()
+                pinned = await _pinned(url)               # fresh: an idle kept-alive connection may have gone
+                for worker, client in pinned.items():     # spent: both workers know it
+                    async with client.get(url + "/v1/realtime", headers={"Authorization": f"Bearer {secret}"}) as r:
                         assert r.status == 401 and (await r.json())["error"]["code"] == "client_secret_used"
-                    assert await _worker_of(pinned[worker], url) == worker
-                async with pinned[other].get(url + "/v1/ek_not_a_route", headers=auth) as r:
+                    assert await _worker_of(client, url) == worker
+                async with http.get(url + "/v1/ek_not_a_route", headers=auth) as r:
                     assert r.status == 404                 # an `ek_` in a path: the log redacts it too
             finally:
                 await ws.close()
