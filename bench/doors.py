@@ -154,6 +154,7 @@ class DoorClient:
         self.frames_at_end: int | None = None
         self.missing_at_end: int | None = None
         self.reader: asyncio.Task[None] | None = None
+        self.link_report: dict[str, Any] | None = None     # the server's last `session.link` (native dialect)
 
     # ---- per door -----------------------------------------------------------------------------------------------
 
@@ -245,6 +246,7 @@ class DoorClient:
             if self.first_audio_at and self.first_send else None,
             "errors": len(self.errors),
             **({"first_error": self.errors[0].get("error", self.errors[0])} if self.errors else {}),
+            **({"server_link": self.link_report} if self.link_report is not None else {}),
         }
 
 
@@ -381,12 +383,14 @@ class DuplexClient(WebSocketDoor):
     """`WS /v1/duplex`: `session.create` (PCM16 24 kHz both ways, binary), binary frames in and out."""
 
     door = "duplex"
+    link_report_s = 2.0          # the server's `session.link` every this many seconds (the last one is reported)
 
     async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
         ws = await self.connect(http, "/v1/duplex")
         fmt = {"format": "pcm16", "rate": RATE}
         await ws.send_json({"type": "session.create", "session": {"persona": self.persona, "input": fmt,
-                                                                  "output": fmt}})
+                                                                  "output": fmt,
+                                                                  "link_report_s": self.link_report_s}})
         created = await _first_json(ws)
         if created.get("type") != "session.created":
             await ws.close()
@@ -394,6 +398,12 @@ class DuplexClient(WebSocketDoor):
         self.session_id = created["session"].get("id")
         self.went_live()
         return None
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("type") == "session.link":
+            self.link_report = event
+        else:
+            super().on_event(event)
 
     async def send_piece(self, piece: bytes) -> None:
         assert self.ws is not None
@@ -454,9 +464,10 @@ class WebRTCClient(DoorClient):
     send_period_s = 0.02
     clocked_output = True
 
-    def __init__(self, *args: Any, audio: np.ndarray | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, audio: np.ndarray | None = None, on_answer: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.audio = audio
+        self.on_answer = on_answer           # given the peer connection before ICE (bench/impair.py's hook)
         self.call: Any = None
         self.stats: dict[str, Any] | None = None
 
@@ -465,7 +476,7 @@ class WebRTCClient(DoorClient):
         self.open_began = time.monotonic()
         api_key = self.headers.get("Authorization", "").removeprefix("Bearer ") or None
         self.call = RealtimeCall(self.base_url, self.audio, loop_audio=True, api_key=api_key,
-                                 session={"instructions": self.persona})
+                                 session={"instructions": self.persona}, on_answer=self.on_answer)
         try:
             await self.call.connect()
         except CallRefused as e:
@@ -540,6 +551,8 @@ def peer_report(st: dict[str, Any]) -> dict[str, Any]:
         "late_drops": jb.get("late_drops"),
         "overrun_drops_ms": jb.get("overrun_drops_ms"),
         "input_target_ms": jb.get("target_ms"),
+        "sound_cut_max_ms": jb.get("sound_cut_max_ms"),
+        "hard_cuts": jb.get("hard_cuts"),
         "playout_prebuffer_ms": out.get("prebuffer_ms"),
         "packets_received": rtp.get("packets_received"),
         "packets_lost": rtp.get("packets_lost"),

@@ -19,6 +19,13 @@ and tick quantiles (`/health`'s recent window, and from the `/metrics` tick hist
 errors by code over the run (`/metrics` before and after); CPU % of each server process (`/health`'s `processes`
 and `--server-pids`, read from /proc, so on this machine only) and of the driver's own processes. `--out FILE`
 appends the line.
+
+Far callers: `--impair far` (any `bench.impair.Link` spec) puts `--impaired-share` of each door's sessions (every
+other one at 0.5) behind that link both ways, seeded per session: WebSocket doors through a TCP relay in their
+client process, WebRTC through a hook in the peer's ICE transport. Every session then also reports what its caller
+hears (`hearing`: a fixed-delay player at 80/160/320 ms on the WebSocket doors, a NetEq-like adaptive player on
+WebRTC's packets), impaired ones the link's record (`impairment`); WebRTC calls' server counters and the native
+dialect's `session.link` give the server's input side. `conditions` summarises clean and impaired per door.
 """
 
 from __future__ import annotations
@@ -36,11 +43,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
 
 from bench.doors import DOORS, RATE, DoorClient, WebRTCClient, client_session, quantiles, speech
+from bench.impair import Link, LinkModel, PeerImpairment, TcpRelay, impair_peer
+from bench.impair_report import adaptive_player, fixed_delay_player
 from bench.server_probe import server_report, server_snapshot
 
 DEFAULT_MIX = "realtime=0.4,webrtc=0.3,twilio=0.2,duplex=0.1"
@@ -55,6 +65,7 @@ class Planned:
     door: str
     proc: int
     open_at_s: float
+    link: str | None = None       # a bench.impair.Link spec: this session's caller is behind it
 
 
 @dataclass
@@ -65,6 +76,7 @@ class ProcJob:
     audio: np.ndarray
     seconds: float
     drain_s: float
+    seed: int = 0
     pieces: dict[int, list[bytes]] = field(default_factory=dict)  # per session, made before the start
 
     def session_audio(self, p: Planned) -> np.ndarray:
@@ -132,30 +144,77 @@ def plan(args: argparse.Namespace) -> list[Planned]:
         offsets = [i * args.burst_s / args.sessions for i in range(args.sessions)]
     else:
         offsets = [i * args.interval_ms / 1000.0 for i in range(args.sessions)]
-    return [Planned(i, d, i % args.procs, t) for i, (d, t) in enumerate(zip(doors, offsets))]
+    seen: dict[str, int] = {}
+    links: list[str | None] = []
+    for d in doors:          # each door's k-th session is impaired when the share's running count steps
+        k = seen[d] = seen.get(d, -1) + 1
+        impaired = args.impair is not None and int((k + 1) * args.impaired_share) > int(k * args.impaired_share)
+        links.append(args.impair if impaired else None)
+    return [Planned(i, d, i % args.procs, t, link) for i, (d, t, link) in enumerate(zip(doors, offsets, links))]
 
 
-def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: np.ndarray) -> DoorClient:
+def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: np.ndarray,
+                on_answer: Any = None) -> DoorClient:
     if door == "webrtc":
-        return WebRTCClient(name, url, headers, PERSONA, audio=audio)
+        return WebRTCClient(name, url, headers, PERSONA, audio=audio, on_answer=on_answer)
     return DOORS[door](name, url, headers, PERSONA)
 
 
+PLAYERS_MS = (80.0, 160.0, 320.0)
+
+
+def hearing(client: DoorClient) -> dict[str, Any]:
+    """What the caller's player made of the model's audio (bench/impair_report.py)."""
+    if isinstance(client, WebRTCClient):
+        return {"adaptive": adaptive_player(client.call.recording.chunks if client.call else [])}
+    return {"fixed": [fixed_delay_player(client.received.times, client.received.ends_s, ms) for ms in PLAYERS_MS]}
+
+
+def impairment(models: tuple[LinkModel, LinkModel], peer: PeerImpairment | None, spec: str) -> dict[str, Any]:
+    up, down = models
+    out = {"link": spec, "up": up.stats.summary(), "down": down.stats.summary()}
+    if peer is not None:
+        out["rtp_lost_ms"] = 20.0 * len(peer.rtp_lost_at)
+    return out
+
+
 async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0: float) -> dict[str, Any]:
-    """Open at its time, stream, drain, close; its report (or why it has none)."""
+    """Open at its time (behind its link, if any), stream, drain, close; its report (or why it has none)."""
     await asyncio.sleep(max(0.0, t0 + p.open_at_s - time.monotonic()))
     audio = job.session_audio(p)
-    client = make_client(p.door, f"{p.door}{p.index}", job.url, job.headers, audio)
+    link = Link.parse(p.link) if p.link else None
+    seed = job.seed + 10 * p.index
+    relay: TcpRelay | None = None
+    peers: list[PeerImpairment] = []
+    url, on_answer = job.url, None
+    if link is not None and p.door == "webrtc":
+        def on_answer(pc: Any) -> None:
+            peers.append(impair_peer(pc, link, link, seed))
+    elif link is not None:
+        target = urlsplit(job.url)
+        relay = await TcpRelay((target.hostname or "127.0.0.1", target.port or 80), link, link, seed).start()
+        url = f"http://127.0.0.1:{relay.port}"
+    client = make_client(p.door, f"{p.door}{p.index}", url, job.headers, audio, on_answer)
+    extra: dict[str, Any] = {}
     try:
         refused = await client.open(http)
         if refused is not None:
-            return {"index": p.index, "door": p.door, "name": client.name, "refused": refused.get("error", refused)}
+            return {"index": p.index, "door": p.door, "link": p.link, "name": client.name,
+                    "refused": refused.get("error", refused)}
         await client.stream(audio, time.monotonic(), pieces=job.pieces.get(p.index))
         await client.wait_output(job.drain_s)
+        extra["hearing"] = hearing(client)
         await asyncio.wait_for(client.close(), 15)
     except Exception as e:   # one broken session is a finding of the run, not the end of it
-        return {"index": p.index, **client.report(), "failed": repr(e)}
-    return {"index": p.index, "open_at_s": p.open_at_s, **client.report()}
+        return {"index": p.index, "link": p.link, **client.report(), "failed": repr(e)}
+    finally:
+        if relay is not None:
+            await relay.close()
+    if p.link is not None:
+        models = (peers[0].up, peers[0].down) if peers else relay.models[0] if relay and relay.models else None
+        if models is not None:
+            extra["impairment"] = impairment(models, peers[0] if peers else None, p.link)
+    return {"index": p.index, "open_at_s": p.open_at_s, "link": p.link, **client.report(), **extra}
 
 
 def rusage_cpu_s() -> float:
@@ -208,6 +267,38 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
         out["server_added_ms"] = {f"{side}_{stat}_mean": _mean([s[f"{side}_added_ms"][stat] for s in servers
                                                                 if s[f"{side}_added_ms"][stat] is not None])
                                   for side in ("input", "output") for stat in ("p50", "p95")}
+        out["server_input"] = {
+            "added_p50_ms_max": max((s["input_added_ms"]["p50"] or 0.0 for s in servers), default=None),
+            "underruns_max": max((s["input_underruns"] or 0 for s in servers), default=None),
+            "concealed_ms_max": max((s["concealed_ms"] for s in servers), default=None),
+            "sound_cut_max_ms": max((s.get("sound_cut_max_ms") or 0.0 for s in servers), default=None),
+            "hard_cuts": sum(s.get("hard_cuts") or 0 for s in servers)}
+    links = [r["server_link"]["input"] for r in live if "server_link" in r]
+    if links:
+        out["server_input"] = {
+            "added_p50_ms_max": max(((x["added_ms"] or {}).get("p50") or 0.0 for x in links), default=None),
+            "underruns_max": max(x["underruns"] for x in links), "jitter_ms_max": max(x["jitter_ms"] for x in links),
+            "sound_cut_max_ms": max(x["sound_cut_max_ms"] for x in links),
+            "hard_cuts": sum(x["hard_cuts"] for x in links),
+            "playout_ms_max": max(r["server_link"]["playout_ms"] for r in live if "server_link" in r)}
+    heard = [r["hearing"] for r in live if "hearing" in r]
+    fixed = [h["fixed"] for h in heard if "fixed" in h]
+    if fixed:
+        out["player_gaps"] = {f"{int(f['delay_ms'])}ms": sum(h[i]["gaps"] for h in fixed)
+                              for i, f in enumerate(fixed[0])}
+        out["player_needed_ms_max"] = max((h[0]["needed_ms"] or 0.0 for h in fixed), default=None)
+    adaptive = [h["adaptive"] for h in heard if "adaptive" in h]
+    if adaptive:
+        out["player_concealed_ms_max"] = max(a["concealed_ms"] for a in adaptive)
+        out["player_underruns_max"] = max(a["underruns"] for a in adaptive)
+    links_up = [r["impairment"] for r in live if "impairment" in r]
+    if links_up:
+        out["link_jitter_p95_ms_max"] = max(x["up"]["jitter_p95_ms"] for x in links_up)
+        out["link_up_loss_pct_mean"] = _mean([x["up"]["loss_pct"] for x in links_up])
+        webrtc = [(r["impairment"]["rtp_lost_ms"], r["server"]["concealed_ms"]) for r in live
+                  if "impairment" in r and "server" in r and "rtp_lost_ms" in r["impairment"]]
+        if webrtc:
+            out["webrtc_concealed_minus_lost_ms_max"] = round(max(c - lost for lost, c in webrtc), 1)
     return out
 
 
@@ -241,7 +332,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         mine = [p for p in sessions if p.proc == k]
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=proc_main, args=(child, ProcJob(args.url, headers, mine, audio, args.seconds,
-                                                                   args.drain_s)), daemon=True)
+                                                                   args.drain_s, args.impair_seed)), daemon=True)
         proc.start()
         procs.append(proc)
         conns.append(parent)
@@ -268,11 +359,16 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         proc.join(10)
     reports = sorted((r for d in done for r in d["reports"]), key=lambda r: r["index"])
     by_door = {door: summarize([r for r in reports if r["door"] == door]) for door in args.mix}
+    conditions = {cond: {door: summarize(subset) for door in args.mix
+                         if (subset := [r for r in reports if r["door"] == door
+                                        and (r.get("link") or "clean") == cond])}
+                  for cond in {"clean", *(p.link for p in sessions if p.link)}}
     return {
         "bench": "e2e", "url": args.url, "sessions": args.sessions, "mix": args.mix, "seconds": args.seconds,
         "open": args.open, **({"burst_s": args.burst_s} if args.open == "burst" else {"interval_ms": args.interval_ms}),
         "procs": args.procs, "wall_s": round(wall, 2), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "summary": summarize(reports), "doors": by_door,
+        "summary": summarize(reports), "doors": by_door, "conditions": conditions,
+        "impair": args.impair, "impaired_share": args.impaired_share if args.impair else 0.0,
         "extra_open": extra,
         "server": server_report(before, after, pids),
         "driver": {"main_cpu_pct": round(100.0 * (rusage_cpu_s() - main_c0) / wall, 1),
@@ -323,7 +419,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-settle-s", type=float, default=1.0, help="wait after all are live before the extra open")
     p.add_argument("--drain-s", type=float, default=1.0, help="after the last send, before counting what came")
     p.add_argument("--api-key")
+    p.add_argument("--impair", type=_link, help="put a share of each door's sessions behind this link (bench.impair: "
+                   "a preset such as far, bursty, stalls, or fields: delay_ms=75,jitter_ms=30,loss=0.01)")
+    p.add_argument("--impaired-share", type=float, default=0.5,
+                   help="with --impair: this share of each door's sessions")
+    p.add_argument("--impair-seed", type=int, default=0)
     return p
+
+
+def _link(text: str) -> str:
+    try:
+        Link.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
