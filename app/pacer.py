@@ -7,7 +7,7 @@ frame (24 kHz) into a `PlayoutBuffer` (a small adaptive prebuffer); the first wr
 calls `send(chunk)` on the clock; after a stall the clock moves on instead of catching up in a burst.
 
 Marks: `mark(name)` is answered (`on_mark(name)`) once every sample written before it has been sent; `clear()`
-drops the audio not sent yet and answers the pending marks at once.
+drops the audio not sent yet and the marks placed in it (they will never be answered: their audio never leaves).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Pacer:
 
     def clear(self) -> None:
         self.playout.clear()
-        self._answer_marks()
+        self.marks.clear()
 
     def stop(self) -> None:
         if self._task is not None:

@@ -24,7 +24,7 @@ from app.audio import InputDecoder, b64decode
 from app.conversation import Backpressure
 from app.errors import ProtocolError
 from app.pacer import Pacer
-from app.session import Session
+from app.session import OUTPUT_TAG, Session
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_POLICY
 from app.wire import WireError, parse_value
@@ -54,6 +54,9 @@ class PhoneLine(Session):
 
     def on_mark(self, name: str) -> None:
         """Every sample written before `Pacer.mark(name)` has been sent."""
+
+    def on_cut(self) -> None:
+        """The audio not sent yet was dropped (`cut`): tell the vendor to drop what it has buffered too."""
 
     # ---- the call --------------------------------------------------------------------------------------------
 
@@ -114,6 +117,15 @@ class PhoneLine(Session):
     def _on_frame(self, frame: FrameOutput) -> None:
         if not self.closed and self.pacer is not None:
             self.pacer.write(frame.audio)
+
+    def cut(self) -> None:
+        """Stop what the caller is about to hear: the model's audio not sent yet is dropped (paced and queued),
+        and the vendor is told to drop what it buffered (`on_cut`)."""
+        if self.closed or self.pacer is None:
+            return
+        self.pacer.clear()
+        self.outbox.drop_tagged(OUTPUT_TAG)
+        self.on_cut()
 
     def _send_chunk(self, samples: np.ndarray) -> None:
         if not self.closed:

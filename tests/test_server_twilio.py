@@ -1,88 +1,74 @@
-"""`/v1/twilio` with a local fake Twilio bridge (paced 20 ms μ-law media, marks, clear, dtmf, stop), and the G.711
-round trip through the server's per-session converters."""
+"""`/v1/twilio` against a fake Twilio that behaves as Twilio documents (tests/twilio_fake.py: paced 20 ms μ-law media,
+the server's marks echoed once played, dtmf, stop), and the G.711 round trip through the server's per-session
+converters."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
-from typing import Any
 
 import aiohttp
 import numpy as np
 import pytest
-from server_support import b64, closed_with, expect_error, next_event
+from server_support import b64, closed_with, eventually, expect_error, next_event
+from twilio_fake import ULAW, FakeTwilio, start_event
 
 from app.audio import InputDecoder, OutputEncoder
 from media.codecs import AudioFormat
 from media.resample import Resampler
 
-ULAW = AudioFormat("pcmu", 8000)
 
-
-def start_event(sid: str = "MZ0001", **params: str) -> dict[str, Any]:
-    return {"event": "start", "sequenceNumber": "1", "streamSid": sid, "start": {
-        "streamSid": sid, "accountSid": "AC1", "callSid": "CA1", "tracks": ["inbound"],
-        "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1},
-        "customParameters": params}}
-
-
-async def test_realtime_fake_bridge_call(server, speech_24k):
-    """Real time: the media it sends back is paced on the wall clock (checked with room for a loaded machine)."""
-    caller = ULAW.encode(Resampler(24000, 8000).process(np.tile(speech_24k, 2)[: 24000 * 2]))
-    sid = "MZ42"
-    received: list[tuple[float, dict[str, Any]]] = []
+async def test_realtime_a_call_as_twilio_speaks(server, speech_24k):
+    """Real time: against a fake Twilio that plays what it gets at real time and echoes only our marks. The media it
+    gets is paced on the wall clock (checked with room for a loaded machine); a mark follows each engine frame's
+    audio; the server learns from the echoes how much the caller heard; a mark the client sends is not echoed."""
+    caller = Resampler(24000, 8000).process(np.tile(speech_24k, 2)[: 24000 * 2])
     async with aiohttp.ClientSession() as http, http.ws_connect(server.ws("/v1/twilio")) as ws:
+        twilio = FakeTwilio(ws, "MZ42")
+        await twilio.start(persona="You answer the phone for a bakery.", voice="NATM1", seed="5",
+                           text_temperature="0.6")
+        arrivals: list[float] = []
+        count = 0
 
-        async def reader() -> None:
-            while True:
-                msg = await ws.receive()
-                if msg.type is not aiohttp.WSMsgType.TEXT:
-                    return
-                received.append((time.monotonic(), msg.json()))
+        async def watch() -> None:
+            nonlocal count
+            while not twilio.closed.is_set():
+                if len(twilio.received) > count:
+                    arrivals.extend([time.monotonic()] * (len(twilio.received) - count))
+                    count = len(twilio.received)
+                await asyncio.sleep(0.005)
 
-        task = asyncio.ensure_future(reader())
-        await ws.send_json({"event": "connected", "protocol": "Call", "version": "1.0.0"})
-        await ws.send_json(start_event(sid, persona="You answer the phone for a bakery.", voice="NATM1",
-                                       seed="5", text_temperature="0.6"))
-        t0 = time.monotonic()
-        chunks = [caller[i:i + 160] for i in range(0, len(caller), 160)]
-        mark_sent_at = None
-        for n, chunk in enumerate(chunks):
-            await ws.send_json({"event": "media", "sequenceNumber": str(n + 2), "streamSid": sid,
-                                "media": {"track": "inbound", "chunk": str(n + 1), "timestamp": str(n * 20),
-                                          "payload": b64(chunk)}})
-            if n == 60:
-                await ws.send_json({"event": "mark", "streamSid": sid, "mark": {"name": "greeting"}})
-                await ws.send_json({"event": "dtmf", "streamSid": sid, "dtmf": {"track": "inbound_track",
-                                                                                "digit": "5"}})
-                mark_sent_at = len(received)
-            await asyncio.sleep(max(0.0, t0 + (n + 1) * 0.02 - time.monotonic()))
-        await ws.send_json({"event": "mark", "streamSid": sid, "mark": {"name": "before-clear"}})
-        await ws.send_json({"event": "clear", "streamSid": sid})
+        watcher = asyncio.ensure_future(watch())
+        await ws.send_json({"event": "mark", "streamSid": "MZ42", "mark": {"name": "mine"}})
+        await ws.send_json({"event": "dtmf", "streamSid": "MZ42", "dtmf": {"track": "inbound_track", "digit": "5"}})
+        await twilio.speak(caller)
+        session = next(s.session for s in server.ctx.sockets if s.session.route == "/v1/twilio")
+        await eventually(lambda: len(twilio.echoed) >= 10, 10, "Twilio echoes the marks of what it played")
         await asyncio.sleep(0.3)
-        await ws.send_json({"event": "stop", "streamSid": sid, "stop": {"accountSid": "AC1", "callSid": "CA1"}})
-        await asyncio.wait_for(task, 5)
+        heard_s = session.heard_s
+        await twilio.stop()
+        watcher.cancel()
+        twilio.close()
         assert ws.close_code == 1000
 
-    events = [e for _, e in received]
-    assert not [e for e in events if e.get("type") == "error"], events
-    media = [(t, e) for t, e in received if e["event"] == "media"]
-    assert media and all(e["streamSid"] == sid for _, e in media)
-    payloads = [base64.b64decode(e["media"]["payload"]) for _, e in media]
-    assert {len(p) for p in payloads} == {160}
-    audio = ULAW.decode(b"".join(payloads))
-    assert float(np.sqrt(np.mean(audio ** 2))) > 1e-4
+    kinds = [e["event"] for e in twilio.events]
+    assert "error" not in kinds, twilio.events
+    assert set(kinds) == {"mark"}, kinds                               # media and our marks only: no echo of "mine"
+    names = [e["mark"]["name"] for e in twilio.events]
+    assert names == [f"f{n}" for n in range(1, len(names) + 1)]        # one after each engine frame, in order
+    assert all(e["streamSid"] == "MZ42" for e in twilio.events)
+    assert {len(p) for p in twilio.received} == {160}
+    assert float(np.sqrt(np.mean(ULAW.decode(b"".join(twilio.received)) ** 2))) > 1e-4
     # Paced at real time: one 20 ms chunk per 20 ms of wall clock, never a burst (and, however loaded the machine
     # that runs both ends, at least half of real time).
-    span = media[-1][0] - media[0][0]
-    assert len(media) <= span / 0.02 + 6, (len(media), span)
-    assert len(media) >= span / 0.02 * 0.5, (len(media), span)
-    marks = [e["mark"]["name"] for e in events if e["event"] == "mark"]
-    assert marks == ["greeting", "before-clear"]
-    greeting_at = next(i for i, e in enumerate(events) if e["event"] == "mark")
-    assert mark_sent_at is not None and greeting_at >= mark_sent_at
-    assert all(e["streamSid"] == sid for e in events if e["event"] == "mark")
+    span = arrivals[-1] - arrivals[0]
+    assert len(arrivals) <= span / 0.02 + 6, (len(arrivals), span)
+    assert len(arrivals) >= span / 0.02 * 0.5, (len(arrivals), span)
+    # What the server says was heard is what the fake played: its echoes come after the audio they follow.
+    echoed_frames = int(twilio.echoed[-1][1:]) if twilio.echoed else 0
+    assert heard_s <= echoed_frames * 0.08 + 1e-9
+    assert heard_s >= 0.08 * (echoed_frames - 5), (heard_s, echoed_frames)
+    assert heard_s <= len(twilio.played) * 0.02 + 0.08, (heard_s, len(twilio.played))
 
 
 async def test_twilio_bad_inputs(server):
