@@ -57,12 +57,9 @@ from aiohttp import web
 
 from app.auth import CLIENT_SECRET, key_ok, origin_ok, presented_key, refusal
 from app.context import CONTEXT, ServerContext
-from app.conversation import Conversation
 from app.errors import ProtocolError, http_error_body
-from app.realtime import _FALSE, RealtimeSession, is_beta, realtime_handler
 from app.realtime_update import read_update
 from app.session_config import default_config, with_update
-from app.websocket import serve
 from app.wire import WireError, parse_object
 from model.engine.pool import EnginePool
 
@@ -310,44 +307,6 @@ def merged_session(bound: dict[str, Any], given: dict[str, Any] | None) -> dict[
         inner = out.get(key)
         out[key] = merged_session(inner, value) if isinstance(value, dict) and isinstance(inner, dict) else value
     return out
-
-
-class BoundSession(RealtimeSession):
-    """A Realtime WebSocket session opened with a client secret: its id is the one the mint answered, and its bound
-    session is applied as a `session.update` is, before `session.created`, which carries it."""
-
-    def __init__(self, ctx: ServerContext, beta: bool, claim: Claim) -> None:
-        super().__init__(ctx, beta)
-        self.session_id = claim.id
-        self.bound = claim.session
-        self._greeting = False
-
-    async def greet(self, conversation: Conversation) -> None:
-        self._greeting = True              # RealtimeSession.greet's `session.created` (the defaults) is held back
-        try:
-            await super().greet(conversation)
-        finally:
-            self._greeting = False
-        refused: ProtocolError | None = None
-        try:   # checked at the mint: only a server changed since (a voice file gone) refuses it now
-            self.apply_update(read_update(self.bound))
-        except ProtocolError as e:
-            refused = e
-        await self.send({"type": "session.created", "session": self.session_object()})
-        if refused is not None:
-            await self.send_error(refused)
-
-    async def send(self, event: dict[str, Any]) -> None:
-        if not self._greeting:
-            await super().send(event)
-
-
-async def realtime_entry(request: web.Request) -> web.StreamResponse:
-    """`WS /v1/realtime`: a session bound to the presented client secret, else the plain Realtime session."""
-    claim = request.get(CLIENT_SECRET)
-    if claim is None or request.query.get("duplex", "1").lower() in _FALSE:
-        return await realtime_handler(request)
-    return await serve(request, BoundSession(request.app[CONTEXT], is_beta(request), claim))
 
 
 def setup_client_secrets(app: web.Application) -> None:

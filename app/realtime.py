@@ -27,7 +27,7 @@ import numpy as np
 from aiohttp import web
 
 from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
-from app.auth import BETA_SUBPROTOCOL, offered_subprotocols
+from app.auth import BETA_SUBPROTOCOL, CLIENT_SECRET, offered_subprotocols
 from app.context import CONTEXT, ServerContext
 from app.conversation import Backpressure, Conversation, State
 from app.errors import MAX_ECHO_CHARS, ProtocolError
@@ -129,11 +129,15 @@ class RealtimeSession(Session):
 
     route = "/v1/realtime"
 
-    def __init__(self, ctx: ServerContext, beta: bool) -> None:
+    def __init__(self, ctx: ServerContext, beta: bool, session_id: str | None = None,
+                 bound: dict[str, Any] | None = None) -> None:
+        """`session_id` and `bound`: a client secret's (app/client_secrets.py): the id its mint answered and the
+        session config it carries, applied before `session.created`."""
         super().__init__(ctx)
         self.beta = beta
         self.names = BETA_NAMES if self.beta else GA_NAMES
-        self.session_id = new_id("sess")
+        self.session_id = session_id or new_id("sess")
+        self.bound = bound
         self.config: SessionConfig = SessionConfig()
         self.decoder: InputDecoder | None = None
         self.encoder: OutputEncoder | None = None
@@ -166,7 +170,15 @@ class RealtimeSession(Session):
         self.config = default_config(self.ctx)
         self.decoder = InputDecoder(self.config.input_format)
         self.encoder = OutputEncoder(self.config.output_format)
+        refused: ProtocolError | None = None
+        if self.bound is not None:
+            try:   # checked at the mint: only a server changed since (a voice file gone) refuses it now
+                self.apply_update(read_update(self.bound))
+            except ProtocolError as e:
+                refused = e
         await self.send({"type": "session.created", "session": self.session_object()})
+        if refused is not None:
+            await self.send_error(refused)
 
     def session_object(self) -> dict[str, Any]:
         """The session as GA clients read it, with the beta spellings beside; where the beta type allows only
@@ -624,4 +636,6 @@ async def realtime_handler(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"type": "invalid_request_error", "code": "unsupported_event",
                                             "message": "Realtime API is not available: this server serves "
                                                        "duplex sessions only (?duplex=1)"}}, status=400)
-    return await serve(request, RealtimeSession(request.app[CONTEXT], is_beta(request)))
+    claim = request.get(CLIENT_SECRET)   # a client secret's session id and bound config, when one was presented
+    session = RealtimeSession(request.app[CONTEXT], is_beta(request), claim and claim.id, claim and claim.session)
+    return await serve(request, session)

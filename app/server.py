@@ -29,14 +29,14 @@ from aiohttp import web
 
 from app.audiosocket import setup_audiosocket
 from app.auth import RedactingAccessLogger, authorized
-from app.client_secrets import realtime_entry, setup_client_secrets
+from app.client_secrets import setup_client_secrets
 from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
 from app.errors import http_error_body
 from app.freeswitch import freeswitch_handler
 from app.loop_lag import collector_report, freeze_startup_objects
 from app.probes import DRAINING, READY, readiness, serve_agent
-from app.realtime import capabilities
+from app.realtime import capabilities, realtime_handler
 from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
 from app.telnyx import telnyx_handler
 from app.twilio import twilio_handler
@@ -343,7 +343,7 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/voices", voices)
-    app.router.add_get("/v1/realtime", realtime_entry)
+    app.router.add_get("/v1/realtime", realtime_handler)
     app.router.add_get("/v1/duplex", duplex_handler)
     app.router.add_get("/v1/twilio", twilio_handler)
     app.router.add_get("/v1/telnyx", telnyx_handler)
