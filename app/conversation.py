@@ -5,6 +5,7 @@ Every session (each WebSocket dialect, each bridge, a WebRTC call) holds one `Co
     slot = await engine.reserve_wait(timeout_s)       # admission (raises ResourceExhausted)
     conv = Conversation(slot, metrics=metrics, input_policy=InputPolicy(backlog_s=2.0))
     remove = conv.add_listener(on_frame, on_error)    # called on the event loop, in frame order
+    conv.add_input_tap(tap)                           # each input frame the engine takes (a recording)
     conv.start(SessionParams(...))                    # -> asyncio.Task (prefill, then live); makes `conv.input` now
     conv.push(None, samples_24k)                      # or hand `conv.input` (a JitterBuffer, a PtsSink) to a receiver
     await conv.restart()                              # fresh context, same params; indices restart at 0
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 FrameListener = Callable[[FrameOutput], None]
 ErrorListener = Callable[[EngineError], None]
+InputTap = Callable[[np.ndarray], None]
 
 
 class Backpressure(Exception):
@@ -77,6 +79,7 @@ class Conversation:
         self._metrics = metrics
         self._frame_listeners: list[FrameListener] = []
         self._error_listeners: list[ErrorListener] = []
+        self._input_taps: list[InputTap] = []
         self._last_index = -1           # last frame index delivered in this context
         self._restarting: int | None = None  # last index of the context being ended, while restart() runs
         self._final_counters: dict[str, int] | None = None
@@ -97,6 +100,11 @@ class Conversation:
             if on_error is not None and on_error in self._error_listeners:
                 self._error_listeners.remove(on_error)
         return remove
+
+    def add_input_tap(self, tap: InputTap) -> None:
+        """Before `start`: `tap(frame)` gets each input frame the engine takes (1920 samples at 24 kHz), in order; in
+        one process on the engine's thread, so it must only hand the frame on (a call's recording)."""
+        self._input_taps.append(tap)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -128,7 +136,8 @@ class Conversation:
     async def _start(self, params: SessionParams) -> None:
         assert self.input is not None
         try:
-            await self.slot.start(params, self.input, self._on_output_engine, self._on_error_engine)
+            source = _TappedInput(self.input, self._input_taps) if self._input_taps else self.input
+            await self.slot.start(params, source, self._on_output_engine, self._on_error_engine)
         except BaseException:
             if self.state is State.STARTING:
                 self.state = State.IDLE
@@ -242,3 +251,21 @@ class Conversation:
             return dict(self._final_counters)
         s = self.slot.stats()
         return {"frames_in": s.frames_in, "frames_out": s.frames_out, "underruns": s.underruns}
+
+
+class _TappedInput:
+    """The input buffer as the engine reads it, each frame it takes handed to the taps as well."""
+
+    def __init__(self, source: JitterBuffer, taps: list[InputTap]) -> None:
+        self._source = source
+        self._taps = taps
+
+    def read_frame(self) -> np.ndarray | None:
+        frame = self._source.read_frame()
+        if frame is not None:
+            for tap in self._taps:
+                tap(frame)
+        return frame
+
+    def frames_ready(self) -> int:
+        return self._source.frames_ready()
