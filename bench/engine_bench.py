@@ -2,7 +2,7 @@
 
     python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
                                  [--loads 1x0 250x1650 144x3000] [--open-background 64] [--opens 5] [--fp8-kv]
-                                 [--mimi-encoder-bf16] [--mimi-decoder-bf16] [--tiny]
+                                 [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
@@ -208,8 +208,10 @@ def main() -> None:
     parser.add_argument("--opens", type=int, default=5, help="opens of each kind to time (0: none)")
     parser.add_argument("--loads", type=load, nargs="+", help="SESSIONSxCONTEXT pairs instead of every pair")
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
-    parser.add_argument("--mimi-encoder-bf16", action="store_true", help="Mimi's streaming encoder in bf16")
-    parser.add_argument("--mimi-decoder-bf16", action="store_true", help="Mimi's streaming decoder in bf16")
+    parser.add_argument("--mimi-encoder-bf16", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.mimi_encoder_bf16, help="Mimi's streaming encoder in bf16 (CUDA)")
+    parser.add_argument("--mimi-decoder-bf16", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.mimi_decoder_bf16, help="Mimi's streaming decoder in bf16 (CUDA)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     asyncio.run(main_async(args))

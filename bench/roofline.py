@@ -1,7 +1,7 @@
 """Roofline of the engine's tick, part by part: what each part must read and compute, what it takes, how close it is.
 
     python -m bench.roofline --fp8-kv [--loads 1x0 250x0 250x1650 144x3000] [--steps 20] [--top 10]
-                             [--engine-json docs/bench/FILE.jsonl] [--mimi-encoder-bf16] [--mimi-decoder-bf16]
+                             [--engine-json docs/bench/FILE.jsonl] [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16]
                              [--mimi-variants] [--tiny]
 
 Full 7B shape with random bf16 weights on the GPU. For each load (sessions x context frames), one JSON line per part
@@ -114,7 +114,7 @@ def kernel_profile(fns: dict[str, Callable[[], None]], iterations: int) -> dict[
     out: dict[str, dict[str, tuple[float, int]]] = {name: {} for name in fns}
     for _ in range(iterations):
         for name, fn in fns.items():
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():  # as the engine runs them
                 fn()
                 torch.cuda.synchronize()
             for event in prof.key_averages():
@@ -124,6 +124,17 @@ def kernel_profile(fns: dict[str, Callable[[], None]], iterations: int) -> dict[
                                             calls + event.count)
     return {name: {k: (ms, calls // iterations) for k, (ms, calls) in kernels.items()}
             for name, kernels in out.items()}
+
+
+def op_profile(fn: Callable[[], None], top: int) -> list[list]:
+    """The operators (with input shapes) that take most device time in one eager run of `fn`."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof, \
+            torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    ops.sort(key=lambda e: -e.self_device_time_total)
+    return [[e.key, round(e.self_device_time_total / 1000, 3), e.count, str(e.input_shapes)[:120]] for e in ops[:top]]
 
 
 def is_attention(kernel: str) -> bool:
@@ -266,6 +277,8 @@ def mimi_variant(mimi: Mimi, name: str, rows: int, device: torch.device, steps: 
         line[f"{part}_kernel_ms"] = round(sum(ms for ms, _ in part_kernels.values()), 3)
         top = sorted(part_kernels.items(), key=lambda kv: -kv[1][0])[:top_kernels]
         line[f"{part}_top"] = [[k[:80], round(v[0], 3), v[1]] for k, v in top]
+    line["encode_ops"] = op_profile(lambda: mimi.encode_frame(pcm, state), top_kernels)
+    line["decode_ops"] = op_profile(lambda: mimi.decode_frame(codes, state), top_kernels)
     return line
 
 
@@ -286,8 +299,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=10, help="kernels listed per part (0: none)")
     parser.add_argument("--fp8-kv", action="store_true")
-    parser.add_argument("--mimi-encoder-bf16", action="store_true")
-    parser.add_argument("--mimi-decoder-bf16", action="store_true")
+    parser.add_argument("--mimi-encoder-bf16", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.mimi_encoder_bf16)
+    parser.add_argument("--mimi-decoder-bf16", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.mimi_decoder_bf16)
     parser.add_argument("--mimi-variants", action="store_true", help="also time Mimi alone in three precisions")
     parser.add_argument("--engine-json", help="engine_bench JSON lines whose host p50 to take for each load")
     parser.add_argument("--peak-tbs", type=float, default=4.8, help="memory bandwidth, TB/s (H200 datasheet)")

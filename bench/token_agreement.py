@@ -1,16 +1,16 @@
-"""Greedy tokens of an engine on a faster numeric path against today's path, frame by frame, on the same input.
+"""Greedy tokens of engines on faster numeric paths against today's path, frame by frame, on the same input.
 
-    python -m bench.token_agreement --fp8-kv [--rows 64] [--frames 2000] [--mimi-encoder-bf16] [--mimi-decoder-bf16]
-                                    [--tiny]
+    python -m bench.token_agreement --fp8-kv [--rows 64] [--frames 2000] [--candidates decoder_bf16 bf16] [--tiny]
 
-Two engines over one model (full 7B shape, random bf16 weights): the reference (Mimi in float32, as the reference
-computes it) and the candidate (the flags given). Both step `--rows` fresh greedy rows through `--frames` frames of
-the same speech-like input (a voiced, pitch-gliding signal with pauses and noise, different for every row), and
-every emitted frame's 17 tokens (text, 8 agent codes, 8 user codes: the Mimi encoder's) are compared. One JSON line,
-"token_agreement": frames compared and equal (all 17 tokens), per stream (text, agent, user codes), rows that ever
-diverged and their first divergent frame, and the audio: the candidate's decoded audio against the reference's, as
-an SNR in dB per row over the frames before that row's first divergence (where both decoded the same codes).
-`--tiny` runs the tiny checkpoint on the CPU, to try the script.
+Engines over one model (full 7B shape, random bf16 weights): the reference (Mimi in float32, as the reference
+computes it) and one per candidate: `decoder_bf16` (Mimi's streaming decoder in bf16), `encoder_bf16`, `bf16`
+(both). All step `--rows` fresh greedy rows through `--frames` frames of the same speech-like input (a voiced,
+pitch-gliding signal with pauses and noise, different for every row), and every emitted frame's 17 tokens (text,
+8 agent codes, 8 user codes: the Mimi encoder's) are compared. One JSON line per candidate, "token_agreement":
+frames compared and equal (all 17 tokens), per stream (text, agent, user codes), rows that ever diverged and their
+first divergent frame, and the audio: the candidate's decoded audio against the reference's, as an SNR in dB per
+row over the frames before that row's first divergence (where both decoded the same codes).
+`--tiny` runs the tiny checkpoint on the CPU (where every engine runs float32), to try the script.
 """
 
 from __future__ import annotations
@@ -51,9 +51,58 @@ class SpeechLike:
         return np.stack([s[a : a + FRAME_SAMPLES] for s, a in zip(self.signals, starts)])
 
 
-def snr_db(signal: float, error: float) -> float | None:
-    if signal <= 0:
-        return None
+CANDIDATES = {"decoder_bf16": {"mimi_decoder_bf16": True}, "encoder_bf16": {"mimi_encoder_bf16": True},
+              "bf16": {"mimi_encoder_bf16": True, "mimi_decoder_bf16": True}}
+REFERENCE = {"mimi_encoder_bf16": False, "mimi_decoder_bf16": False}
+STREAMS = {"text": slice(0, 1), "agent": slice(1, 9), "user_codes": slice(9, 17)}
+
+
+class Agreement:
+    """One candidate's counts against the reference."""
+
+    def __init__(self, rows: int):
+        self.compared = self.equal = 0
+        self.stream_equal = dict.fromkeys(STREAMS, 0)
+        self.first_divergence = np.full(rows, -1)
+        self.signal, self.error = np.zeros(rows), np.zeros(rows)
+
+    def add(self, index: int, reference: tuple[np.ndarray, ...], candidate: tuple[np.ndarray, ...]) -> None:
+        (ref_tokens, ref_emitted, ref_audio), (tokens, emitted, audio) = reference, candidate
+        if not np.array_equal(ref_emitted, emitted):
+            raise SystemExit(f"frame {index}: the engines emitted different rows")
+        rows = np.flatnonzero(ref_emitted)
+        if rows.size == 0:
+            return
+        same = ref_tokens[rows] == tokens[rows]
+        self.compared += rows.size
+        self.equal += int(same.all(axis=1).sum())
+        for name, cols in STREAMS.items():
+            self.stream_equal[name] += int(same[:, cols].all(axis=1).sum())
+        diverged = rows[~same.all(axis=1)]
+        self.first_divergence[diverged[self.first_divergence[diverged] < 0]] = index
+        agreeing = rows[self.first_divergence[rows] < 0]
+        ref = ref_audio[agreeing].astype(np.float64)
+        self.signal[agreeing] += np.square(ref).sum(axis=1)
+        self.error[agreeing] += np.square(ref - audio[agreeing]).sum(axis=1)
+
+    def summary(self) -> dict:
+        snrs = [snr_db(s, e) for s, e in zip(self.signal, self.error) if s > 0]
+        finite = [v for v in snrs if math.isfinite(v)]
+        diverged = self.first_divergence[self.first_divergence >= 0]
+        compared = max(self.compared, 1)
+        return {
+            "frames_compared": self.compared, "frames_equal": self.equal, "agreement": round(self.equal / compared, 6),
+            "stream_agreement": {name: round(n / compared, 6) for name, n in self.stream_equal.items()},
+            "rows_diverged": int(diverged.size),
+            "first_divergence_min": int(diverged.min()) if diverged.size else None,
+            "first_divergence_p50": float(np.median(diverged)) if diverged.size else None,
+            "audio_snr_db_min": round(min(finite), 2) if finite else None,
+            "audio_snr_db_p50": round(float(np.median(finite)), 2) if finite else None,
+            "audio_rows_bit_equal": sum(1 for v in snrs if v == math.inf),
+        }
+
+
+def snr_db(signal: float, error: float) -> float:
     return math.inf if error == 0 else 10 * math.log10(signal / error)
 
 
@@ -61,9 +110,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--frames", type=int, default=2000)
+    parser.add_argument("--candidates", nargs="+", choices=sorted(CANDIDATES), default=["decoder_bf16", "bf16"])
     parser.add_argument("--fp8-kv", action="store_true")
-    parser.add_argument("--mimi-encoder-bf16", action="store_true")
-    parser.add_argument("--mimi-decoder-bf16", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -73,49 +121,18 @@ def main() -> None:
     # Every row's frames (a ring at most), in pages of at most kv_page_frames (a divisor of the context).
     pages = rows * math.ceil(min(frames + 8, context) / min(page, context)) + rows
     engines = [Engine(model, EngineConfig(max_sessions=rows, fp8_kv=args.fp8_kv, kv_pages=pages, **flags))
-               for flags in ({}, {"mimi_encoder_bf16": args.mimi_encoder_bf16,
-                                  "mimi_decoder_bf16": args.mimi_decoder_bf16})]
+               for flags in [REFERENCE, *(CANDIDATES[name] for name in args.candidates)]]
+    agreements = [Agreement(rows) for _ in args.candidates]
     source = SpeechLike(rows, 30.0, seed=1)
-    streams = {"text": slice(0, 1), "agent": slice(1, 9), "user_codes": slice(9, 17)}
-    compared = equal = 0
-    stream_equal = dict.fromkeys(streams, 0)
-    first_divergence = np.full(rows, -1)
-    signal, error = np.zeros(rows), np.zeros(rows)
     for index in range(frames):
         pcm = source.frame(index)
-        (ref_tokens, ref_emitted, ref_audio), (tokens, emitted, audio) = (
-            tuple(a.copy() for a in engine.step_rows(rows, pcm)) for engine in engines)
-        if not np.array_equal(ref_emitted, emitted):
-            raise SystemExit(f"frame {index}: the engines emitted different rows")
-        rows_emitted = np.flatnonzero(ref_emitted)
-        if rows_emitted.size == 0:
-            continue
-        same = ref_tokens[rows_emitted] == tokens[rows_emitted]
-        compared += rows_emitted.size
-        equal += int(same.all(axis=1).sum())
-        for name, cols in streams.items():
-            stream_equal[name] += int(same[:, cols].all(axis=1).sum())
-        diverged = rows_emitted[~same.all(axis=1)]
-        first_divergence[diverged[first_divergence[diverged] < 0]] = index
-        agreeing = rows_emitted[first_divergence[rows_emitted] < 0]
-        signal[agreeing] += np.square(ref_audio[agreeing].astype(np.float64)).sum(axis=1)
-        error[agreeing] += np.square(ref_audio[agreeing].astype(np.float64) - audio[agreeing]).sum(axis=1)
-    snrs = [snr_db(s, e) for s, e in zip(signal, error) if s > 0]
-    finite = [v for v in snrs if v is not None and math.isfinite(v)]
-    diverged = first_divergence[first_divergence >= 0]
-    print(json.dumps({
-        "bench": "token_agreement", "rows": rows, "frames": frames, "fp8_kv": args.fp8_kv,
-        "mimi_encoder_bf16": args.mimi_encoder_bf16, "mimi_decoder_bf16": args.mimi_decoder_bf16,
-        "frames_compared": compared, "frames_equal": equal, "agreement": round(equal / max(compared, 1), 6),
-        "stream_agreement": {name: round(n / max(compared, 1), 6) for name, n in stream_equal.items()},
-        "rows_diverged": int(diverged.size),
-        "first_divergence_min": int(diverged.min()) if diverged.size else None,
-        "first_divergence_p50": float(np.median(diverged)) if diverged.size else None,
-        "audio_snr_db_min": round(min(finite), 2) if finite else None,
-        "audio_snr_db_p50": round(float(np.median(finite)), 2) if finite else None,
-        "audio_rows_bit_equal": sum(1 for v in snrs if v == math.inf),
-        "seconds": round(time.perf_counter() - started, 1),
-    }), flush=True)
+        reference, *candidates = (tuple(a.copy() for a in engine.step_rows(rows, pcm)) for engine in engines)
+        for agreement, candidate in zip(agreements, candidates):
+            agreement.add(index, reference, candidate)
+    for name, agreement in zip(args.candidates, agreements):
+        print(json.dumps({"bench": "token_agreement", "candidate": name, **CANDIDATES[name], "rows": rows,
+                          "frames": frames, "fp8_kv": args.fp8_kv, **agreement.summary(),
+                          "seconds": round(time.perf_counter() - started, 1)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -147,15 +147,19 @@ class Mimi(nn.Module):
 
     def with_precision(self, encoder: torch.dtype, decoder: torch.dtype) -> Mimi:
         """This codec with its encoder side (SEANet encoder, transformer, downsample) in `encoder` and its decoder
-        side in `decoder`: itself when both are its own, else a copy. The quantizer stays float32 either way (its
-        nearest-centroid search picks the codes; its lookups are a few kilobytes a row)."""
+        side in `decoder`: itself when both are its own, else a codec that shares the parts that keep theirs. The
+        quantizer stays float32 either way (its nearest-centroid search picks the codes; its lookups are a few
+        kilobytes a row)."""
         if encoder == self.encoder_dtype and decoder == self.decoder_dtype:
             return self
-        other = copy.deepcopy(self)
-        for module in (other.encoder, other.encoder_transformer, other.downsample):
-            module.to(encoder)
-        for module in (other.upsample, other.decoder_transformer, other.decoder):
-            module.to(decoder)
+        other = copy.copy(self)
+        other._modules = dict(self._modules)  # a shallow copy would share the submodule table
+        for dtype, names in ((encoder, ("encoder", "encoder_transformer", "downsample")),
+                             (decoder, ("upsample", "decoder_transformer", "decoder"))):
+            for name in names:
+                part = getattr(self, name)
+                if next(part.parameters()).dtype != dtype:
+                    setattr(other, name, copy.deepcopy(part).to(dtype))
         return other
 
     @torch.no_grad()

@@ -124,6 +124,14 @@ def make_engine(tiny_model):
 PARAMS = SessionParams(voice="NATF2", persona="You are a helpful agent.", sampling=GREEDY, pacing="input")
 
 
+def test_a_cpu_engine_streams_through_the_float32_codec_whatever_the_bf16_flags(tiny_model):
+    """Mimi in bf16 is a CUDA option: on the CPU the engine's steps run the model's own float32 codec."""
+    engine = Engine(tiny_model, EngineConfig(max_sessions=1, mimi_encoder_bf16=True, mimi_decoder_bf16=True))
+    assert engine.runner.mimi is tiny_model.mimi
+    state = engine.runner.mimi_state
+    assert all(t.dtype == torch.float32 for t in (*state.encoder.convs, state.decoder.kv.keys))
+
+
 def test_batch_sizes_past_the_table_step_by_32_rows_so_few_graphs_are_captured():
     sizes = {n: bucket(n, 290) for n in range(1, 291)}
     assert all(n <= size <= 290 for n, size in sizes.items())

@@ -434,6 +434,27 @@ def test_fused_residual_helpers_compile_to_what_eager_computes() -> None:
         torch.testing.assert_close(add(x, delta, scale), x + scale * delta, rtol=1e-6, atol=1e-6)
 
 
+def test_a_side_in_bf16_streams_near_float32_and_leaves_the_codec_as_it_was(mimi: Mimi) -> None:
+    """`with_precision`: the sides asked for in bf16, weights and streaming state, the quantizer in float32, the
+    codec it came from untouched; the bf16 decoder's audio ~40 dB from float32's on the same codes, and the bf16
+    encoder's codes mostly the same (each level's nearest centroid sits near others: bf16 moves some)."""
+    assert mimi.with_precision(torch.float32, torch.float32) is mimi
+    half = mimi.with_precision(torch.bfloat16, torch.bfloat16)
+    assert (half.encoder_dtype, half.decoder_dtype, mimi.encoder_dtype, mimi.decoder_dtype) == (
+        torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)
+    assert all(t.dtype == torch.float32 for t in [*half.quantizer.parameters(), *half.quantizer.buffers()])
+    state = half.init_state(2, "cpu")
+    for stream in (state.encoder, state.decoder):
+        assert all(t.dtype == torch.bfloat16 for t in [*stream.convs, stream.kv.keys, stream.kv.values])
+    pcm = audio(2, LONG, seed=5)
+    codes = stream_encode(mimi, mimi.init_state(2, "cpu"), pcm)
+    assert (stream_encode(half, state, pcm) == codes).float().mean() > 0.6
+    want = stream_decode(mimi, mimi.init_state(2, "cpu"), codes)
+    got = stream_decode(half, half.init_state(2, "cpu"), codes)
+    assert got.dtype == torch.float32
+    assert 10 * math.log10(float(want.square().sum() / (got - want).square().sum())) > 30
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA only")
 @pytest.mark.parametrize(("channels", "context", "length", "strided", "replicate"),
                          [(1, 6, 1920, False, False), (64, 2, 1920, True, False), (512, 6, 2, False, False),
@@ -455,14 +476,16 @@ def test_stream_window_kernel_equals_reference_on_cuda(channels, context, length
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA only")
 @pytest.mark.parametrize(("channels", "frames", "kernel", "stride", "depthwise"),
                          [(512, 2, 4, 2, True), (512, 2, 16, 8, False), (64, 240, 8, 4, False)])
-def test_overlap_add_kernel_equals_reference_on_cuda(channels, frames, kernel, stride, depthwise) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overlap_add_kernel_equals_reference_on_cuda(channels, frames, kernel, stride, depthwise, dtype) -> None:
     """Shapes of Mimi's streaming transposed convolutions at 64 rows (the dense taps strided as the GEMM leaves
-    them): output and kept tail equal the torch ops' bit for bit, with and without a bias."""
+    them), float32 and bf16 (summed in float32): output and kept tail equal the torch ops' bit for bit, with and
+    without a bias."""
     rows = 64
-    taps = torch.randn(rows, channels, frames, kernel, device="cuda") if depthwise else torch.randn(
-        rows, frames, channels, kernel, device="cuda").transpose(1, 2)
-    for bias in (torch.randn(channels, device="cuda"), None):
-        tail = torch.randn(rows, channels, kernel - stride, device="cuda")
+    taps = torch.randn(rows, channels, frames, kernel, device="cuda", dtype=dtype) if depthwise else torch.randn(
+        rows, frames, channels, kernel, device="cuda", dtype=dtype).transpose(1, 2)
+    for bias in (torch.randn(channels, device="cuda", dtype=dtype), None):
+        tail = torch.randn(rows, channels, kernel - stride, device="cuda", dtype=dtype)
         tails = [tail.clone(), tail.clone()]
         got = overlap_add(taps, tails[0], bias, stride)
         want = overlap_add_reference(taps, tails[1], bias, stride)

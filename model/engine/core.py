@@ -325,7 +325,7 @@ class Engine:
         runner.active_np[:rows] = runner.takes_input_np[:rows] = True
         try:
             runner.prepare_batch(n)
-            frames, emitted, audio = self._run_batch(n, [])
+            frames, emitted, audio, _ = self._run_batch(n, [])
             return frames[:rows], emitted[:rows], audio[:rows]
         finally:
             runner.active_np[:n] = runner.takes_input_np[:n] = False
@@ -531,22 +531,57 @@ class Engine:
 
     def _read_input(self, session: Session) -> bool:
         """Put the session's next frame (or silence) into its host input row; False if the session failed."""
+        copied = self._copy_input(session)
+        if copied and not np.isfinite(self.runner.pcm_np[session.index]).all():
+            return self._refuse_input(session)
+        if copied:
+            session.stats.frames_in += 1
+        return copied is not None
+
+    def _read_inputs(self, sessions: list[Session]) -> list[Session]:
+        """_read_input for a tick's sessions, with one finiteness check over their rows instead of one per frame
+        (250 checks of 1920 samples were ~0.4 ms of the tick's host time); the sessions that did not fail."""
+        read, copied = [], []
+        for session in sessions:
+            frame = self._copy_input(session)
+            if frame is not None:
+                read.append(session)
+                if frame:
+                    copied.append(session)
+        if copied:
+            pcm = self.runner.pcm_np
+            finite = np.isfinite(pcm[: max(s.index for s in copied) + 1]).all(axis=1).tolist()
+            failed = {s.index for s in copied if not finite[s.index] and not self._refuse_input(s)}
+            for session in copied:
+                if session.index not in failed:
+                    session.stats.frames_in += 1
+            read = [s for s in read if s.index not in failed]
+        return read
+
+    def _copy_input(self, session: Session) -> bool | None:
+        """The session's next frame into its host input row (True; its finiteness not checked yet), or silence on
+        an underrun (False); None if the session failed."""
         row = self.runner.pcm_np[session.index]
         try:
             frame = session.source.read_frame()
             if frame is None:
                 row[:] = 0.0
                 session.stats.underruns += 1
-                return True
+                return False
             data = np.asarray(frame, dtype=np.float32)
-            if data.shape != (FRAME_SAMPLES,) or not np.isfinite(data).all():
+            if data.shape != (FRAME_SAMPLES,):
                 raise ValueError(f"the input frame must be {FRAME_SAMPLES} finite samples")
             row[:] = data
-            session.stats.frames_in += 1
             return True
         except Exception as exc:
             self._fail(session, SessionFailed(f"input failed: {exc}", "input"))
-            return False
+            return None
+
+    def _refuse_input(self, session: Session) -> bool:
+        """A frame with non-finite samples fails its session; False."""
+        self._fail(session, SessionFailed(f"input failed: the input frame must be {FRAME_SAMPLES} finite samples",
+                                          "input"))
+        return False
 
     def _first_halves_before_tick(self, realtime: list[Session]) -> float:
         """Run the first halves that the scheduler puts before this tick's batch; seconds spent."""
@@ -562,7 +597,8 @@ class Engine:
         runner = self.runner
         realtime = self.slots.live(offline=False)
         first_halves_s = self._first_halves_before_tick(realtime)
-        live = [s for s in realtime if s.live and (s.first_half_pending or self._read_input(s))]
+        pending = [s for s in realtime if s.live and s.first_half_pending]
+        live = pending + self._read_inputs([s for s in realtime if s.live and not s.first_half_pending])
         if not live:
             with self.counters.lock:
                 self.counters.batch = 0
@@ -581,20 +617,14 @@ class Engine:
                     self._fail(session, SessionFailed("no KV page is free and no context can shrink", "kv_pages"))
             live = [s for s in live if s.index not in starved]
         try:
-            frames, emitted, audio = self._run_batch(n, offline_rows)
+            frames, emitted, audio, finite = self._run_batch(n, offline_rows)
         except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
             log.exception("tick failed")
             for session in live:
                 self._fail(session, SessionFailed(f"step failed: {exc}", "step"))
             return None
-        # One copy of the tick's outputs (the pinned buffers are the next tick's), handed out as row views; the
-        # per-row flags as Python lists, and the lock taken once for the tick rather than once per session.
-        frames, audio = frames.copy(), audio.copy()
-        finite, emitted_rows = np.isfinite(audio).all(axis=1).tolist(), emitted.tolist()
-        with self._lock:
-            for session in live:
-                i = session.index
-                self._deliver(session, frames[i], emitted_rows[i], audio[i], finite[i])
+        # One copy of the tick's outputs (the pinned buffers are the next tick's), handed out as row views.
+        self._hand_out(live, frames.copy(), emitted.tolist(), audio.copy(), finite.tolist())
         # Their encoder ran on no input this tick: it meets the first frame fresh.
         for session in in_batch_first_halves:
             runner.reset_mimi_row(session.index, decoder=False)
@@ -608,7 +638,7 @@ class Engine:
         return self.counters.record_tick(elapsed, n, started_late or elapsed > self.config.tick_ms, runner.parts_ms,
                                          host_ms)
 
-    def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The runner's step over rows [0, n), serving cached prompts' copies while it is in flight."""
         outputs = self.runner.run_batch(n, protected_rows, lambda launched: self._serve_in_flight(n, launched))
         launched, returned = self.runner.step_marks
@@ -651,18 +681,33 @@ class Engine:
         if not emitted:
             return
         with self._lock:
-            if not (self.slots.holds(session) and session.live):
-                return
-            out = FrameOutput(index=session.out_index, audio=audio, text=self.model.text_piece(int(frame[0])),
-                              tokens=frame)
-            if session.out_index == 0:
-                self.counters.record_first_frame(time.monotonic() - session.start_requested_at)
-            session.out_index += 1
-            session.stats.frames_out += 1
-            try:
-                session.on_output(out)
-            except Exception as exc:
-                self._fail(session, SessionFailed(f"output callback failed: {exc}", "output_callback"))
+            if self.slots.holds(session) and session.live:
+                self._emit(session, frame, self.model.text_piece(int(frame[0])), audio)
+
+    def _hand_out(self, sessions: list[Session], frames: np.ndarray, emitted: list[bool], audio: np.ndarray,
+                  finite: list[bool]) -> None:
+        """_deliver for a tick's sessions (rows of its outputs), the lock taken once: per session it cost ~7 us on
+        the H200's host, 1.7 ms of a tick of 250."""
+        texts, piece, holds = frames[:, 0].tolist(), self.model.text_piece, self.slots.holds
+        with self._lock:
+            for session in sessions:
+                i = session.index
+                if not finite[i]:
+                    self._fail(session, SessionFailed("the model produced non-finite audio", "non_finite_output"))
+                elif emitted[i] and holds(session) and session.live:
+                    self._emit(session, frames[i], piece(texts[i]), audio[i])
+
+    def _emit(self, session: Session, frame: np.ndarray, text: str, audio: np.ndarray) -> None:
+        """The session's next FrameOutput to its callback (engine thread, lock held, session live)."""
+        out = FrameOutput(session.out_index, audio, text, frame)
+        if session.out_index == 0:
+            self.counters.record_first_frame(time.monotonic() - session.start_requested_at)
+        session.out_index += 1
+        session.stats.frames_out += 1
+        try:
+            session.on_output(out)
+        except Exception as exc:
+            self._fail(session, SessionFailed(f"output callback failed: {exc}", "output_callback"))
 
     def _offline_step(self) -> bool:
         """Step one input-clocked session that has a frame ready (round robin). True if one ran."""

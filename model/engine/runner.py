@@ -91,6 +91,7 @@ class Runner:
         self._frames_host = torch.zeros(B, lm.cfg.num_rows, dtype=torch.long, pin_memory=pin)
         self._emitted_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
         self._audio_host = torch.zeros(B, FRAME_SAMPLES, pin_memory=pin)
+        self._finite_host = torch.zeros(B, dtype=torch.bool, pin_memory=pin)
         # numpy views of the pinned inputs: per-slot writes from numpy cost a fraction of torch's per-op overhead.
         self.pcm_np, self.active_np = self._pcm_host.numpy(), self._active_host.numpy()
         self.takes_input_np = self._takes_input_host.numpy()
@@ -186,11 +187,11 @@ class Runner:
     # ----- steps --------------------------------------------------------------------------------------------
 
     def run_batch(self, n: int, protected_rows: list[int], while_in_flight: Callable[[float], None] | None = None
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """One step over rows [0, n) with the inputs and flags the host wrote; `protected_rows` (input-clocked
         sessions) keep their Mimi state. On CUDA, `while_in_flight(launched)` runs once the step is queued and
-        before its outputs are waited for. Frames, emitted flags and audio of the rows, views of pinned memory
-        the next step overwrites."""
+        before its outputs are waited for. Frames, emitted flags, audio of the rows and whether each row's audio is
+        finite (checked on the device), views of pinned memory the next step overwrites."""
         step = self._batch_step(n)
         self.pages.flush()
         saved = [(r, self.mimi_state.encoder.rows(slice(r, r + 1)).clone(),
@@ -207,6 +208,7 @@ class Runner:
         self._frames_host[:n].copy_(frame, non_blocking=True)
         self._emitted_host[:n].copy_(emitted, non_blocking=True)
         self._audio_host[:n].copy_(audio, non_blocking=True)
+        self._finite_host[:n].copy_(torch.isfinite(audio).all(dim=1), non_blocking=True)
         launched = time.perf_counter()
         if self._outputs_ready is not None:
             self._outputs_ready.record()
@@ -216,7 +218,8 @@ class Runner:
         returned = time.perf_counter()
         self.parts_ms = self._timer.parts_ms()
         self.step_marks = (launched, returned)
-        return self._frames_host[:n].numpy(), self._emitted_host[:n].numpy(), self._audio_host[:n].numpy()
+        return (self._frames_host[:n].numpy(), self._emitted_host[:n].numpy(), self._audio_host[:n].numpy(),
+                self._finite_host[:n].numpy())
 
     def outputs_landed(self) -> bool:
         """Whether the step in flight has its outputs on the host."""
