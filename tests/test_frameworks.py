@@ -369,6 +369,8 @@ async def test_agents_sdk_js_webrtc(server, bundle: Path, tmp_path: Path) -> Non
             browser = await pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=chromium_args(mic))
             try:
                 page = await browser.new_page()
+                console: list[str] = []
+                page.on("console", lambda m: console.append(m.text))
 
                 async def serve(route) -> None:
                     js = route.request.url.endswith(".js")
@@ -387,8 +389,9 @@ async def test_agents_sdk_js_webrtc(server, bundle: Path, tmp_path: Path) -> Non
                     verdict.step("session.connect()", e)
                     verdict.assert_works()
                 connected_s = (await page.evaluate("performance.now()") - t0) / 1000
-                verdict.check(connected_s < 4.0, "session.connect() resolves at the session.updated ack",
-                              f"it took {connected_s:.1f} s (the SDK gives up waiting after 5 s)")
+                timed_out = [m for m in console if "Timed out waiting for session.updated" in m]
+                verdict.check(not timed_out, "session.connect() resolves at the session.updated ack",
+                              f"the SDK gave up waiting for it and went on after {connected_s:.1f} s")
                 t0 = await page.evaluate("performance.now()")
                 start = time.monotonic()
                 stats = [(0.0, await page.evaluate("audioStats()"))]
