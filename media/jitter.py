@@ -445,7 +445,10 @@ class JitterBuffer:
                 data, have = self._copy(self._read, self._frame + k * self._accelerate_max)
                 if have.all():
                     half = self._frame // k
-                    cuts.extend(self._pitch_cut(data, i * half, (i + 1) * half) for i in range(k))
+                    cuts.append(self._pitch_cut(data, 0, half))
+                    start = max(half, cuts[-1][1])            # the second starts past the first's end
+                    if k == 2 and start + 2 * self._fade <= self._frame:
+                        cuts.append(self._pitch_cut(data, start, self._frame))
                 return data, have
         for i in windows:
             if cuts and cuts[-1][1] == i * self._window:
@@ -457,11 +460,11 @@ class JitterBuffer:
     def _pitch_cut(self, data: np.ndarray, first: int, last: int) -> tuple[int, int]:
         """The cut [a, a + L) whose crossfade joins the most alike audio: the crossfade blends the `fade` samples
         before `a` with the `fade` samples before `a + L`, so the best L is the one (near a pitch period, or a
-        multiple) where those two stretches correlate most. A few positions in [first, last) are tried (quarter
-        frames apart; a cut starting in one half frame ends before the next half begins)."""
+        multiple) where those two stretches correlate most. A few positions from `first` + fade to before `last` are
+        tried, quarter frames apart (at least the first)."""
         f, lo, hi = self._fade, self._accelerate_min, self._accelerate_max
         best, cut = -np.inf, (first + f, first + f + lo)
-        for a in range(first + f, min(last, self._frame - f + 1), self._frame // 4):
+        for a in range(first + f, max(first + f + 1, min(last, self._frame - f + 1)), self._frame // 4):
             before = data[a - f : a]
             after = np.lib.stride_tricks.sliding_window_view(data[a - f + lo : a + hi], f)  # row j: L = lo + j
             norms = np.sqrt(np.einsum("ij,ij->i", after, after) * float(before @ before)) + 1e-12

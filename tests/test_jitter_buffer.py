@@ -471,3 +471,22 @@ def test_an_underrun_that_a_loss_burst_explains_keeps_no_raised_margin() -> None
     assert s.underruns >= 1 and s.concealed_ms == pytest.approx(80.0)
     before = run.stats[int(2.9 / TICK)].target_ms
     assert all(st.target_ms == pytest.approx(before) for st in run.stats[int(3.3 / TICK) :]), before
+
+
+def test_a_20ms_player_catches_up_after_a_stall_with_disjoint_cuts() -> None:
+    """The clients' adaptive player (bench/impair_report.py) is this buffer read 20 ms at a time: catching up after a
+    stall under continuous sound, its two cuts a read must not overlap (a 12.5 ms cut is half its frame)."""
+    sig = voiced(RATE * 6)
+    jb = JitterBuffer(config=JitterConfig(frame=PACKET))
+    arrivals = [(max(t, 2.4) if 2.0 <= t < 2.4 else t, pts) for t, pts in steady(len(sig) // PACKET - 1)]
+    events = sorted([(t, 0, pts) for t, pts in arrivals] + [(0.005 + 0.02 * k, 1, 0) for k in range(290)])
+    out = []
+    for t, kind, pts in events:
+        if kind == 0:
+            jb.push(pts, sig[pts : pts + PACKET], now=t)
+        elif (frame := jb.read_frame(now=t)) is not None:
+            out.append(frame)
+    s = jb.stats()
+    assert all(f.shape == (PACKET,) for f in out) and s.overrun_drops_ms > 100, s
+    assert s.hard_cuts == 0 and s.sound_cut_max_ms <= 25.0, s
+    assert np.abs(np.diff(np.concatenate(out))).max() <= 1.05 * np.abs(np.diff(sig)).max()
