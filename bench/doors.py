@@ -3,9 +3,10 @@
 
 Doors: `RealtimeClient` (`WS /v1/realtime?duplex=1`, PCM16 24 kHz appends, audio deltas out), `DuplexClient`
 (`WS /v1/duplex`, binary PCM16 24 kHz both ways), `TwilioClient` (`WS /v1/twilio`, 20 ms μ-law 8 kHz `media` both
-ways) and `WebRTCClient` (an aiortc peer through `app.webrtc_client.RealtimeCall`, Opus). Each one opens its
-session, sends its audio paced on the clock (a piece that is due late goes late: no catch-up burst), reads
-everything, and keeps per piece of output its arrival time and where it ends in the output stream.
+ways), `WebRTCClient` (an aiortc peer through `app.webrtc_client.RealtimeCall`, Opus) and `SipClientDoor` (a SIP
+call over UDP to the server's `--sip-port`, 20 ms PCMU RTP both ways; `SipClientDoor.sip_port` must be set).
+Each one opens its session, sends its audio paced on the clock (a piece that is due late goes late: no catch-up
+burst), reads everything, and keeps per piece of output its arrival time and where it ends in the output stream.
 
 From that, per session: the stream's real-time factor (output seconds per wall second between 10 % and 90 % of the
 pieces), output lateness (each piece's arrival against an ideal real-time schedule anchored at the earliest piece:
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import math
 import shutil
@@ -38,6 +40,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import numpy as np
 
+from app.sip.client import RtpPeer, SipClient, offer
+from app.sip.sdp import parse_offer
 from media.codecs import AudioFormat
 from model.audio import read_wav, resample
 
@@ -124,6 +128,12 @@ class Received:
         if origin is not None:
             out["worst_at_s"] = round(self.times[int(lag.argmax())] - origin, 2)
         return out
+
+
+def ulaw_pieces(audio: np.ndarray) -> list[bytes]:
+    """24 kHz audio as 20 ms μ-law pieces at 8 kHz (Twilio's `media`, SIP's PCMU packets)."""
+    ulaw = AudioFormat("pcmu", TWILIO_RATE).encode(np.clip(resample(audio, RATE, TWILIO_RATE), -1, 1))
+    return [ulaw[i:i + TWILIO_CHUNK] for i in range(0, len(ulaw) - TWILIO_CHUNK + 1, TWILIO_CHUNK)]
 
 
 class DoorClient:
@@ -443,8 +453,7 @@ class TwilioClient(WebSocketDoor):
         self.heard(time.monotonic(), self._out_bytes / TWILIO_RATE, len(data) / TWILIO_RATE, silent)
 
     def pieces(self, audio: np.ndarray) -> list[bytes]:
-        ulaw = AudioFormat("pcmu", TWILIO_RATE).encode(np.clip(resample(audio, RATE, TWILIO_RATE), -1, 1))
-        return [ulaw[i:i + TWILIO_CHUNK] for i in range(0, len(ulaw) - TWILIO_CHUNK + 1, TWILIO_CHUNK)]
+        return ulaw_pieces(audio)
 
     async def send_piece(self, piece: bytes) -> None:
         assert self.ws is not None
@@ -537,6 +546,101 @@ class WebRTCClient(DoorClient):
         return out
 
 
+class SipClientDoor(DoorClient):
+    """A SIP call (app/sip/client.py): INVITE offering PCMU, 20 ms RTP on the clock; the server's RTP is recorded
+    with each packet's arrival, played out on the server's clock (μ-law silence where the model's frame was not
+    there). `relay` (a bench.impair.UdpRelay) puts the media behind a link: the SDP names its far side. Before
+    hanging up, the call's own counters come from `GET /v1/sip/calls` (the SIP door lives in worker 0: asked until
+    that worker answers)."""
+
+    door = "sip"
+    send_period_s = TWILIO_CHUNK / TWILIO_RATE
+    clocked_output = True
+    sip_port: ClassVar[int | None] = None
+
+    def __init__(self, *args: Any, relay: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.relay = relay
+        self.sip: SipClient | None = None
+        self.rtp: RtpPeer | None = None
+        self.dialog: Any = None
+        self.to: tuple[str, int] | None = None
+        self.stats: dict[str, Any] | None = None
+
+    async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
+        if self.sip_port is None:
+            raise RuntimeError("SipClientDoor.sip_port is not set (the server's --sip-port)")
+        host = urlsplit(self.base_url).hostname or "127.0.0.1"
+        self.open_began = time.monotonic()
+        self.sip = SipClient((host, self.sip_port))
+        await self.sip.open()
+        self.rtp = RtpPeer()
+        await self.rtp.open()
+        media_at = self.relay.far if self.relay is not None else ("127.0.0.1", self.rtp.port)
+        if self.relay is not None:
+            self.relay.client = ("127.0.0.1", self.rtp.port)
+        self.dialog = self.sip.dialog()
+        final = (await self.sip.invite(self.dialog, offer(media_at[0], media_at[1], [(0, "PCMU/8000")]),
+                                       timeout=30.0))[-1]
+        if final.code != 200:
+            return {"type": "error", "error": {"code": f"sip_{final.code}", "message": final.phrase}}
+        self.sip.ack(self.dialog, final)
+        media = parse_offer(final.body).media[0]
+        remote = (media.address or host, media.port)
+        if self.relay is not None:
+            self.relay.server = remote
+        self.to = self.relay.near if self.relay is not None else remote
+        self.live_at = time.monotonic()
+        self.session_id = self.dialog.call_id
+        return None
+
+    def pieces(self, audio: np.ndarray) -> list[bytes]:
+        return ulaw_pieces(audio)
+
+    async def send_piece(self, piece: bytes) -> None:
+        assert self.rtp is not None and self.to is not None
+        self.rtp.send_packet(0, piece, self.to, TWILIO_CHUNK, marker=self.sent_s == 0)
+
+    async def wait_output(self, drain_s: float, timeout_s: float = 0.0, max_missing: int = 0) -> None:
+        await asyncio.sleep(drain_s)
+        received = sorted(self.rtp.received if self.rtp else [], key=lambda r: r[0])
+        ts0 = received[0][1].timestamp if received else 0
+        for at, packet in received:
+            end_s = ((packet.timestamp - ts0) % (1 << 32) + TWILIO_CHUNK) / TWILIO_RATE
+            silent = packet.payload.count(ULAW_SILENCE) == len(packet.payload)
+            self.heard(at, end_s, len(packet.payload) / TWILIO_RATE, silent)
+        self.frames_at_end = self.frames_out
+        self.missing_at_end = self.missing_now()
+        self.stats = await self.server_stats()
+
+    async def server_stats(self, tries: int = 40) -> dict[str, Any] | None:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(tries):
+                try:
+                    async with http.get(self.base_url + "/v1/sip/calls", headers=self.headers) as res:
+                        mine = [c for c in (await res.json()).get("data", []) if c.get("call_id") == self.session_id]
+                except (aiohttp.ClientError, ValueError):
+                    continue
+                if mine:
+                    return mine[0]
+        return None
+
+    async def close(self) -> None:
+        if self.sip is not None and self.dialog is not None:
+            with contextlib.suppress(asyncio.TimeoutError, OSError):
+                await self.sip.bye(self.dialog)
+        for end in (self.rtp, self.sip):
+            if end is not None:
+                end.close()
+
+    def report(self) -> dict[str, Any]:
+        out = super().report()
+        if self.stats is not None:
+            out["sip_server"] = {k: self.stats.get(k) for k in ("lost", "packets_received", "input", "stalls",
+                                                                  "shed_ms")}
+        return out
+
+
 def peer_report(st: dict[str, Any]) -> dict[str, Any]:
     """A call's counters (`GET` on its Location): server-added latency on each side, underruns, drops, RTP."""
     jb, out, rtp = st.get("input") or {}, st.get("output") or {}, st.get("rtp") or {}
@@ -561,4 +665,5 @@ def peer_report(st: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-DOORS: dict[str, type[DoorClient]] = {c.door: c for c in (RealtimeClient, WebRTCClient, TwilioClient, DuplexClient)}
+DOORS: dict[str, type[DoorClient]] = {c.door: c for c in (RealtimeClient, WebRTCClient, TwilioClient, DuplexClient,
+                                                         SipClientDoor)}

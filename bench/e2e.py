@@ -48,8 +48,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
-from bench.doors import DOORS, RATE, DoorClient, WebRTCClient, client_session, quantiles, speech
-from bench.impair import Link, LinkModel, PeerImpairment, TcpRelay, impair_peer
+from bench.doors import DOORS, RATE, DoorClient, SipClientDoor, WebRTCClient, client_session, quantiles, speech
+from bench.impair import Link, LinkModel, PeerImpairment, TcpRelay, UdpRelay, impair_peer
 from bench.impair_report import adaptive_player, fixed_delay_player
 from bench.server_probe import server_report, server_snapshot
 
@@ -77,6 +77,7 @@ class ProcJob:
     seconds: float
     drain_s: float
     seed: int = 0
+    sip_port: int | None = None
     pieces: dict[int, list[bytes]] = field(default_factory=dict)  # per session, made before the start
 
     def session_audio(self, p: Planned) -> np.ndarray:
@@ -154,9 +155,11 @@ def plan(args: argparse.Namespace) -> list[Planned]:
 
 
 def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: np.ndarray,
-                on_answer: Any = None) -> DoorClient:
+                on_answer: Any = None, relay: UdpRelay | None = None) -> DoorClient:
     if door == "webrtc":
         return WebRTCClient(name, url, headers, PERSONA, audio=audio, on_answer=on_answer)
+    if door == "sip":
+        return SipClientDoor(name, url, headers, PERSONA, relay=relay)
     return DOORS[door](name, url, headers, PERSONA)
 
 
@@ -175,6 +178,8 @@ def impairment(models: tuple[LinkModel, LinkModel], peer: PeerImpairment | None,
     out = {"link": spec, "up": up.stats.summary(), "down": down.stats.summary()}
     if peer is not None:
         out["rtp_lost_ms"] = 20.0 * len(peer.rtp_lost_at)
+    elif not up.reliable:
+        out["rtp_lost_ms"] = 20.0 * up.stats.lost          # a SIP call's relay carries its RTP only
     return out
 
 
@@ -185,16 +190,19 @@ async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0:
     link = Link.parse(p.link) if p.link else None
     seed = job.seed + 10 * p.index
     relay: TcpRelay | None = None
+    udp: UdpRelay | None = None
     peers: list[PeerImpairment] = []
     url, on_answer = job.url, None
     if link is not None and p.door == "webrtc":
         def on_answer(pc: Any) -> None:
             peers.append(impair_peer(pc, link, link, seed))
+    elif link is not None and p.door == "sip":
+        udp = await UdpRelay(link, link, seed).start()
     elif link is not None:
         target = urlsplit(job.url)
         relay = await TcpRelay((target.hostname or "127.0.0.1", target.port or 80), link, link, seed).start()
         url = f"http://127.0.0.1:{relay.port}"
-    client = make_client(p.door, f"{p.door}{p.index}", url, job.headers, audio, on_answer)
+    client = make_client(p.door, f"{p.door}{p.index}", url, job.headers, audio, on_answer, udp)
     extra: dict[str, Any] = {}
     try:
         refused = await client.open(http)
@@ -210,8 +218,11 @@ async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0:
     finally:
         if relay is not None:
             await relay.close()
+        if udp is not None:
+            udp.close()
     if p.link is not None:
-        models = (peers[0].up, peers[0].down) if peers else relay.models[0] if relay and relay.models else None
+        models = (peers[0].up, peers[0].down) if peers else (udp.up_model, udp.down_model) if udp else \
+            relay.models[0] if relay and relay.models else None
         if models is not None:
             extra["impairment"] = impairment(models, peers[0] if peers else None, p.link)
     return {"index": p.index, "open_at_s": p.open_at_s, "link": p.link, **client.report(), **extra}
@@ -234,6 +245,7 @@ async def run_proc(job: ProcJob, t0: float) -> dict[str, Any]:
 def proc_main(conn: Connection, job: ProcJob) -> None:
     """A client process: prepare its sessions' audio, say it is ready, take the common start time, run its
     sessions, send back the reports."""
+    SipClientDoor.sip_port = job.sip_port
     job.prepare()
     conn.send("ready")
     t0 = conn.recv()
@@ -273,6 +285,18 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "concealed_ms_max": max((s["concealed_ms"] for s in servers), default=None),
             "sound_cut_max_ms": max((s.get("sound_cut_max_ms") or 0.0 for s in servers), default=None),
             "hard_cuts": sum(s.get("hard_cuts") or 0 for s in servers)}
+    sips = [(r["sip_server"]["input"], r.get("impairment", {}).get("rtp_lost_ms")) for r in live
+            if (r.get("sip_server") or {}).get("input")]
+    if sips:
+        out["server_input"] = {
+            "added_p50_ms_max": max(((x["added_ms"] or {}).get("p50") or 0.0 for x, _ in sips), default=None),
+            "underruns_max": max(x["underruns"] for x, _ in sips),
+            "concealed_ms_max": max(x["concealed_ms"] for x, _ in sips),
+            "sound_cut_max_ms": max(x["sound_cut_max_ms"] for x, _ in sips),
+            "hard_cuts": sum(x["hard_cuts"] for x, _ in sips)}
+        lost = [(x["concealed_ms"], lost_ms) for x, lost_ms in sips if lost_ms is not None]
+        if lost:
+            out["sip_concealed_minus_lost_ms_max"] = round(max(c - ms for c, ms in lost), 1)
     links = [r["server_link"]["input"] for r in live if "server_link" in r]
     if links:
         out["server_input"] = {
@@ -332,7 +356,8 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         mine = [p for p in sessions if p.proc == k]
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=proc_main, args=(child, ProcJob(args.url, headers, mine, audio, args.seconds,
-                                                                   args.drain_s, args.impair_seed)), daemon=True)
+                                                                   args.drain_s, args.impair_seed, args.sip_port)),
+                           daemon=True)
         proc.start()
         procs.append(proc)
         conns.append(parent)
@@ -424,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impaired-share", type=float, default=0.5,
                    help="with --impair: this share of each door's sessions")
     p.add_argument("--impair-seed", type=int, default=0)
+    p.add_argument("--sip-port", type=int, help="the server's --sip-port (for the sip door in --mix)")
     return p
 
 

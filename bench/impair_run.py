@@ -1,5 +1,6 @@
-"""Far callers at full load, in one go: start the server, run `bench.e2e` all clean, then with half of each door's
-sessions behind the first condition (`far`), then small runs behind stalls and bursty loss; one JSON file per run.
+"""Far callers at full load, in one go: start the server (with its SIP door), run `bench.e2e` over every door (Realtime,
+WebRTC, Twilio, duplex, SIP) all clean, then with half of each door's sessions behind the first condition (`far`),
+then small runs behind stalls and bursty loss; one JSON file per run.
 
     python3 -m bench.impair_run --out DIR --model random-7b --kv-cache fp8 --max-sessions 145 --workers 8 \\
         --sessions 144 --seconds 25 --procs 6 --budget-s 330          # the H200 run (docs/benchmarks.md)
@@ -46,6 +47,7 @@ def main() -> int:
     p.add_argument("--max-sessions", type=int, default=145)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--sip-port", type=int, default=5070)
     p.add_argument("--sessions", type=int, default=144)
     p.add_argument("--seconds", type=float, default=25.0)
     p.add_argument("--procs", type=int, default=6)
@@ -57,10 +59,11 @@ def main() -> int:
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "app", "--model", args.model, "--host", "127.0.0.1", "--port", str(args.port),
            "--max-sessions", str(args.max_sessions), "--workers", str(args.workers), "--max-connections-per-ip", "0",
+           "--sip-port", str(args.sip_port), "--rtp-ports", "30000-31999",
            "--log-level", "WARNING"] + (["--kv-cache", args.kv_cache] if args.kv_cache else [])
     log = (args.out / "server.log").open("wb")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    mix = "realtime=1,webrtc=1,twilio=1,duplex=1"
+    mix = "realtime=1,webrtc=1,twilio=1,duplex=1,sip=1"
     runs = [
         ("clean", ["--sessions", str(args.sessions), "--seconds", str(args.seconds)], args.seconds + 40),
         ("far", ["--sessions", str(args.sessions), "--seconds", str(args.seconds), "--impair", "far"],
@@ -83,6 +86,7 @@ def main() -> int:
             t0 = time.monotonic()
             res = subprocess.run([sys.executable, "-m", "bench.e2e", "--url", url, "--mix", mix, "--procs",
                                   str(min(args.procs, int(extra[1]))), "--impair-seed", "30", "--out", str(out),
+                                  "--sip-port", str(args.sip_port),
                                   *extra], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             done[name] = round(time.monotonic() - t0, 1)
             if res.returncode:

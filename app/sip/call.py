@@ -22,7 +22,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
@@ -191,6 +191,15 @@ class MediaSession:
             self.remote, self.remote_rtcp, self.stats.latched = choice.remote, choice.remote_rtcp, False
         self.choice = choice
 
+    def cut(self) -> None:
+        """Drop the model's audio not sent yet (the admin API's cut): the caller hears silence until the next
+        frame."""
+        self.playout.clear()
+
+    def sent_s(self) -> float:
+        """Seconds of the model's audio sent to the caller."""
+        return round(self.playout.stats().drained_samples / self.choice.codec.sample_rate, 2)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -329,4 +338,13 @@ class MediaSession:
                 "lost": rx.lost if rx else 0, "seq_jumps": rx.seq_jumps if rx else 0,
                 "rtcp_received": self.stats.rtcp_received, "stalls": self.stats.stalls,
                 "shed_ms": self.stats.shed_ms, "dtmf": list(self.stats.dtmf),
-                "conversation": self.conversation.counters(), **self.latency_ms()}
+                "conversation": self.conversation.counters(), "input": self.input_stats(), **self.latency_ms()}
+
+    def input_stats(self) -> dict[str, object] | None:
+        """The input jitter buffer's counters and the latency it added over its recent reads (p50, p95)."""
+        jb = self.conversation.input
+        if jb is None:
+            return None
+        added = jb.added_ms(len(jb.trace()))
+        return {**{k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(jb.stats()).items()},
+                "added_ms": None if added is None else {"p50": round(added[0], 2), "p95": round(added[1], 2)}}
