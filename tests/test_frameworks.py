@@ -408,8 +408,9 @@ async def test_agents_sdk_js_webrtc(server, bundle: Path, tmp_path: Path) -> Non
             finally:
                 await browser.close()
 
-    heard = [(t, (b["received"] - a["received"]) / 48000) for (_, a), (t, b) in zip(stats, stats[1:])
-             if b["energy"] > a["energy"]]
+    # Heard: an interval whose mean level is above -40 dBFS (Chromium's totalAudioEnergy sums level² × seconds).
+    heard = [(t, (b["received"] - a["received"]) / 48000) for (ta, a), (t, b) in zip(stats, stats[1:])
+             if b["energy"] - a["energy"] >= 0.01 ** 2 * (t - ta)]
     sent = [(t, (b["sent"] - a["sent"]) * 0.02) for (_, a), (t, b) in zip(stats, stats[1:])]
     verdict.audio_out(heard, CALL_S)
     verdict.audio_in(sent, CALL_S)
