@@ -73,6 +73,7 @@ class AudioSocketSession(PhoneLine):
                 raise ProtocolError("bad_event", f"the first frame must be the call's UUID (kind 0x01, 16 bytes), "
                                     f"got kind 0x{kind:02x} with {len(payload)} bytes")
             self.call_uuid = str(uuid.UUID(bytes=payload))
+            self.caller = {"uuid": self.call_uuid}
             await self.begin(self.call_config({}, ""), LINE)
         elif kind in RATES:
             if not payload:

@@ -65,6 +65,7 @@ class FreeSwitchSession(PhoneLine):
     async def _start(self, params: dict[str, Any]) -> None:
         config = self.call_config(params, "metadata.")
         self.started = True
+        self.caller = {"metadata": params}
         assert self.line is not None
         await self.begin(config, self.line)
 

@@ -55,6 +55,8 @@ class Metrics:
         self.dtmf: Counter[str] = Counter()                      # route, telephone key presses received
         self.closed_totals: Counter[str] = Counter()             # frames_in/frames_out/underruns of closed sessions
         self.sip: Counter[str] = Counter()                       # SIP door events: malformed, oversized, rtp drops...
+        self.recordings: Counter[str] = Counter()                # app/recording.py (its writer thread adds)
+        self.webhooks: Counter[str] = Counter()                  # app/webhooks.py: events by result
         self.live: set[CountedConversation] = set()
         self.loop_lag = LoopLag()
 
@@ -76,7 +78,8 @@ class Metrics:
         """These counters as plain dicts, to cross to other processes (`render(..., others=[...])`)."""
         return {"admissions": dict(self.admissions), "errors": dict(self.errors),
                 "connections": dict(self.connections), "frames": dict(self.frame_totals()),
-                "dtmf": dict(self.dtmf), "sip": dict(self.sip),
+                "dtmf": dict(self.dtmf), "sip": dict(self.sip), "recordings": dict(self.recordings),
+                "webhooks": dict(self.webhooks),
                 "loop_lag_ms": self.loop_lag.quantiles(), "gc": collector_report(),
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
@@ -89,8 +92,11 @@ class Metrics:
         admissions, errors, connections = Counter(self.admissions), Counter(self.errors), Counter(self.connections)
         rejections, totals = Counter(self.rejections), self.frame_totals()
         dtmf, sip = Counter(self.dtmf), Counter(self.sip)
+        recordings, webhooks = Counter(dict(self.recordings)), Counter(dict(self.webhooks))
         for other in others.values():
             sip.update(other.get("sip", {}))
+            recordings.update(other.get("recordings", {}))
+            webhooks.update(other.get("webhooks", {}))
             admissions.update(other.get("admissions", {}))
             errors.update(other.get("errors", {}))
             connections.update(other.get("connections", {}))
@@ -118,6 +124,19 @@ class Metrics:
         family("personaplex_sip_events_total", "counter",
                "SIP door events: malformed or oversized messages, refused INVITEs, RTP packets dropped (by reason).",
                (("", {"event": e}, n) for e, n in sorted(sip.items())))
+        family("personaplex_recordings_total", "counter",
+               "Call recordings, by result: started, written (finished whole), failed (the disk refused; the call "
+               "went on).", (("", {"result": r}, recordings[f"recordings_{r}"])
+                             for r in ("started", "written", "failed")))
+        family("personaplex_recording_bytes_total", "counter", "Bytes of the call recordings written whole.",
+               [("", {}, recordings["recording_bytes"])])
+        family("personaplex_recording_dropped_frames_total", "counter",
+               "Frames the recording writer could not take in time (silence in the file in their place).",
+               [("", {}, recordings["recording_dropped_frames"])])
+        family("personaplex_webhooks_total", "counter",
+               "Webhook events by result: delivered, retried (a try failed), refused (4xx), given_up (retry time "
+               "over), overflowed (queue full).",
+               (("", {"result": k.removeprefix("webhooks_")}, n) for k, n in sorted(webhooks.items())))
         family("personaplex_frames_in_total", "counter", "80 ms input frames the engine consumed.",
                [("", {}, totals["frames_in"])])
         family("personaplex_frames_out_total", "counter", "80 ms output frames the engine produced.",

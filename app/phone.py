@@ -24,7 +24,8 @@ from app.audio import InputDecoder, b64decode
 from app.conversation import Backpressure
 from app.errors import ProtocolError
 from app.pacer import Pacer
-from app.session import OUTPUT_TAG, Session
+from app.recording import asked_to_record
+from app.session import Session
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_POLICY
 from app.wire import WireError, parse_value
@@ -45,6 +46,8 @@ class PhoneLine(Session):
         self.decoder: InputDecoder | None = None
         self.pacer: Pacer | None = None
         self.digits: list[str] = []
+        self.caller: dict[str, Any] = {}     # the identity the vendor gives the call (set before `begin`)
+        self.record: bool | None = None      # the call's own wish to be recorded (its `record` parameter)
 
     # ---- to implement ----------------------------------------------------------------------------------------
 
@@ -69,6 +72,7 @@ class PhoneLine(Session):
         if params.get("voice"):
             up.voice = params["voice"]
         up.sampling_fields = {k: _param_value(v) for k, v in params.items() if k in SAMPLING_KEYS}
+        self.record = asked_to_record(params.get("record"))
         return with_update(self.ctx, default_config(self.ctx), up, prefix=prefix)
 
     async def begin(self, config: SessionConfig, line: AudioFormat) -> bool:
@@ -78,7 +82,7 @@ class PhoneLine(Session):
             return False
         self.decoder = InputDecoder(line)
         self.pacer = Pacer(line.sample_rate, self._send_chunk, chunk_ms=self.chunk_ms, on_mark=self.on_mark)
-        conv = self.conversation = self.new_conversation(slot)
+        conv = self.conversation = self.new_conversation(slot)   # in the live-call list from here
         conv.add_listener(self._on_frame, self._on_engine_error)
         conv.start(config.params()).add_done_callback(self._started)
         return True
@@ -118,14 +122,24 @@ class PhoneLine(Session):
         if not self.closed and self.pacer is not None:
             self.pacer.write(frame.audio)
 
-    def cut(self) -> None:
+    def cut_output(self) -> None:
         """Stop what the caller is about to hear: the model's audio not sent yet is dropped (paced and queued),
         and the vendor is told to drop what it buffered (`on_cut`)."""
         if self.closed or self.pacer is None:
             return
         self.pacer.clear()
-        self.outbox.drop_tagged(OUTPUT_TAG)
+        super().cut_output()
         self.on_cut()
+        self.ctx.calls.note(self.live_call, {"event": "cut", **self.call_details()})
+
+    def call_opening(self) -> dict[str, Any]:
+        line = self.decoder.format if self.decoder is not None else None
+        return {"caller": self.caller, "record": self.record,
+                "codec": f"{line.encoding}/{line.sample_rate}" if line is not None else ""}
+
+    def call_details(self) -> dict[str, Any]:
+        sent_s = self.pacer.chunks_sent * self.pacer.period_s if self.pacer is not None else 0.0
+        return {"sent_s": round(sent_s, 2), "dtmf": "".join(self.digits)}
 
     def _send_chunk(self, samples: np.ndarray) -> None:
         if not self.closed:
@@ -140,6 +154,7 @@ class PhoneLine(Session):
     async def on_disconnect(self) -> None:
         if self.pacer is not None:
             self.pacer.stop()
+        await super().on_disconnect()
 
 
 def media_streams_start(event: dict[str, Any], sid_key: str, params_key: str) -> tuple[str, dict[str, Any],

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from app.audiosocket import setup_audiosocket
 from app.auth import RedactingAccessLogger, authorized
+from app.calls import CallRegistry, setup_calls
 from app.client_secrets import setup_client_secrets
 from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
@@ -337,6 +338,8 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
     app = web.Application(client_max_size=settings.max_message_bytes)
     app[CONTEXT] = ServerContext(settings=settings, model=model, engine=engine,
                                  model_note=f"model given by the caller: {model.source}" if model else "")
+    app[CONTEXT].calls = CallRegistry(settings, app[CONTEXT].metrics, engine.worker if engine else None)
+    setup_calls(app)
     app.router.add_get("/health", health)
     app.router.add_get("/health/live", live)
     app.router.add_get("/health/ready", ready)

@@ -8,14 +8,15 @@ A `ProtocolError` raised in a hook becomes one `error` event and the session goe
 What the dialect sends goes into the session's one `Outbox` (bounded; past its bound the session ends with
 `output_backpressure` and close 1008), which its transport drains; it ends the session with `close()`, which frees
 the slot at once and asks the transport to flush and close. It takes a slot through `reserve()`, the one admission
-path (`app.admission`). The session owns its `Conversation`; `close()` and a disconnect close it.
+path (`app.admission`). The session owns its `Conversation`; `close()` and a disconnect close it. Its conversation
+is in the live-call list (`app.calls`: `call_opening`, `call_details`, `hang_up`, `cut_output`) until then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.admission import Refused, admit
 from app.context import ServerContext
@@ -23,9 +24,12 @@ from app.conversation import Conversation, InputPolicy, State
 from app.errors import ProtocolError, error_event, new_event_id
 from app.flood import FloodGuard
 from app.outbox import Outbox
-from app.transport import CLOSE_POLICY, CLOSE_TRY_LATER, Transport
+from app.transport import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER, Transport
 from app.wire import WireError, dumps, parse_object
 from model.engine import Slot
+
+if TYPE_CHECKING:
+    from app.calls import LiveCall
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ class Session:
         self.flood = FloodGuard(self.settings.max_events_per_s, self._flood_warning,
                                 lambda: self.spawn(self._flood_close()))
         self._closing: tuple[int, str] | None = None   # (code, reason) once a close has begun
+        self.live_call: LiveCall | None = None          # in the live-call list (app/calls.py) from its conversation on
 
     def attach(self, transport: Transport) -> None:
         self.transport = transport
@@ -72,7 +77,26 @@ class Session:
         return None
 
     async def on_disconnect(self) -> None:
-        """The connection is gone; free what the dialect holds. The conversation itself is closed already."""
+        """The connection is gone; free what the dialect holds (an override calls this too: the call ends here when
+        no close came first). The conversation itself is closed already."""
+        self.ctx.calls.end(self.live_call, self._closing[1] if self._closing else "hang_up")
+
+    def call_opening(self) -> dict[str, Any]:
+        """What the door knows of its call as the conversation is made: `caller` (the identity it carries), `codec`,
+        `record` (the session's own wish), as `CallRegistry.open` takes them."""
+        return {}
+
+    def call_details(self) -> dict[str, Any]:
+        """The door's own figures of the call now (how much the caller heard, say), for the live-call list."""
+        return {}
+
+    async def hang_up(self, reason: str) -> None:
+        """End the call from outside (the admin API): the client is told `reason` as any close tells it."""
+        await self.close(CLOSE_NORMAL, reason)
+
+    def cut_output(self) -> None:
+        """Drop what the client is about to hear (the admin API): the model's audio still queued for it."""
+        self.outbox.drop_tagged(OUTPUT_TAG)
 
     # ---- input -----------------------------------------------------------------------------------------------
 
@@ -133,7 +157,9 @@ class Session:
         nothing: the client gets `input_backpressure` instead)."""
         policy = InputPolicy(backlog_s=self.settings.max_realtime_backlog_s,
                              input_backlog_s=self.settings.max_input_backlog_s)
-        return Conversation(slot, metrics=self.ctx.metrics, input_policy=policy)
+        conversation = Conversation(slot, metrics=self.ctx.metrics, input_policy=policy)
+        self.live_call = self.ctx.calls.open(self.route, conversation, self, **self.call_opening())
+        return conversation
 
     # ---- output ----------------------------------------------------------------------------------------------
 
@@ -194,6 +220,7 @@ class Session:
         self._closing = (code, reason)
         if self.conversation is not None:
             self.conversation.close()
+        self.ctx.calls.end(self.live_call, reason)
         if self.transport is not None:
             await self.transport.close(code, reason)
 

@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
 TINY_MODEL = "tiny"
@@ -67,10 +68,19 @@ class Settings:
     sip_password: str = ""
     sip_realm: str = "personaplex"
     sip_x_headers: bool = False           # callers may set persona/voice with X-Persona / X-Voice
+    record_dir: Path | None = None        # call recordings (app/recording.py); None: off
+    record_policy: str = "all"            # all, opt-in, opt-out: which calls are recorded (app.recording.wanted)
+    spool_dir: Path | None = None         # undelivered webhooks and live-call markers; None: cache_dir/spool-<port>
+    webhook_url: str = ""                 # call.started / call.ended are POSTed here (app/webhooks.py); "": off
+    webhook_secret: str = ""              # signs each webhook (HMAC-SHA256)
+    webhook_retry_s: float = 3600.0       # an undelivered webhook is retried this long, then given up
+    webhook_backoff_max_s: float = 60.0   # the longest wait between two tries
+    admin_key: str = ""                   # the admin API (/v1/calls) key, never a client key; "": the API is off
 
 
 _ENV_PREFIX = "PERSONAPLEX_"
 KV_CACHE_CHOICES = ("bf16", "fp8")
+RECORD_POLICIES = ("all", "opt-in", "opt-out")
 
 
 def split_csv(value: str) -> tuple[str, ...]:
@@ -155,6 +165,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sip-realm", help=f"digest realm (default {d.sip_realm})")
     p.add_argument("--sip-x-headers", action="store_true", default=None,
                    help="let callers choose persona and voice with X-Persona / X-Voice headers")
+    p.add_argument("--record-dir",
+                   help="record calls here: per call a stereo Ogg Opus file (caller left, agent right), "
+                        "transcript.jsonl and call.json, under DIR/<UTC date>/<call id>/ (default: off)")
+    p.add_argument("--record-policy", choices=RECORD_POLICIES,
+                   help="with --record-dir: all records every call; opt-out every call whose session or agent does "
+                        "not say record=false; opt-in only those that say record=true (default all)")
+    p.add_argument("--spool-dir",
+                   help="where undelivered webhooks and the markers of live calls are kept, so that they survive a "
+                        "crash (default: CACHE_DIR/spool-PORT; give each server on a host its own)")
+    p.add_argument("--webhook-url", help="POST call.started and call.ended events here, signed (default: off)")
+    p.add_argument("--webhook-secret", help="the HMAC-SHA256 key that signs each webhook (needed with --webhook-url)")
+    p.add_argument("--webhook-retry-s", type=float,
+                   help=f"retry an undelivered webhook this long, then give it up (default {d.webhook_retry_s:g})")
+    p.add_argument("--webhook-backoff-max-s", type=float,
+                   help=f"the longest wait between two tries of a webhook; the waits double from 1 s up to it "
+                        f"(default {d.webhook_backoff_max_s:g})")
+    p.add_argument("--admin-key",
+                   help="the key of the admin API (GET /v1/calls, DELETE /v1/calls/ID); must differ from every "
+                        "--api-key (default: the admin API is off)")
     return p
 
 
@@ -178,11 +207,31 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         raise SystemExit(f"--input-lead-ms / PERSONAPLEX_INPUT_LEAD_MS must be >= 0, got {s.input_lead_ms:g}")
     if s.drain_timeout_s < 0:
         raise SystemExit(f"--drain-timeout-s / PERSONAPLEX_DRAIN_TIMEOUT_S must be >= 0, got {s.drain_timeout_s:g}")
+    _check_calls(s)
     if s.workers < 0:
         s.workers = default_workers()
     if s.gpus and s.workers == 0:
         raise SystemExit("--gpus runs one engine process per GPU beside worker processes: it needs --workers >= 1")
     return s
+
+
+def _check_calls(s: Settings) -> None:
+    """Recording, webhook and admin flags, each refused in one line."""
+    if s.record_policy not in RECORD_POLICIES:
+        raise SystemExit(f"--record-policy / PERSONAPLEX_RECORD_POLICY must be one of {', '.join(RECORD_POLICIES)}, "
+                         f"got {s.record_policy!r}")
+    for flag, folder in (("--record-dir", s.record_dir), ("--spool-dir", s.spool_dir)):
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise SystemExit(f"{flag} {folder}: not a folder")
+    if s.webhook_url:
+        if urlsplit(s.webhook_url).scheme not in ("http", "https") or not urlsplit(s.webhook_url).netloc:
+            raise SystemExit(f"--webhook-url must be an http:// or https:// URL, got {s.webhook_url!r}")
+        if not s.webhook_secret:
+            raise SystemExit("--webhook-url needs --webhook-secret (every event is signed with it)")
+    if s.webhook_retry_s <= 0 or s.webhook_backoff_max_s <= 0:
+        raise SystemExit("--webhook-retry-s and --webhook-backoff-max-s must be > 0")
+    if s.admin_key and s.admin_key in s.api_keys:
+        raise SystemExit("--admin-key must differ from every --api-key (a client must never hold the admin key)")
 
 
 def default_workers(cores: int | None = None) -> int:
@@ -198,7 +247,7 @@ def _coerce(name: str, value: object, default: object) -> object:
         if isinstance(value, str):
             return split_csv(value)
         return tuple(v for item in value for v in split_csv(item))  # type: ignore[union-attr]
-    if name in ("voices_dir", "cache_dir"):
+    if name in ("voices_dir", "cache_dir", "record_dir", "spool_dir"):
         return Path(str(value)).expanduser()
     if isinstance(default, bool):
         return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")

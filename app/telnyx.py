@@ -82,6 +82,8 @@ class TelnyxSession(PhoneLine):
         line, big_endian = _line_format(start.get("media_format"))
         config = self.call_config(params, "start.custom_parameters.")
         self.stream_id, self.line, self.big_endian = sid, line, big_endian
+        self.caller = {"stream_id": sid, **{k: start.get(k) for k in ("call_control_id", "call_session_id", "from",
+                                                                     "to")}, "custom_parameters": params}
         if not await self.begin(config, line):
             self.stream_id = None
 
@@ -95,6 +97,9 @@ class TelnyxSession(PhoneLine):
         n = int(chunk) if isinstance(chunk, (str, int)) and str(chunk).isdigit() and len(str(chunk)) <= 12 else None
         for data in self.order.put(n, payload) if n is not None else [payload]:
             self.hear(data, "media.payload")
+
+    def call_details(self) -> dict[str, Any]:
+        return {**super().call_details(), "heard_s": self.heard_s}
 
     def send_chunk(self, samples: np.ndarray) -> None:
         assert self.line is not None and self.pacer is not None

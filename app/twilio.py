@@ -85,6 +85,8 @@ class TwilioSession(PhoneLine):
                                 param="start.mediaFormat")
         config = self.call_config(params, "start.customParameters.")
         self.stream_sid = sid
+        self.caller = {"stream_sid": sid, "call_sid": start.get("callSid"), "account_sid": start.get("accountSid"),
+                       "custom_parameters": params}
         if not await self.begin(config, ULAW):
             self.stream_sid = None
 
@@ -122,6 +124,9 @@ class TwilioSession(PhoneLine):
         self.marks_dropped |= self.marks_out
         self.marks_out.clear()
         self.send_nowait({"event": "clear", "streamSid": self.stream_sid})
+
+    def call_details(self) -> dict[str, Any]:
+        return {**super().call_details(), "heard_s": self.heard_s}
 
     @property
     def heard_s(self) -> float:

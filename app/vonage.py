@@ -63,10 +63,14 @@ class VonageSession(PhoneLine):
         line = _line_format(event.get("content-type"))
         config = self.call_config(event, "")
         self.line = line
+        self.caller = {k: v for k, v in event.items() if k not in ("event", "content-type")}
         await self.begin(config, line)
 
     async def on_binary(self, data: bytes) -> None:
         self.hear(data, "audio")
+
+    def call_details(self) -> dict[str, Any]:
+        return {**super().call_details(), "heard_s": self.heard_s}
 
     def send_chunk(self, samples: np.ndarray) -> None:
         assert self.line is not None and self.pacer is not None

@@ -40,6 +40,7 @@ from app.conversation import Conversation, State
 from app.errors import ProtocolError
 from app.outbox import Message
 from app.realtime import RealtimeSession, is_beta
+from app.recording import asked_to_record
 from app.settings import Settings
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
 from app.worker_routing import new_call_id
@@ -174,6 +175,14 @@ class CallDialect(RealtimeSession):
     def cut(self, status: str, details: dict[str, Any] | None) -> None:
         super().cut(status, details)
         self.call.cut_playback()                           # what the caller would still hear of it
+        self.ctx.calls.note(self.live_call, {"event": "cut", "status": status, **self.call_details()})
+
+    def cut_output(self) -> None:
+        self.cut("cancelled", {"type": "cancelled", "reason": "admin_cut"})
+
+    def call_details(self) -> dict[str, Any]:
+        """How much of the model's audio has gone to the caller (what the outbound track has read)."""
+        return {"sent_s": round(self.call.playout.playout.stats().drained_samples / RATE, 2)}
 
     def _started(self, task: asyncio.Task[None]) -> None:
         super()._started(task)
@@ -199,6 +208,7 @@ class Call:
         self.ctx = request.app[CONTEXT]
         self.settings = self.ctx.settings
         self.offer_sdp = offer_sdp
+        self.remote = request.remote
         self.carries_events = "m=application" in offer_sdp   # no channel offered: events have nowhere to go
         self.call_id = new_call_id(getattr(self.ctx.engine, "worker", None))
         self.slot = slot
@@ -242,13 +252,18 @@ class Call:
         """Conversation and config; `session` is applied like a `session.update` (a ProtocolError if bad)."""
         dialect = self.session
         await dialect.on_open()
+        record = None
         if session is not None:
+            session = dict(session)
+            record = asked_to_record(session.pop("record", None))   # ours, beside the Realtime session's fields
             await dialect.on_session_update({"type": "session.update", "session": session})
-        assert self.ctx.engine is not None
+        assert self.ctx.engine is not None and dialect.conversation is not None
         try:
             self.ctx.engine.validate(dialect.config.params())
         except InvalidSessionParams as e:
             raise ProtocolError(e.code, e.message, param="session") from None
+        dialect.live_call = self.ctx.calls.open(CALLS_ROUTE, dialect.conversation, dialect, call_id=self.call_id,
+                                                caller={"remote": self.remote}, codec="opus/48000", record=record)
 
     async def negotiate(self) -> str:
         """Apply the offer, wire the media, return the answer SDP (ICE candidates included: aiortc gathers first)."""

@@ -1,9 +1,10 @@
 """Requests for state that lives in another worker process.
 
 A WebRTC call lives in the worker that answered its offer (its peer connection, UDP ports and conversation), but
-the kernel spreads later requests (`GET`/`DELETE /v1/realtime/calls/{id}`) over every worker of the port. A call's
-id names its worker (`rtc_w3_...`), each worker also listens on a private Unix socket beside the engine's channel,
-and a worker that gets a request for another's call forwards it there and relays the answer.
+the kernel spreads later requests (`GET`/`DELETE /v1/realtime/calls/{id}`, the admin API's `/v1/calls/{id}`) over
+every worker of the port. A call's id names its worker (`rtc_w3_...`, `call_w3_...`), each worker also listens on a
+private Unix socket beside the engine's channel, and a worker that gets a request for another's call forwards it
+there and relays the answer.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-_OWNER = re.compile(r"rtc_w(\d+)_[0-9a-f]+")
+_OWNER = re.compile(r"(?:rtc|call)_w(\d+)_[0-9a-f]+")
 # What a forwarded request keeps of the client's: its credentials and body type (not hop-by-hop headers).
 _FORWARDED_HEADERS = ("Authorization", "Origin", "Content-Type", "Sec-WebSocket-Protocol")
 
 
-def new_call_id(worker: int | None) -> str:
+def new_call_id(worker: int | None, kind: str = "rtc") -> str:
+    """A call id naming its worker: `rtc_…` for WebRTC calls, `call_…` for the other doors' calls."""
     suffix = uuid.uuid4().hex[:24]
-    return f"rtc_{suffix}" if worker is None else f"rtc_w{worker}_{suffix}"
+    return f"{kind}_{suffix}" if worker is None else f"{kind}_w{worker}_{suffix}"
 
 
 def call_owner(call_id: str) -> int | None:

@@ -40,6 +40,7 @@ class FakeTwilio:
     echoed: list[str] = field(default_factory=list)            # our mark echoes, in order
     events: list[dict[str, Any]] = field(default_factory=list)  # everything but media
     cleared: int = 0
+    close_reason: str | None = None                             # the close frame's reason
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -74,8 +75,10 @@ class FakeTwilio:
 
     async def _read(self) -> None:
         try:
-            async for msg in self.ws:
+            while True:
+                msg = await self.ws.receive()
                 if msg.type is not aiohttp.WSMsgType.TEXT:
+                    self.close_reason = msg.extra if msg.type is aiohttp.WSMsgType.CLOSE else None
                     break
                 event = msg.json()
                 kind = event.get("event")

@@ -42,8 +42,10 @@ from pathlib import Path
 from sipmessage import URI, Message, Request, Response
 
 from app import admission
+from app.calls import LiveCall
 from app.context import ServerContext
 from app.errors import ProtocolError
+from app.recording import asked_to_record
 from app.session_config import ConfigUpdate, default_config, with_update
 from app.sip.call import MediaSession, PortRange
 from app.sip.digest import DigestAuth
@@ -99,18 +101,24 @@ class Agent:
     name: str
     voice: str | None
     persona: str
+    record: bool | None = None     # the agent's own wish to be recorded (`record` / `norecord` in its spec)
 
 
 def parse_agents(specs: tuple[str, ...]) -> dict[str, Agent]:
-    """`NAME=voice,persona-file` each (voice may be empty: the default voice; the persona file is read now)."""
+    """`NAME=voice,persona-file[,record|norecord]` each (voice may be empty: the default voice; the persona file is
+    read now; the last part is the agent's wish to be recorded, weighed by `--record-policy`)."""
     agents: dict[str, Agent] = {}
     for spec in specs:
         name, sep, rest = spec.partition("=")
         voice, _, persona_file = rest.partition(",")
+        record = None
+        head, comma, last = persona_file.rpartition(",")
+        if comma and last.strip() in ("record", "norecord"):
+            persona_file, record = head, last.strip() == "record"
         if not sep or not name.strip():
-            raise ValueError(f"--sip-agent takes NAME=voice,persona-file, got {spec!r}")
+            raise ValueError(f"--sip-agent takes NAME=voice,persona-file[,record|norecord], got {spec!r}")
         persona = Path(persona_file.strip()).expanduser().read_text() if persona_file.strip() else ""
-        agents[name.strip()] = Agent(name.strip(), voice.strip() or None, persona)
+        agents[name.strip()] = Agent(name.strip(), voice.strip() or None, persona, record)
     return agents
 
 
@@ -157,6 +165,7 @@ class Dialog:
     local_cseq: int = field(default_factory=lambda: secrets.randbelow(1 << 20) + 1)
     remote_cseq: int = 0
     media: MediaSession | None = None
+    call: LiveCall | None = None   # in the live-call list (app/calls.py) while the call is up
     offer_body: bytes = b""
     answer_body: bytes = b""
     confirmed: bool = False
@@ -388,6 +397,7 @@ class SipServer:
                 raise Refusal(503, "Service Unavailable", "rtp_ports_exhausted",
                               [("Retry-After", RETRY_AFTER_S)]) from None
             self._send(tx, req, 180, "Ringing", tag, [("Contact", self._contact(req, tx.peer))])
+            dialog.call = self._open_call(req, tx.peer, dialog, agent, choice)
             try:
                 config = with_update(self.ctx, default_config(self.ctx), update, prefix="sip.")
                 await media.start(config.params())
@@ -647,11 +657,12 @@ class SipServer:
             if rx is not None:
                 self.ctx.metrics.sip.update({f"rtp_dropped_{k}": n for k, n in rx.stats.dropped.items()})
             dialog.media.close()
+            self.ctx.calls.end(dialog.call, why)
         if send_bye:
-            self._bye(dialog)
+            self._bye(dialog, why)
         logger.info("SIP call %s ended: %s", dialog.call_id, why)
 
-    def _bye(self, dialog: Dialog) -> None:
+    def _bye(self, dialog: Dialog, why: str) -> None:
         dialog.local_cseq += 1
         branch = "z9hG4bK" + secrets.token_hex(8)
         host = self._advertised(dialog.peer)
@@ -665,6 +676,7 @@ class SipServer:
         h.add("To", dialog.remote_uri)
         h.add("Call-ID", dialog.call_id)
         h.add("CSeq", f"{dialog.local_cseq} BYE")
+        h.add("Reason", f'SIP ;cause=200 ;text="{why}"')     # RFC 3326: why we hang up
         h.add("Content-Length", "0")
         data = bytes(request)
         addr = dialog.reply_to if dialog.peer.transport == "TCP" else self._target_addr(dialog)
@@ -700,6 +712,17 @@ class SipServer:
         timer = self.byes.pop(branch or "", None)
         if timer is not None:
             timer.cancel()
+
+    def _open_call(self, req: Request, peer: Peer, dialog: Dialog, agent: Agent | None, choice: Choice) -> LiveCall:
+        """The call in the live-call list, with what SIP says of the caller (before the conversation starts)."""
+        assert dialog.media is not None
+        record = agent.record if agent is not None else None
+        if self.settings.sip_x_headers and req.headers.get("X-Record"):
+            record = asked_to_record(req.headers.get("X-Record"))
+        caller = {"from": req.headers.get("From"), "to": req.headers.get("To"), "call_id": req.call_id,
+                  "remote": f"{peer.addr[0]}:{peer.addr[1]}", "agent": dialog.agent or "default"}
+        return self.ctx.calls.open(ROUTE, dialog.media.conversation, _CallOwner(self, dialog), caller=caller,
+                                   codec=choice.codec.rtpmap(), record=record)
 
     def _on_dtmf(self, call_id: str, event: TelephoneEvent) -> None:
         logger.info("SIP call %s: telephone-event %s", call_id, event.name)
@@ -743,4 +766,27 @@ class SipServer:
         """The live calls and their media stats (GET /v1/sip/calls)."""
         return [{"call_id": d.call_id, "agent": d.agent or "default", "confirmed": d.confirmed,
                  **(d.media.snapshot() if d.media is not None else {})} for d in self.dialogs.values()]
+
+
+class _CallOwner:
+    """A SIP call as the live-call list drives it: hung up with a BYE, its queued audio cut, its media figures."""
+
+    def __init__(self, server: SipServer, dialog: Dialog) -> None:
+        self.server = server
+        self.dialog = dialog
+
+    async def hang_up(self, reason: str) -> None:
+        self.server._end(self.dialog, reason, send_bye=True)
+
+    def cut_output(self) -> None:
+        if self.dialog.media is not None:
+            self.dialog.media.cut()
+            self.server.ctx.calls.note(self.dialog.call, {"event": "cut", **self.call_details()})
+
+    def call_details(self) -> dict[str, object]:
+        media = self.dialog.media
+        if media is None:
+            return {}
+        snapshot = media.snapshot()
+        return {"sent_s": media.sent_s(), **{k: snapshot[k] for k in ("packets_sent", "packets_received", "lost")}}
 

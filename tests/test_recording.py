@@ -1,0 +1,224 @@
+"""Call recordings (`--record-dir`): a Twilio call, a SIP call (a real baresip phone) and a WebRTC call (an aiortc
+peer) are each recorded, and each file decodes to two channels at the rate call.json states, lasts the call's
+frames within one frame, and its agent channel is the audio the client received (the same sound at a steady lag:
+both went through lossy codecs, Opus in the file and the line's codec on the way to the client, so their loudness
+contours are compared, 20 ms at a time). A disk that refuses ends the recording, never the call. What the live-call
+list says of a recorded call, and the admin API's cut, are checked on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import av
+import numpy as np
+import pytest
+from server_support import eventually, wait_in_use
+from twilio_fake import ULAW, FakeTwilio
+from webrtc_support import ensure_ice_host_address
+
+from app.sip import SIP
+from app.webrtc_client import RealtimeCall
+from media.resample import Resampler
+from tests.sip_support import BARESIP, baresip_call, free_port, read_wav
+
+ADMIN = "admin-key-for-tests"
+
+
+def decode(path: Path) -> tuple[np.ndarray, int]:
+    """(samples [channels, n], rate) of a recording, as any Ogg Opus reader (FFmpeg here) gives them."""
+    with av.open(str(path)) as container:
+        stream = container.streams.audio[0]
+        frames = [frame.to_ndarray() for frame in container.decode(stream)]
+        return np.concatenate(frames, axis=1), stream.rate
+
+
+async def finished(root: Path) -> tuple[Path, dict[str, Any]]:
+    """The one call folder under `root` once its call.json is final (it says how the call ended)."""
+    def final() -> tuple[Path, dict[str, Any]] | None:
+        for facts in root.rglob("call.json"):
+            found = json.loads(facts.read_text())
+            if found.get("end_reason") and found.get("recording"):
+                return facts.parent, found
+        return None
+    return await eventually(final, 15, "a finished recording")
+
+
+def same_sound(recorded: np.ndarray, received: np.ndarray, rate: int) -> tuple[float, float, float]:
+    """How `received` follows `recorded` (both at `rate`, band-limited to what both kept): (its lag in seconds, the
+    lag found in the second half alone, and the waveforms' correlation at the lag)."""
+    def best_lag(a: np.ndarray, b: np.ndarray) -> int:
+        n = 1 << int(np.ceil(np.log2(a.size + b.size)))
+        cross = np.fft.irfft(np.fft.rfft(b, n) * np.conj(np.fft.rfft(a, n)), n)
+        return int(np.argmax(cross[: b.size]))
+    lag = best_lag(recorded, received)
+    m = min(recorded.size, received.size - lag)
+    a, b = recorded[:m], received[lag:lag + m]
+    half = m // 2
+    later = best_lag(recorded[half:m], received[lag + half:lag + m]) + lag
+    return lag / rate, later / rate, float(np.dot(a, b) / np.sqrt(np.dot(a, a) * np.dot(b, b)))
+
+
+def assert_same_sound(recorded_24k: np.ndarray, received: np.ndarray, rate: int, band_rate: int) -> None:
+    """`received` (at `rate`) is `recorded_24k`, later by a steady lag: compared at `band_rate`, the band both kept."""
+    a = Resampler(24000, band_rate).process(recorded_24k.astype(np.float32))
+    b = Resampler(rate, band_rate).process(received.astype(np.float32)) if rate != band_rate else received
+    lag, later, similar = same_sound(a, b, band_rate)
+    assert 0 <= lag < 1.5 and abs(later - lag) <= 0.001 and similar > 0.4, (lag, later, similar)
+
+
+def check_file(folder: Path, facts: dict[str, Any]) -> np.ndarray:
+    """The checks every recorded call passes; the agent channel at 24 kHz."""
+    assert {p.name for p in folder.iterdir()} == {"audio.ogg", "transcript.jsonl", "call.json"}
+    audio, rate = decode(folder / "audio.ogg")
+    rec = facts["recording"]
+    assert audio.shape[0] == 2 and rec["channels"] == 2 and rec["channel_layout"] == ["caller", "agent"]
+    assert rate == rec["sample_rate"]
+    duration = audio.shape[1] / rate
+    assert abs(duration - rec["frames"] * 0.08) < 1e-6, (duration, rec)
+    assert abs(duration - facts["stats"]["frames_out"] * 0.08) <= 0.08, (duration, facts["stats"])
+    assert rec["error"] is None and rec["dropped_frames"] == 0
+    lines = [json.loads(line) for line in (folder / "transcript.jsonl").read_text().splitlines()]
+    texts = [line for line in lines if "text" in line]
+    assert texts and all(0 <= line["t"] < duration and line["t"] == round(line["frame"] * 0.08, 2) for line in texts)
+    return Resampler(rate, 24000).process(audio[1].astype(np.float32))
+
+
+async def admin_calls(http: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
+    async with http.get(url + "/v1/calls", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["data"]
+
+
+async def test_a_twilio_call_is_recorded(start_server, speech_24k, tmp_path):
+    root = tmp_path / "rec"
+    server = await start_server(record_dir=root, admin_key=ADMIN)
+    caller = Resampler(24000, 8000).process(np.tile(speech_24k, 2)[: 24000 * 3])
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws("/v1/twilio")) as ws:
+        twilio = FakeTwilio(ws, "MZ7")
+        await twilio.start(call_sid="CA7", persona="You answer the phone for a bakery.", order="42")
+        await twilio.speak(caller)
+        [listed] = await admin_calls(http, server.url)
+        await twilio.stop()
+        twilio.close()
+    folder, facts = await finished(root)
+    assert listed["recording"]["audio"] == str(folder / "audio.ogg")
+    assert facts["door"] == "/v1/twilio" and facts["codec"] == "pcmu/8000" and facts["end_reason"] == "stop"
+    assert facts["caller"]["call_sid"] == "CA7" and facts["caller"]["custom_parameters"]["order"] == "42"
+    assert facts["agent"]["persona"] == "You answer the phone for a bakery."
+    assert facts["stats"]["heard_s"] > 0 and facts["ended_at"] > facts["started_at"]
+    agent = check_file(folder, facts)
+    assert_same_sound(agent, ULAW.decode(b"".join(twilio.received)), 8000, 8000)
+    caller_channel = decode(folder / "audio.ogg")[0][0]         # the left channel is what the model heard
+    assert_same_sound(Resampler(8000, 24000).process(ULAW.decode(ULAW.encode(caller))), caller_channel, 48000, 8000)
+    async with aiohttp.ClientSession() as http, http.get(server.url + "/metrics") as r:
+        text = await r.text()
+    assert 'personaplex_recordings_total{result="written"} 1' in text
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    assert f"personaplex_recording_bytes_total {size}" in text
+
+
+@pytest.mark.skipif(BARESIP is None, reason="baresip is not installed (apt-get install baresip-core)")
+async def test_a_sip_call_is_recorded(start_server, tmp_path):
+    root = tmp_path / "rec"
+    base = free_port(pair=True)
+    server = await start_server(record_dir=root, sip_port=free_port(), rtp_ports=f"{base}-{base + 40}")
+    uri = f"sip:agent@127.0.0.1:{server.app[SIP].port}"
+    result = await baresip_call(tmp_path / "phone", uri, seconds=4, codec="PCMU/8000/1")
+    assert result.returncode == 0 and result.heard is not None, result.log[-2000:]
+    folder, facts = await finished(root)
+    assert facts["door"] == "sip" and facts["codec"] == "PCMU/8000" and facts["end_reason"] == "bye"
+    assert "sip:caller@127.0.0.1" in facts["caller"]["from"] and "sip:agent@" in facts["caller"]["to"]
+    agent = check_file(folder, facts)
+    heard, rate, _ = read_wav(result.heard)
+    assert_same_sound(agent, heard, rate, 8000)
+
+
+async def test_a_webrtc_call_is_recorded(start_server, speech_24k, tmp_path):
+    ensure_ice_host_address()
+    root = tmp_path / "rec"
+    server = await start_server(record_dir=root, record_policy="opt-in")
+    call = RealtimeCall(server.url, speech_24k, session={"instructions": "You are a receptionist.", "record": True})
+    await call.connect()
+    try:
+        await eventually(lambda: len(call.recording.chunks) > 150, 20, "three seconds of the model's audio")
+    finally:
+        await call.hang_up()
+    folder, facts = await finished(root)
+    assert facts["door"] == "/v1/realtime/calls" and facts["codec"] == "opus/48000"
+    assert facts["end_reason"] == "client_hangup" and facts["agent"]["persona"] == "You are a receptionist."
+    agent = check_file(folder, facts)
+    assert_same_sound(agent, call.recording.audio(), 24000, 16000)
+
+
+async def test_policy_and_a_refusing_disk_end_the_recording_never_the_call(start_server, tmp_path):
+    """opt-in: a call that does not ask is not recorded; a record folder that cannot be written ends the
+    recording (counted), and the call goes on to its own end."""
+    blocked = tmp_path / "file-not-folder"
+    server = await start_server(record_dir=tmp_path / "rec", record_policy="opt-in")
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws("/v1/twilio")) as ws:
+        twilio = FakeTwilio(ws)
+        await twilio.start()
+        await twilio.speak(np.zeros(8000, np.float32))
+        await twilio.stop()
+        twilio.close()
+    assert not (tmp_path / "rec").exists()
+    blocked.write_text("")
+    server = await start_server(record_dir=blocked / "rec")
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws("/v1/twilio")) as ws:
+        twilio = FakeTwilio(ws)
+        await twilio.start()
+        await twilio.speak(np.zeros(16000, np.float32))
+        await eventually(lambda: server.ctx.metrics.recordings["recordings_failed"] == 1, 5, "the failure counted")
+        await twilio.speak(np.zeros(8000, np.float32))     # the call goes on
+        frames = len(twilio.received)
+        await eventually(lambda: len(twilio.received) > frames + 10, 5, "more of the model's audio")
+        await twilio.stop()
+        twilio.close()
+        assert ws.close_code == 1000
+        await wait_in_use(http, server.url, 0)
+    assert server.ctx.metrics.recordings["recordings_written"] == 0
+
+
+async def test_the_admin_api_lists_cuts_and_hangs_up_every_door(start_server, speech_24k):
+    server = await start_server(admin_key=ADMIN, api_keys=("client-key",))
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.url + "/v1/calls", headers={"Authorization": "Bearer client-key"}) as r:
+            assert r.status == 401                                     # a client key is not the admin key
+        ws = await http.ws_connect(server.ws("/v1/twilio?api_key=client-key"))
+        twilio = FakeTwilio(ws, "MZ5")
+        await twilio.start(call_sid="CA5")
+        speaking = asyncio.ensure_future(twilio.speak(Resampler(24000, 8000).process(np.tile(speech_24k, 4))))
+        realtime = await http.ws_connect(server.ws("/v1/realtime?duplex=1&api_key=client-key"))
+        listed = await eventually(lambda: admin_calls(http, server.url), 5, "two live calls")
+        assert sorted(c["door"] for c in listed) == ["/v1/realtime", "/v1/twilio"]
+        phone = next(c for c in listed if c["door"] == "/v1/twilio")
+        assert phone["caller"]["call_sid"] == "CA5" and phone["id"].startswith("call_")
+        await eventually(lambda: len(twilio.received) > 50, 10, "the model's audio")
+        async with http.post(f"{server.url}/v1/calls/{phone['id']}/cut",
+                             headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 204
+        await eventually(lambda: twilio.cleared == 1, 5, "Twilio told to clear")
+        for call in listed:
+            async with http.delete(f"{server.url}/v1/calls/{call['id']}",
+                                   headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+                assert r.status == 204
+        closed = await realtime.receive(timeout=5)
+        while closed.type is aiohttp.WSMsgType.TEXT and closed.json()["type"] != "session.closed":
+            closed = await realtime.receive(timeout=5)
+        assert closed.json()["reason"] == "admin_hangup"
+        await asyncio.wait_for(twilio.closed.wait(), 5)
+        assert ws.close_code == 1000 and twilio.close_reason == "admin_hangup"
+        speaking.cancel()
+        twilio.close()
+        async with http.delete(f"{server.url}/v1/calls/{phone['id']}", headers={"Authorization": f"Bearer {ADMIN}"}) \
+                as r:
+            assert r.status == 404
+        assert await admin_calls(http, server.url) == []
+        await realtime.close()
+    off = await start_server()
+    async with aiohttp.ClientSession() as http, http.get(off.url + "/v1/calls") as r:
+        assert r.status == 403                                         # no --admin-key: the API is off
