@@ -67,6 +67,10 @@ _FALSE = ("0", "false", "no", "off")
 # After a cut, the model's utterance is over once this many frames (320 ms) pass without a text piece; the next
 # frame with one opens the next response. Shorter pauses happen between the words of one sentence.
 QUIET_FRAMES = 4
+# A model that talks on through a cut without such a pause is heard again after this many frames (960 ms): the cut
+# stops what was playing at once, it does not silence the call (an agent framework whose own VAD interrupts asks
+# for no new response; it waits for the model's next one).
+MAX_MUTED_FRAMES = 12
 _TEXT_PARTS = ("input_text", "text", "output_text")
 
 
@@ -149,6 +153,7 @@ class RealtimeSession(Session):
         self.turn_detection: dict[str, Any] | None = None
         self._muted = False                          # cut: frames are not sent until the model's next utterance
         self._quiet = 0                              # frames without text since the cut
+        self._muted_frames = 0                       # frames withheld since the cut
         self._next_metadata: dict[str, str] | None = None   # for the response the next frame opens
         self._prompt_notes: list[str] = []           # folded into the start's prompt
         self._pending_prompts: list[str] = []        # to prefill into the live context
@@ -352,7 +357,7 @@ class RealtimeSession(Session):
         utterance."""
         self.outbox.drop_tagged(OUTPUT_TAG)
         self._end_response(status, details)
-        self._muted, self._quiet = True, 0
+        self._muted, self._quiet, self._muted_frames = True, 0, 0
 
     async def on_input_clear(self, event: dict[str, Any]) -> None:
         assert self.conversation is not None and self.decoder is not None
@@ -525,16 +530,15 @@ class RealtimeSession(Session):
             self.send_nowait({"type": self.names["transcript_delta"], **ids, "delta": frame.text}, OUTPUT_TAG)
 
     def _audible(self, frame: FrameOutput) -> bool:
-        """Whether the frame is heard: always, unless a cut muted the model and its utterance is not over yet."""
+        """Whether the frame is heard: always, unless a cut muted the model and its utterance is not over yet (and
+        the cut was less than MAX_MUTED_FRAMES ago)."""
         if not self._muted:
             return True
-        if frame.text:
-            if self._quiet >= QUIET_FRAMES:
-                self._muted = False
-                return True
-            self._quiet = 0
-        else:
-            self._quiet += 1
+        if (frame.text and self._quiet >= QUIET_FRAMES) or self._muted_frames >= MAX_MUTED_FRAMES:
+            self._muted = False
+            return True
+        self._quiet = 0 if frame.text else self._quiet + 1
+        self._muted_frames += 1
         return False
 
     def play(self, frame: FrameOutput, ids: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ SDK: each is checked against its own model here, and only those types pass. Rais
 from __future__ import annotations
 
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
@@ -51,22 +51,27 @@ EXTENSIONS: dict[str, type[BaseModel]] = {
 
 
 @cache
-def _adapter(beta: bool) -> pydantic.TypeAdapter:
+def _models(beta: bool) -> dict[str, type[BaseModel]]:
+    """The SDK's server event models by their `type`: validating against the one model of an event's type gives
+    field-level errors (the SDK's union is not a discriminated one in pydantic's sense)."""
     if beta:
         from openai.types.beta.realtime import RealtimeServerEvent
     else:
         from openai.types.realtime import RealtimeServerEvent
-    return pydantic.TypeAdapter(RealtimeServerEvent)
+    members = get_args(RealtimeServerEvent)
+    if members and get_origin(members[0]) is Union:   # Annotated[Union[...], PropertyInfo(...)]
+        members = get_args(members[0])
+    return {get_args(m.model_fields["type"].annotation)[0]: m for m in members}
 
 
 def validate_server_event(event: dict[str, Any], beta: bool = False) -> None:
     """Raise SchemaError unless `event` is a valid server event of the SDK (or a documented extension)."""
     kind = event.get("type")
+    dialect = "beta" if beta else "GA"
+    model = EXTENSIONS.get(kind) or _models(beta).get(kind)
+    if model is None:
+        raise SchemaError(f"{kind!r} is not a {dialect} server event type nor a documented extension")
     try:
-        if kind in EXTENSIONS:
-            EXTENSIONS[kind].model_validate(event)
-        else:
-            _adapter(beta).validate_python(event)
+        model.model_validate(event)
     except pydantic.ValidationError as e:
-        dialect = "beta" if beta else "GA"
         raise SchemaError(f"{kind!r} is not a valid {dialect} server event: {e}\nevent: {str(event)[:600]}") from None

@@ -209,6 +209,34 @@ async def test_cancel_cuts_the_caller_off_and_keeps_the_context(start_server, sp
     assert start > sum(rid == first for rid, _ in cut)    # the frames in between were withheld, not delayed
 
 
+async def test_a_cut_with_no_new_response_asked_for_is_heard_again_within_a_second(start_server, speech_24k):
+    """An agent framework whose own VAD interrupts sends response.cancel and waits: the model, muted until its next
+    utterance, is heard again at the latest MAX_MUTED_FRAMES frames after the cut, in a response of its own."""
+    import asyncio
+
+    from app.realtime import MAX_MUTED_FRAMES
+    server = await start_server(max_sessions=1)
+    stepped = lambda: server.ctx.engine.stats().offline_frames
+    speech = np.tile(speech_24k, 3)[: 40 * 1920]
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        await ws.send_json({"type": "session.update", "session": {"pacing": "input"}})
+        await until(ws, "session.updated")
+        await stream(ws, speech[: 6 * 1920], AudioFormat("pcm16", 24000))
+        first = (await until(ws, "response.created"))["response"]["id"]
+        await ws.send_json({"type": "response.cancel"})
+        seen: list[dict[str, Any]] = []
+        await until(ws, "response.done", seen=seen)
+        baseline = stepped()
+        await stream(ws, speech[6 * 1920:], AudioFormat("pcm16", 24000))
+        while stepped() < baseline + 34:
+            await asyncio.sleep(0.01)
+        later = await collect_frames(ws, 40 - 6 - MAX_MUTED_FRAMES - 1, "response.output_audio.delta")
+    created = [e for e in later if e["type"] == "response.created"]
+    assert created and created[0]["response"]["id"] != first
+    assert not [e for e in seen + later if e["type"] == "error"]
+
+
 async def test_cancel_with_restart_on_cancel_starts_a_fresh_context(server, speech_24k):
     fmt = AudioFormat("pcm16", 24000)
     async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
