@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -97,6 +98,8 @@ class CallRegistry:
         self.calls: dict[str, LiveCall] = {}
         self.spool = settings.spool_dir or settings.cache_dir / f"spool-{settings.port}"
         self.markers = self.spool / "live" / self.worker_name
+        # Marker files are written and removed in order, off the event loop, by one thread of their own.
+        self._disk = ThreadPoolExecutor(1, thread_name_prefix="call-markers")
         self.writer = RecordingWriter(settings.record_dir, metrics.recordings) if settings.record_dir else None
         self.webhooks = Webhooks(settings.webhook_url, settings.webhook_secret, self.spool / "webhooks",
                                  metrics.webhooks, retry_s=settings.webhook_retry_s,
@@ -122,6 +125,7 @@ class CallRegistry:
             await self.webhooks.stop()
         if self.writer is not None:
             self.writer.close()
+        self._disk.shutdown(wait=True)
 
     # ---- calls -----------------------------------------------------------------------------------------------
 
@@ -140,7 +144,7 @@ class CallRegistry:
             conversation.add_input_tap(recording.input_frame)
             conversation.add_listener(lambda frame: self._recorded(call, frame))
         if self.keeps_markers:
-            self._write_marker(call, started)
+            self._disk.submit(self._write_marker, call.id, {"call": started, "started_at": call.started_at})
         if self.webhooks is not None:
             self.webhooks.emit("call.started", started)
         return call
@@ -164,8 +168,7 @@ class CallRegistry:
         if self.webhooks is not None:
             self.webhooks.emit("call.ended", summary)
         if self.keeps_markers:
-            with contextlib.suppress(OSError):
-                (self.markers / f"{call.id}.json").unlink(missing_ok=True)
+            self._disk.submit(self._remove_marker, call.id)
 
     def note(self, call: LiveCall | None, event: dict[str, Any]) -> None:
         """A line in the call's transcript (a cut, say), when it is recorded."""
@@ -178,14 +181,18 @@ class CallRegistry:
 
     # ---- markers: what a dead process leaves behind ----------------------------------------------------------
 
-    def _write_marker(self, call: LiveCall, started: dict[str, Any]) -> None:
+    def _write_marker(self, call_id: str, marker: dict[str, Any]) -> None:
         try:
             self.markers.mkdir(parents=True, exist_ok=True)
-            partial = self.markers / f"{call.id}.json.partial"
-            partial.write_text(json.dumps({"call": started, "started_at": call.started_at}))
-            partial.replace(self.markers / f"{call.id}.json")
+            partial = self.markers / f"{call_id}.json.partial"
+            partial.write_text(json.dumps(marker))
+            partial.replace(self.markers / f"{call_id}.json")
         except OSError as e:
-            logger.error("call %s: its marker was not written (%s): a crash would not report it", call.id, e)
+            logger.error("call %s: its marker was not written (%s): a crash would not report it", call_id, e)
+
+    def _remove_marker(self, call_id: str) -> None:
+        with contextlib.suppress(OSError):
+            (self.markers / f"{call_id}.json").unlink(missing_ok=True)
 
     def _lost(self, marker: Path) -> None:
         """A call a dead process left live: `call.ended` (`worker_lost`) and its recording's `call.json`."""

@@ -10,8 +10,9 @@ taken as the API key, as are `?api_key=` on the `stream_url` and `Authorization:
 Out: `{"event":"media","media":{"payload"}}` with 20 ms of audio in the stream's own codec and rate (set
 `stream_bidirectional_codec` and `_sampling_rate` to match `stream_codec`), paced at real time, and every second of
 audio a `{"event":"mark","mark":{"name":"audio-<seconds>"}}` whose echo tells how far the caller has heard. The
-server never sends `clear`: the model takes turns in its own audio, so nothing it sent is withdrawn. Errors use the
-shared `error` envelope; no free slot: an `error` and close 1013.
+model takes turns in its own audio, so the server sends `{"event":"clear"}` only when the output is cut
+(`PhoneLine.cut_output`, the admin API); the echoes of the marks that clear returns are not taken as heard. Errors
+use the shared `error` envelope; no free slot: an `error` and close 1013.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class TelnyxSession(PhoneLine):
         self.big_endian = False
         self.order: Reorder[bytes] = Reorder()
         self.heard_s = 0           # seconds of audio the caller has heard (from the mark echoes)
+        self.cleared_through = 0   # marks a `clear` returned: their echoes mean dropped, not heard
 
     async def on_event(self, event: dict[str, Any]) -> None:
         kind = event["event"]
@@ -72,7 +74,8 @@ class TelnyxSession(PhoneLine):
         else:
             body = event.get("mark")
             name = body.get("name") if isinstance(body, dict) else None
-            if isinstance(name, str) and name.startswith("audio-") and name[6:].isdigit():
+            if isinstance(name, str) and name.startswith("audio-") and name[6:].isdigit() and \
+                    not self.heard_s < int(name[6:]) <= self.cleared_through:
                 self.heard_s = max(self.heard_s, int(name[6:]))
 
     async def on_start(self, event: dict[str, Any]) -> None:
@@ -97,6 +100,11 @@ class TelnyxSession(PhoneLine):
         n = int(chunk) if isinstance(chunk, (str, int)) and str(chunk).isdigit() and len(str(chunk)) <= 12 else None
         for data in self.order.put(n, payload) if n is not None else [payload]:
             self.hear(data, "media.payload")
+
+    def on_cut(self) -> None:
+        assert self.pacer is not None
+        self.cleared_through = self.pacer.chunks_sent // MARK_EVERY
+        self.send_nowait({"event": "clear"})
 
     def call_details(self) -> dict[str, Any]:
         return {**super().call_details(), "heard_s": self.heard_s}

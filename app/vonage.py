@@ -8,8 +8,9 @@ counted); `websocket:notify` (the echo of one of ours: the caller has heard the 
 `websocket:cleared`. The API key goes in the NCCO `uri` (`?api_key=`), since NCCO headers arrive inside the first
 message, not as HTTP headers.
 Out: BINARY of exactly 20 ms (320 bytes at 8 kHz, 640 at 16 kHz), one per 20 ms of wall clock, and every second of
-audio `{"action":"notify","payload":{"audio_s":n}}`, which Vonage echoes when that point has played. The server never
-sends `{"action":"clear"}`: the model takes turns in its own audio. Errors are TEXT in the shared `error` envelope
+audio `{"action":"notify","payload":{"audio_s":n}}`, which Vonage echoes when that point has played. The model takes
+turns in its own audio, so the server sends `{"action":"clear"}` only when the output is cut
+(`PhoneLine.cut_output`, the admin API). Errors are TEXT in the shared `error` envelope
 (Vonage ignores them; they are for logs); no free slot: an `error` and close 1013; a caller hang-up is the socket
 closing, which frees the slot at once.
 """
@@ -68,6 +69,9 @@ class VonageSession(PhoneLine):
 
     async def on_binary(self, data: bytes) -> None:
         self.hear(data, "audio")
+
+    def on_cut(self) -> None:
+        self.send_nowait({"action": "clear"})
 
     def call_details(self) -> dict[str, Any]:
         return {**super().call_details(), "heard_s": self.heard_s}

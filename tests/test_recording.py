@@ -184,7 +184,7 @@ async def test_policy_and_a_refusing_disk_end_the_recording_never_the_call(start
 
 
 async def test_the_admin_api_lists_cuts_and_hangs_up_every_door(start_server, speech_24k):
-    server = await start_server(admin_key=ADMIN, api_keys=("client-key",))
+    server = await start_server(admin_key=ADMIN, api_keys=("client-key",), max_sessions=3)
     async with aiohttp.ClientSession() as http:
         async with http.get(server.url + "/v1/calls", headers={"Authorization": "Bearer client-key"}) as r:
             assert r.status == 401                                     # a client key is not the admin key
@@ -193,8 +193,17 @@ async def test_the_admin_api_lists_cuts_and_hangs_up_every_door(start_server, sp
         await twilio.start(call_sid="CA5")
         speaking = asyncio.ensure_future(twilio.speak(Resampler(24000, 8000).process(np.tile(speech_24k, 4))))
         realtime = await http.ws_connect(server.ws("/v1/realtime?duplex=1&api_key=client-key"))
-        listed = await eventually(lambda: admin_calls(http, server.url), 5, "two live calls")
-        assert sorted(c["door"] for c in listed) == ["/v1/realtime", "/v1/twilio"]
+        vonage = await http.ws_connect(server.ws("/v1/vonage?api_key=client-key"))
+        await vonage.send_json({"event": "websocket:connected", "content-type": "audio/l16;rate=8000",
+                                "caller": "+15550100"})
+        await vonage.send_bytes(b"\0" * 320)
+
+        async def three() -> list[dict[str, Any]]:
+            found = await admin_calls(http, server.url)
+            return found if len(found) == 3 else []
+        listed = await eventually(three, 5, "three live calls")
+        assert sorted(c["door"] for c in listed) == ["/v1/realtime", "/v1/twilio", "/v1/vonage"]
+        assert next(c for c in listed if c["door"] == "/v1/vonage")["caller"] == {"caller": "+15550100"}
         phone = next(c for c in listed if c["door"] == "/v1/twilio")
         assert phone["caller"]["call_sid"] == "CA5" and phone["id"].startswith("call_")
         await eventually(lambda: len(twilio.received) > 50, 10, "the model's audio")
@@ -202,6 +211,14 @@ async def test_the_admin_api_lists_cuts_and_hangs_up_every_door(start_server, sp
                              headers={"Authorization": f"Bearer {ADMIN}"}) as r:
             assert r.status == 204
         await eventually(lambda: twilio.cleared == 1, 5, "Twilio told to clear")
+        other = next(c for c in listed if c["door"] == "/v1/vonage")
+        async with http.post(f"{server.url}/v1/calls/{other['id']}/cut",
+                             headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 204
+        msg = await vonage.receive(timeout=5)
+        while msg.type is aiohttp.WSMsgType.BINARY or msg.json()["action"] == "notify":
+            msg = await vonage.receive(timeout=5)
+        assert msg.json() == {"action": "clear"}
         for call in listed:
             async with http.delete(f"{server.url}/v1/calls/{call['id']}",
                                    headers={"Authorization": f"Bearer {ADMIN}"}) as r:
@@ -219,6 +236,7 @@ async def test_the_admin_api_lists_cuts_and_hangs_up_every_door(start_server, sp
             assert r.status == 404
         assert await admin_calls(http, server.url) == []
         await realtime.close()
+        await vonage.close()
     off = await start_server()
     async with aiohttp.ClientSession() as http, http.get(off.url + "/v1/calls") as r:
         assert r.status == 403                                         # no --admin-key: the API is off
