@@ -13,9 +13,11 @@ privileges. One `Link` describes one direction; `LinkModel` turns each packet's 
 - duplicate: with probability `duplicate` a second copy follows 0-10 ms later (datagrams only);
 - stalls: every `stall_every_s` (first at `stall_first_s`, default one period in) the link goes silent for `stall_ms`
   and then delivers, in order, everything it held (Wi-Fi roaming, a cellular handover).
-On a reliable link (TCP) a lost segment is not gone: it comes one retransmission timeout later (`retransmit_s`, Linux's
-200 ms minimum RTO plus the round trip) and everything behind it waits (head-of-line blocking); duplicates and
-reordering do not exist there.
+On a reliable link (TCP) a lost segment is not gone: it is sent again once the sender learns of the loss, by three
+duplicate acknowledgements (the three segments after it, sent at the stream's recent pace, and a round trip) or
+by its retransmission timeout (Linux's 200 ms minimum plus a round trip), whichever comes first, so it arrives a
+round trip (`retransmit_s`) plus the lesser of 200 ms and three send intervals late; everything behind it waits
+(head-of-line blocking). Duplicates and reordering do not exist there.
 
 Carriers: `UdpRelay` (SIP RTP: the phone sends to `near`, the server talks to `far`), `TcpRelay` (the WebSocket doors:
 point the client at the relay's port) and `impair_peer` (an aiortc peer's ICE transport: every datagram it sends and
@@ -138,7 +140,9 @@ class LinkModel:
     def __init__(self, link: Link, seed: int = 0, reliable: bool = False, retransmit_s: float | None = None) -> None:
         self.link = link
         self.reliable = reliable
-        self.retransmit_s = (TCP_MIN_RTO_S + 2 * link.delay_ms / 1000.0) if retransmit_s is None else retransmit_s
+        self.retransmit_s = 2 * link.delay_ms / 1000.0 if retransmit_s is None else retransmit_s  # a round trip
+        self._last_sent: float | None = None
+        self._interval = TCP_MIN_RTO_S           # the stream's recent send interval (reliable links)
         self.stats = LinkStats()
         self._rng = random.Random(seed)
         self._bad = False
@@ -153,6 +157,9 @@ class LinkModel:
         link, rng, st = self.link, self._rng, self.stats
         if self._origin is None:
             self._origin = sent_at
+        if self._last_sent is not None:
+            self._interval += 0.2 * (sent_at - self._last_sent - self._interval)
+        self._last_sent = sent_at
         st.sent += 1
         lost = self._lost()
         at = sent_at + self._delay()
@@ -162,9 +169,10 @@ class LinkModel:
             st.lost_at.append(sent_at)
             if not self.reliable:
                 return []
-            at += self.retransmit_s
-            while self._lost():          # the retransmission can be lost too
-                at += self.retransmit_s
+            resend = self.retransmit_s + min(TCP_MIN_RTO_S, 3 * self._interval)
+            at += resend
+            while self._lost():          # the retransmission can be lost too (then only the timeout finds it)
+                at += self.retransmit_s + TCP_MIN_RTO_S
         if reordered:
             st.reordered += 1
             at += link.reorder_ms / 1000.0
@@ -340,8 +348,8 @@ class UdpRelay:
 
 class TcpRelay:
     """A listening port that forwards each connection to `target` through an `up` and a `down` reliable link: every
-    read is one segment, delivered in order at the model's time (loss is a retransmission timeout later, holding
-    everything behind it). `port` is where clients connect (a WebSocket URL with this port reaches the server).
+    read is one segment, delivered in order at the model's time (loss is a retransmission later, holding everything
+    behind it). `port` is where clients connect (a WebSocket URL with this port reaches the server).
     Each connection gets its own seeded models (seed, seed + 1 for the first; + 2 per further connection); `models`
     keeps them, in connection order."""
 
@@ -372,8 +380,8 @@ class TcpRelay:
             return
         rtt_s = (self.up.delay_ms + self.down.delay_ms) / 1000.0
         k = len(self.models)
-        up = LinkModel(self.up, self.seed + 2 * k, reliable=True, retransmit_s=TCP_MIN_RTO_S + rtt_s)
-        down = LinkModel(self.down, self.seed + 2 * k + 1, reliable=True, retransmit_s=TCP_MIN_RTO_S + rtt_s)
+        up = LinkModel(self.up, self.seed + 2 * k, reliable=True, retransmit_s=rtt_s)
+        down = LinkModel(self.down, self.seed + 2 * k + 1, reliable=True, retransmit_s=rtt_s)
         self.models.append((up, down))
         pumps = [asyncio.ensure_future(_pump(reader, up_writer, up)),
                  asyncio.ensure_future(_pump(up_reader, writer, down))]
