@@ -171,7 +171,9 @@ class LinkModel:
                 return []
             resend = self.retransmit_s + min(TCP_MIN_RTO_S, 3 * self._interval)
             at += resend
-            while self._lost():          # the retransmission can be lost too (then only the timeout finds it)
+            # The retransmission can be lost too (then only the timeout finds it). It leaves a round trip later, when
+            # a loss burst (counted in packets of the stream) has long passed: an independent draw at the mean rate.
+            while rng.random() < link.loss + link.burst_loss:
                 at += self.retransmit_s + TCP_MIN_RTO_S
         if reordered:
             st.reordered += 1
