@@ -72,10 +72,14 @@ class LiveCall:
     started_at: float = field(default_factory=time.time)
     recording: Recording | None = None
     ended: bool = False
+    configured: dict[str, Any] = field(default_factory=dict)   # persona and voice as the door set them up
 
     def agent(self) -> dict[str, Any]:
+        """Persona and voice: the conversation's once it started, before that what the door configured."""
         params = self.conversation.params
-        return {"persona": params.persona if params else None, "voice": params.voice if params else None}
+        if params is None:
+            return {"persona": self.configured.get("persona"), "voice": self.configured.get("voice")}
+        return {"persona": params.persona, "voice": params.voice}
 
     def stats(self) -> dict[str, Any]:
         return {**self.conversation.counters(), **self.owner.call_details()}
@@ -130,15 +134,16 @@ class CallRegistry:
     # ---- calls -----------------------------------------------------------------------------------------------
 
     def open(self, door: str, conversation: Conversation, owner: CallOwner, *, caller: dict[str, Any] | None = None,
-             codec: str = "", record: bool | None = None, call_id: str | None = None) -> LiveCall:
+             codec: str = "", record: bool | None = None, call_id: str | None = None,
+             agent: dict[str, Any] | None = None) -> LiveCall:
         """Register a call (before its conversation starts); `record` is the session's or agent's wish, which the
-        server's policy weighs (app.recording.wanted)."""
+        server's policy weighs (app.recording.wanted); `agent` the persona and voice the door set up."""
         call = LiveCall(call_id or new_call_id(self.worker, "call"), door, conversation, owner, caller or {}, codec,
-                        self.worker_name)
+                        self.worker_name, configured=agent or {})
         self.calls[call.id] = call
         started = call.describe()
         if self.writer is not None and wanted(self.settings.record_policy, record):
-            call.recording = self.writer.start(call.id, call.started_at, {**self._facts(call), "end": None})
+            call.recording = self.writer.start(call.id, call.started_at, self._facts(call))
             started["recording"] = call.recording.paths
             recording = call.recording
             conversation.add_input_tap(recording.input_frame)

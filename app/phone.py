@@ -9,7 +9,10 @@ one paced chunk of the model's audio (float32 at the line's rate) on its wire. T
 (a backlog past the bound is refused with `input_backpressure`).
 
 A start that fails (a bad voice, sampling out of range) is an `error` and close 1008; an engine failure is
-`runtime_failed` and close 1011. Key presses are counted per route (`personaplex_dtmf_total`).
+`runtime_failed` and close 1011. Key presses are counted per route (`personaplex_dtmf_total`). The bridge sets
+`caller` (the identity its vendor gives the call) before `begin`, and a `record` parameter is the call's wish to be
+recorded: both go to the live-call list (app/calls.py), the recording and the webhooks. `cut_output` (the admin
+API) drops the audio not sent yet and tells the vendor to drop what it buffered (`on_cut`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class PhoneLine(Session):
         self.digits: list[str] = []
         self.caller: dict[str, Any] = {}     # the identity the vendor gives the call (set before `begin`)
         self.record: bool | None = None      # the call's own wish to be recorded (its `record` parameter)
+        self.config: SessionConfig | None = None
 
     # ---- to implement ----------------------------------------------------------------------------------------
 
@@ -80,6 +84,7 @@ class PhoneLine(Session):
         slot = await self.reserve()
         if slot is None:
             return False
+        self.config = config
         self.decoder = InputDecoder(line)
         self.pacer = Pacer(line.sample_rate, self._send_chunk, chunk_ms=self.chunk_ms, on_mark=self.on_mark)
         conv = self.conversation = self.new_conversation(slot)   # in the live-call list from here
@@ -134,7 +139,8 @@ class PhoneLine(Session):
 
     def call_opening(self) -> dict[str, Any]:
         line = self.decoder.format if self.decoder is not None else None
-        return {"caller": self.caller, "record": self.record,
+        agent = {"persona": self.config.persona, "voice": self.config.voice} if self.config is not None else None
+        return {"caller": self.caller, "record": self.record, "agent": agent,
                 "codec": f"{line.encoding}/{line.sample_rate}" if line is not None else ""}
 
     def call_details(self) -> dict[str, Any]:

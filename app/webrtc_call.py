@@ -263,7 +263,9 @@ class Call:
         except InvalidSessionParams as e:
             raise ProtocolError(e.code, e.message, param="session") from None
         dialect.live_call = self.ctx.calls.open(CALLS_ROUTE, dialect.conversation, dialect, call_id=self.call_id,
-                                                caller={"remote": self.remote}, codec="opus/48000", record=record)
+                                                caller={"remote": self.remote}, codec="opus/48000", record=record,
+                                                agent={"persona": dialect.config.persona,
+                                                       "voice": dialect.config.voice})
 
     async def negotiate(self) -> str:
         """Apply the offer, wire the media, return the answer SDP (ICE candidates included: aiortc gathers first)."""

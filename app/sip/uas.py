@@ -21,6 +21,9 @@ as refresher, and send BYE if no refresh arrives by N - min(32, N/3) s.
 Replies go where RFC 3581 says: with `rport`, to the source address and port; else to the source address at the
 Via's port (never to another host than the one that sent the request, so we cannot be used to reflect traffic).
 
+Each answered call is in the live-call list (app/calls.py: its recording and webhooks) with what SIP says of the
+caller (From, To, Call-ID) until it ends; our BYE says why in a `Reason` header (RFC 3326).
+
 Multi-process servers: the SIP and RTP sockets live in worker 0 only (one UDP port cannot be shared by workers
 without breaking transactions and RTP latching); every worker's slots come from the same engine, so admission
 is the same.
@@ -46,7 +49,7 @@ from app.calls import LiveCall
 from app.context import ServerContext
 from app.errors import ProtocolError
 from app.recording import asked_to_record
-from app.session_config import ConfigUpdate, default_config, with_update
+from app.session_config import ConfigUpdate, SessionConfig, default_config, with_update
 from app.sip.call import MediaSession, PortRange
 from app.sip.digest import DigestAuth
 from app.sip.sdp import Choice, Offer, SdpError, answer, negotiate, parse_offer
@@ -397,9 +400,9 @@ class SipServer:
                 raise Refusal(503, "Service Unavailable", "rtp_ports_exhausted",
                               [("Retry-After", RETRY_AFTER_S)]) from None
             self._send(tx, req, 180, "Ringing", tag, [("Contact", self._contact(req, tx.peer))])
-            dialog.call = self._open_call(req, tx.peer, dialog, agent, choice)
             try:
                 config = with_update(self.ctx, default_config(self.ctx), update, prefix="sip.")
+                dialog.call = self._open_call(req, tx.peer, dialog, agent, choice, config)
                 await media.start(config.params())
             except (ProtocolError, EngineError) as e:
                 logger.warning("SIP call %s: the conversation did not start: %s", req.call_id, e)
@@ -713,7 +716,8 @@ class SipServer:
         if timer is not None:
             timer.cancel()
 
-    def _open_call(self, req: Request, peer: Peer, dialog: Dialog, agent: Agent | None, choice: Choice) -> LiveCall:
+    def _open_call(self, req: Request, peer: Peer, dialog: Dialog, agent: Agent | None, choice: Choice,
+                   config: SessionConfig) -> LiveCall:
         """The call in the live-call list, with what SIP says of the caller (before the conversation starts)."""
         assert dialog.media is not None
         record = agent.record if agent is not None else None
@@ -722,7 +726,8 @@ class SipServer:
         caller = {"from": req.headers.get("From"), "to": req.headers.get("To"), "call_id": req.call_id,
                   "remote": f"{peer.addr[0]}:{peer.addr[1]}", "agent": dialog.agent or "default"}
         return self.ctx.calls.open(ROUTE, dialog.media.conversation, _CallOwner(self, dialog), caller=caller,
-                                   codec=choice.codec.rtpmap(), record=record)
+                                   codec=choice.codec.rtpmap(), record=record,
+                                   agent={"persona": config.persona, "voice": config.voice})
 
     def _on_dtmf(self, call_id: str, event: TelephoneEvent) -> None:
         logger.info("SIP call %s: telephone-event %s", call_id, event.name)
