@@ -358,6 +358,11 @@ class RealtimeSession(Session):
         self.outbox.drop_tagged(OUTPUT_TAG)
         self._end_response(status, details)
         self._muted, self._quiet, self._muted_frames = True, 0, 0
+        self.ctx.calls.note(self.live_call, {"event": "cut", "status": status, **self.call_details()})
+
+    def cut_output(self) -> None:
+        """The admin API's cut: the open response ends as a client's cancel ends it."""
+        self.cut("cancelled", {"type": "cancelled", "reason": "admin_cut"})
 
     async def on_input_clear(self, event: dict[str, Any]) -> None:
         assert self.conversation is not None and self.decoder is not None

@@ -173,12 +173,8 @@ class CallDialect(RealtimeSession):
             self.call.input_cleared()
 
     def cut(self, status: str, details: dict[str, Any] | None) -> None:
-        super().cut(status, details)
         self.call.cut_playback()                           # what the caller would still hear of it
-        self.ctx.calls.note(self.live_call, {"event": "cut", "status": status, **self.call_details()})
-
-    def cut_output(self) -> None:
-        self.cut("cancelled", {"type": "cancelled", "reason": "admin_cut"})
+        super().cut(status, details)
 
     def call_details(self) -> dict[str, Any]:
         """How much of the model's audio has gone to the caller (what the outbound track has read)."""
