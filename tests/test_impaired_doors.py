@@ -11,7 +11,8 @@ sender, the loop, the engine thread: all on two shared cores) made the arrivals 
 the link, the arrival jitter the buffer measured (both are printed). What the caller hears (a player on the
 client), first client), first audio and the link's own record are printed as one JSON line per door.
 
-`IMPAIR_CONDITIONS=all` runs the issue's other two conditions on every door too (not in CI): 5 % bursty loss (mean
+`IMPAIR_CONDITIONS=all` runs a clean link (the first condition's bounds) and the issue's other two conditions on
+every door too (not in CI): 5 % bursty loss (mean
 burst 3 packets: the output keeps real time, RTF >= 0.99, and the session no error) and a 400 ms stall (here 4 s
 in: added latency back within 20 ms of its value before the stall in <= 2 s, no hard cut, at most 25 ms of sound
 cut by one read).
@@ -56,13 +57,14 @@ SECONDS = 12.0
 SEED = 30
 PLAYER_MS = (80.0, 160.0, 320.0)     # fixed-delay players on the WebSocket clients
 STALL_S = 0.04                       # a loop wake-up this late is this machine's stall, not the link's
-CONDITIONS: dict[str, Link] = {"far": FAR, "bursty": PRESETS["bursty"],
+CONDITIONS: dict[str, Link] = {"clean": Link(), "far": FAR, "bursty": PRESETS["bursty"],
                                "stalls": replace(PRESETS["stalls"], stall_first_s=4.0)}
 _ALL = pytest.mark.skipif(os.environ.get("IMPAIR_CONDITIONS") != "all",
                           reason="the second and third conditions run with IMPAIR_CONDITIONS=all (CI runs the first)")
 
 
-@pytest.fixture(params=["far", pytest.param("bursty", marks=_ALL), pytest.param("stalls", marks=_ALL)])
+@pytest.fixture(params=["far", pytest.param("clean", marks=_ALL), pytest.param("bursty", marks=_ALL),
+                        pytest.param("stalls", marks=_ALL)])
 def condition(request: pytest.FixtureRequest) -> str:
     return request.param
 
