@@ -52,6 +52,7 @@ from media.tracks import (
     InboundAudio,
     OutboundAudioTrack,
     install_contained_encoder,
+    with_inband_fec,
 )
 from model.engine import FrameOutput, InvalidSessionParams, Slot
 
@@ -292,7 +293,7 @@ class Call:
         # the call's first words come one frame after the media is up. Until then it hears silence, and its
         # frames are not played (on_frame), so no latency stands in the playout buffer.
         self.session._start()
-        return pc.localDescription.sdp
+        return with_inband_fec(pc.localDescription.sdp)   # the caller adds FEC, InboundAudio uses it
 
     def _spawn(self, coro: Any) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro))

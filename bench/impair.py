@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import math
 import random
@@ -229,38 +230,52 @@ class LinkModel:
 
 
 class Delayer:
-    """Hands items to `deliver` at the times a `LinkModel` gives them, on the running loop's clock; with `bypass`
-    set, at once."""
+    """Hands items to `deliver` at the times a `LinkModel` gives them, on the running loop's clock, in time order and,
+    for equal times (packets bunched behind a slow one, a stall's release), in the order they were sent; with
+    `bypass` set, at once."""
 
     def __init__(self, model: LinkModel, deliver: Callable[[Any], object]) -> None:
         self.model = model
         self.bypass = False
         self._deliver = deliver
         self._loop = asyncio.get_running_loop()
-        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._due: list[tuple[float, int, Any]] = []     # a heap: (time, order sent, item)
         self._count = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
 
     def submit(self, item: Any) -> list[float]:
         """Schedule `item`; its delivery times ([]: lost)."""
         if self.bypass:
-            self._fire(None, item)
+            self._hand(item)
             return [self._loop.time()]
         times = self.model.schedule(self._loop.time())
         for at in times:
-            key = next(self._count)
-            self._timers[key] = self._loop.call_at(at, self._fire, key, item)
+            heapq.heappush(self._due, (at, next(self._count), item))
+        self._arm()
         return times
 
-    def _fire(self, key: int | None, item: Any) -> None:
-        self._timers.pop(key, None)  # type: ignore[arg-type]
+    def _arm(self) -> None:
+        # asyncio's timers do not keep the order of equal times, so one timer serves the heap's head
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(self._due[0][0], self._fire) if self._due else None
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        while self._due and self._due[0][0] <= now:
+            self._hand(heapq.heappop(self._due)[2])
+        self._arm()
+
+    def _hand(self, item: Any) -> None:
         result = self._deliver(item)
         if asyncio.iscoroutine(result):
             self._loop.create_task(_quietly(result))
 
     def cancel(self) -> None:
-        for handle in self._timers.values():
-            handle.cancel()
-        self._timers.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._due.clear()
 
 
 async def _quietly(coro: Awaitable[object]) -> None:

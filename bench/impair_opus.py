@@ -12,63 +12,25 @@ with in-band FEC on (`fec=1`, `packet_loss`, as a browser does once RTCP reports
   (`decode_fec=1`), PLC otherwise (what a receiver that holds one packet back can do).
 Reported per way: SNR over the lost stretches only and over the whole stream, in dB.
 
-PyAV's libopus decoder cannot do either (measured, PyAV 18.1: its only private option is `apply_phase_inv`, an empty
-packet is the end of the stream and the decoder answers EOF afterwards, and no packet side data asks for FEC), so
-this bench calls libopus through ctypes: the copy inside PyAV's wheel (the one aiortc decodes with), else the
-system's libopus.
+PyAV's libopus decoder can do neither, so the decoding goes through libopus itself (media/opus.py, which the
+server's WebRTC input now uses for FEC).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
-from pathlib import Path
 
 import av
 import numpy as np
 
 from bench.doors import speech
 from bench.impair import Link, LinkModel
+from media.opus import OpusDecoder
 from media.resample import Resampler
 
 RATE = 48000
 PACKET = 960
-
-
-def libopus() -> ctypes.CDLL:
-    bundled = sorted((Path(av.__file__).parent.parent / "av.libs").glob("libopus*.so*"))
-    name = str(bundled[0]) if bundled else ctypes.util.find_library("opus")
-    if name is None:
-        raise OSError("no libopus found (PyAV's wheel carries one; else install the system's libopus)")
-    lib = ctypes.CDLL(name)
-    lib.opus_decoder_create.restype = ctypes.c_void_p
-    lib.opus_decoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-    lib.opus_decode.restype = ctypes.c_int
-    lib.opus_decode.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int16),
-                                ctypes.c_int, ctypes.c_int]
-    lib.opus_decoder_destroy.argtypes = [ctypes.c_void_p]
-    return lib
-
-
-class Decoder:
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
-        err = ctypes.c_int()
-        self._st = lib.opus_decoder_create(RATE, 1, ctypes.byref(err))
-        if err.value:
-            raise OSError(f"opus_decoder_create failed: {err.value}")
-        self._pcm = (ctypes.c_int16 * PACKET)()
-
-    def decode(self, data: bytes | None, fec: bool = False) -> np.ndarray:
-        n = self._lib.opus_decode(self._st, data, len(data) if data else 0, self._pcm, PACKET, int(fec))
-        if n < 0:
-            raise ValueError(f"opus_decode failed: {n}")
-        return np.frombuffer(self._pcm, dtype=np.int16, count=n).astype(np.float32) / 32768.0
-
-    def close(self) -> None:
-        self._lib.opus_decoder_destroy(self._st)
 
 
 def encode(x: np.ndarray, loss_pct: int) -> list[bytes]:
@@ -94,8 +56,7 @@ def run(seconds: float, link: Link, loss_pct: int, seed: int) -> dict[str, objec
     packets = encode(x, loss_pct)
     model = LinkModel(link, seed)
     lost = [not model.schedule(i * 0.02) for i in range(len(packets))]
-    lib = libopus()
-    ways = {"clean": Decoder(lib), "silence": Decoder(lib), "plc": Decoder(lib), "fec": Decoder(lib)}
+    ways = {k: OpusDecoder(RATE) for k in ("clean", "silence", "plc", "fec")}
     out: dict[str, list[np.ndarray]] = {k: [] for k in ways}
     for i, pkt in enumerate(packets):
         out["clean"].append(ways["clean"].decode(pkt))
@@ -104,9 +65,9 @@ def run(seconds: float, link: Link, loss_pct: int, seed: int) -> dict[str, objec
                 out[k].append(ways[k].decode(pkt))
             continue
         out["silence"].append(np.zeros(PACKET, np.float32))
-        out["plc"].append(ways["plc"].decode(None))
+        out["plc"].append(ways["plc"].conceal(PACKET))
         has_next = i + 1 < len(packets) and not lost[i + 1]
-        out["fec"].append(ways["fec"].decode(packets[i + 1], fec=True) if has_next else ways["fec"].decode(None))
+        out["fec"].append(ways["fec"].recover(packets[i + 1], PACKET) if has_next else ways["fec"].conceal(PACKET))
     for d in ways.values():
         d.close()
     ref = np.concatenate(out["clean"])

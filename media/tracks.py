@@ -3,7 +3,9 @@
 Receive: aiortc's audio `JitterBuffer(capacity=16, prefetch=4)` adds ~81 ms and, after one lost packet, ~281 ms for
 good while it throws frames away. `InboundAudio` takes its place in the receiver: every RTP packet is decoded as it
 arrives and written as 24 kHz mono into our own jitter buffer at its pts, so a lost packet is a gap there (concealed
-as silence) and a late one lands at its place.
+as silence) and a late one lands at its place; a lost packet whose successor carries in-band FEC is rebuilt from
+it (media/opus.py) and lands in its gap before the buffer reads it. `with_inband_fec(answer_sdp)` asks the caller's
+sender for that redundancy.
 
 Send: `OutboundAudioTrack` returns exactly 20 ms per `recv()` (aiortc stamps every packet of one `recv()` with one RTP
 timestamp), paced by the clock, silence when the playout buffer is empty, and after a stall it jumps its clock forward
@@ -34,7 +36,7 @@ from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.rtp import RtpPacket
 
-from media.resample import MonoResampler
+from media.opus import OpusDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class PtsSink(Protocol):
 @dataclass
 class InboundStats:
     frames: int = 0               # packets decoded
+    fec_frames: int = 0           # lost packets rebuilt from their successor's in-band FEC
     lost_frames: int = 0          # gaps in pts, in packets, when seen (a late packet may fill one afterwards)
     late_frames: int = 0          # arrived behind a newer packet (reordered)
     bad_frames: int = 0           # undecodable, or refused by the sink: dropped and counted
@@ -104,12 +107,14 @@ class InboundAudio:
     """Takes an Opus receiver's packets in place of aiortc's audio jitter buffer and writes them, as 24 kHz mono, into
     a `PtsSink` at their own pts the moment each arrives.
 
-    Each packet is decoded here, on the event loop (libopus, mono: ~30 µs), rather than handed to aiortc's decoder
-    thread and back through a queue and the remote track; one stateful swr resampler takes 48 kHz to 24 kHz. Its
-    output for RTP time `t` (48 kHz, from the first packet) goes to `t/2 - delay`, where `delay` is the resampler's
-    held-back lead seen on the first packet: in-order audio is contiguous, a lost packet leaves a gap of exactly its
-    length, a reordered one lands in its own place. aiortc still keeps its RTCP statistics; the remote track gets
-    no frames and ends (`ended()` returns) when the receiver stops: RTCP BYE, or the peer connection closing.
+    Each packet is decoded here, on the event loop (libopus, mono, straight to 24 kHz: ~30 µs), rather than handed to
+    aiortc's decoder thread and back through a queue and the remote track. Its output for RTP time `t` (48 kHz, from
+    the first packet) goes to `t/2`: in-order audio is contiguous, a lost packet leaves a gap of exactly its length,
+    a reordered one lands in its own place. When a packet comes after a gap and carries in-band FEC, the lost packet
+    just before it is rebuilt from it first and pushed into the end of the gap (the buffer holds a margin of tens of
+    ms, so it is there before the gap is read; a late original that comes after it finds its place taken). aiortc
+    still keeps its RTCP statistics; the remote track gets no frames and ends (`ended()` returns) when the receiver
+    stops: RTCP BYE, or the peer connection closing.
 
     Install after `setRemoteDescription` has made the receiver's track and before ICE connects. The call must
     have negotiated Opus only (the packets are not checked for their payload type)."""
@@ -121,12 +126,10 @@ class InboundAudio:
         self._track = receiver.track
         self._sink = sink
         self._clock = clock
-        self._decoder = av.CodecContext.create("libopus", "r")
-        self._decoder.layout = "mono"
-        self._resampler = MonoResampler(RATE)
+        self._decoder = OpusDecoder(RATE)
         self._mapper = ReorderingTimestampMapper()
-        self._delay: int | None = None
         self._next: int | None = None                       # RTP time the next in-order packet should carry
+        self._seq: int | None = None                        # the newest sequence number seen
         self.stats = InboundStats()
         _swap(receiver, "_RTCRtpReceiver__jitter_buffer", JitterBuffer, self)
 
@@ -134,44 +137,70 @@ class InboundAudio:
         """aiortc's `JitterBuffer.add`: called with every depayloaded packet; aiortc gets no frame back to decode."""
         now = self._clock()
         st = self.stats
+        payload: bytes = packet._data  # type: ignore[attr-defined]
+        t = self._mapper.map(packet.timestamp)
+        newest = self._seq is None or (packet.sequence_number - self._seq) & 0xFFFF < 0x8000
+        lost_before = newest and self._seq is not None and (packet.sequence_number - self._seq) & 0xFFFF > 1
+        self._seq = packet.sequence_number if newest else self._seq
         try:
-            frames = self._decoder.decode(av.Packet(packet._data))  # type: ignore[attr-defined]
-            out = [f.to_ndarray().reshape(-1) for frame in frames for f in self._resampler.resample(frame)]
-        except (av.FFmpegError, ValueError):
+            samples = self._decoder.samples_in(payload)
+            rebuilt = None
+            # The packet just before this one (by sequence number, not a sender's timestamp jump) is missing, and its
+            # time is a gap here: rebuild it from this packet's redundancy.
+            if lost_before and self._next is not None and t - self._next >= 2 * samples and \
+                    self._decoder.has_fec(payload):
+                rebuilt = self._decoder.recover(payload, samples)
+            audio = self._decoder.decode(payload)
+        except ValueError:
             st.bad_frames += 1
             return False, None
-        if not frames:
-            return False, None
-        samples = sum(f.samples for f in frames)
-        t = self._mapper.map(packet.timestamp)
         st.frames += 1
         st.first_arrival = now if st.first_arrival is None else st.first_arrival
         st.last_arrival = now
         if self._next is not None:
             if t > self._next:
-                st.lost_frames += (t - self._next) // samples
+                st.lost_frames += (t - self._next) // (2 * samples)
             elif t < self._next:
                 st.late_frames += 1
-        self._next = max(self._next or 0, t + samples)
-        audio = np.concatenate(out) if len(out) > 1 else (out[0] if out else np.zeros(0, np.float32))
-        if self._delay is None:
-            self._delay = samples // 2 - audio.size
-            at = t // 2
-        else:
-            at = t // 2 - self._delay
+        self._next = max(self._next or 0, t + 2 * samples)
+        if rebuilt is not None and rebuilt.size:
+            st.fec_frames += 1
+            self._push(t // 2 - rebuilt.size, rebuilt, now)
+        self._push(t // 2, audio, now)
+        return False, None
+
+    def _push(self, at: int, audio: np.ndarray, now: float) -> None:
         if audio.size and at + audio.size > 0:
             try:
                 self._sink.push(at, audio, now)
             except Exception:           # aiortc's receive loop must not see it: it would end the transport
                 logger.exception("audio sink failed; packet dropped")
-                st.bad_frames += 1
-        return False, None
+                self.stats.bad_frames += 1
 
     async def ended(self) -> None:
         """Returns when the receiver has stopped (its remote track ended)."""
         with contextlib.suppress(MediaStreamError):
             while True:
                 await self._track.recv()
+
+
+def with_inband_fec(sdp: str) -> str:
+    """An SDP (our answer) whose Opus formats say `useinbandfec=1`: the receiver can use in-band FEC, so the caller's
+    sender (a browser) adds it once it sees loss. aiortc answers with its own codec parameters, which have none."""
+    lines = sdp.split("\r\n")
+    opus = [line[9:].split()[0] for line in lines
+            if line.startswith("a=rtpmap:") and line.split()[1].lower().startswith("opus/")]
+    with_fmtp = {line[7:].split()[0] for line in lines if line.startswith("a=fmtp:")}
+    out = []
+    for line in lines:
+        pt = line[7:].split()[0] if line.startswith("a=fmtp:") else None
+        if pt in opus and "useinbandfec" not in line:
+            line += ";useinbandfec=1" if " " in line else " useinbandfec=1"
+        out.append(line)
+        pt = line[9:].split()[0] if line.startswith("a=rtpmap:") else None
+        if pt in opus and pt not in with_fmtp:
+            out.append(f"a=fmtp:{pt} useinbandfec=1")
+    return "\r\n".join(out)
 
 
 # ---- send ---------------------------------------------------------------------------------------------------------
@@ -305,8 +334,9 @@ class ContainedOpusEncoder(Encoder):
     Any exception is logged and counted, the codec is rebuilt, and the frame is skipped: aiortc's sender would
     otherwise stop sending for good while the call looks alive."""
 
-    def __init__(self, bitrate: int = 48000) -> None:
+    def __init__(self, bitrate: int = 48000, expected_loss_pct: int = 0) -> None:
         self.bitrate = bitrate
+        self.expected_loss_pct = expected_loss_pct   # > 0: in-band FEC for that much loss (as a browser sends it)
         self.failures = 0
         self._codec: av.CodecContext | None = None
         self._first_pts: int | None = None
@@ -326,7 +356,8 @@ class ContainedOpusEncoder(Encoder):
         codec.format = "s16"
         codec.bit_rate = self.bitrate
         codec.time_base = _TIME_BASE
-        codec.options = {"application": "voip"}
+        codec.options = {"application": "voip", **({"fec": "1", "packet_loss": str(self.expected_loss_pct)}
+                                                   if self.expected_loss_pct else {})}
         return codec
 
     def encode(self, frame: av.AudioFrame, force_keyframe: bool = False) -> tuple[list[bytes], int | None]:

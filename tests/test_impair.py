@@ -183,3 +183,24 @@ async def test_tcp_relay_delays_a_stream_and_keeps_it_whole() -> None:
     finally:
         await relay.close()
         target.close()
+
+
+async def test_packets_released_together_keep_their_order() -> None:
+    """A stall releases what it held at one instant: the relay hands those packets on in the order they were sent
+    (asyncio's timers alone do not keep the order of equal times)."""
+    loop = asyncio.get_running_loop()
+    _, server = await loop.create_datagram_endpoint(_Sink, local_addr=("127.0.0.1", 0))
+    _, client = await loop.create_datagram_endpoint(_Sink, local_addr=("127.0.0.1", 0))
+    link = Link(delay_ms=5, stall_ms=150, stall_every_s=1.0, stall_first_s=0.02)
+    relay = await UdpRelay(link, Link(), seed=1, server=server.transport.get_extra_info("sockname")[:2]).start()
+    try:
+        for i in range(40):
+            client.transport.sendto(i.to_bytes(2, "big"), relay.near)
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.3)
+        got = [int.from_bytes(d, "big") for d, _ in server.got]
+        assert relay.up_model.stats.stalled >= 10 and got == list(range(40)), got
+    finally:
+        relay.close()
+        server.transport.close()
+        client.transport.close()

@@ -1,0 +1,67 @@
+"""media/opus.py (libopus with FEC and concealment) and the answer's `useinbandfec`, on real Opus packets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import speech_like
+
+from media.opus import OpusDecoder
+from media.tracks import ContainedOpusEncoder, pcm_frame, with_inband_fec
+
+PACKET = 480
+
+
+def packets(x: np.ndarray, loss_pct: int) -> list[bytes]:
+    enc = ContainedOpusEncoder(expected_loss_pct=loss_pct)
+    out: list[bytes] = []
+    for i in range(x.size // PACKET):
+        out += enc.encode(pcm_frame(x[i * PACKET:(i + 1) * PACKET], i * PACKET))[0]
+    return out
+
+
+def snr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((ref - got) ** 2), 1e-12)))
+
+
+def test_a_lost_packet_comes_back_from_its_successors_fec() -> None:
+    x = speech_like(3.0)
+    pkts = packets(x, loss_pct=10)
+    clean = OpusDecoder()
+    ref = [clean.decode(p) for p in pkts]
+    lost = [i for i in range(10, len(pkts) - 1, 5) if clean.has_fec(pkts[i + 1])]
+    assert len(lost) >= 8            # the encoder adds redundancy where it judges the speech worth it
+    rebuilt = OpusDecoder()
+    concealed = OpusDecoder()
+    got_fec, got_plc = [], []
+    for i, p in enumerate(pkts):
+        if i in lost:
+            got_fec.append(rebuilt.recover(pkts[i + 1], PACKET))
+            got_plc.append(concealed.conceal(PACKET))
+        else:
+            rebuilt.decode(p)
+            concealed.decode(p)
+    want = np.concatenate([ref[i] for i in lost])
+    fec, plc = np.concatenate(got_fec), np.concatenate(got_plc)
+    assert fec.size == plc.size == want.size == PACKET * len(lost)
+    # FEC's redundancy is coarser than the packet, but far nearer to it than concealment or silence (0 dB)
+    assert snr_db(want, fec) > max(3.0, snr_db(want, plc) + 2.0), (snr_db(want, fec), snr_db(want, plc))
+
+
+def test_without_fec_there_is_no_redundancy_and_bad_input_is_refused() -> None:
+    pkts = packets(speech_like(1.0), loss_pct=0)
+    dec = OpusDecoder()
+    assert not any(dec.has_fec(p) for p in pkts) and dec.samples_in(pkts[3]) == PACKET
+    for bad in (b"", b"\xff" * 3):
+        with pytest.raises(ValueError):
+            dec.decode(bad)
+    with pytest.raises(ValueError):
+        OpusDecoder(44100)
+
+
+def test_the_answer_asks_for_inband_fec() -> None:
+    bare = "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 96 0\r\na=rtpmap:96 opus/48000/2\r\na=rtpmap:0 PCMU/8000\r\n"
+    assert with_inband_fec(bare).split("\r\n")[3] == "a=fmtp:96 useinbandfec=1"
+    params = "v=0\r\nm=audio 9 RTP/AVP 111\r\na=rtpmap:111 opus/48000/2\r\na=fmtp:111 minptime=10\r\n"
+    assert "a=fmtp:111 minptime=10;useinbandfec=1" in with_inband_fec(params)
+    assert with_inband_fec(with_inband_fec(bare)) == with_inband_fec(bare)
