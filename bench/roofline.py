@@ -110,8 +110,12 @@ def p50(values: list[float]) -> float:
 
 
 def kernel_profile(fns: dict[str, Callable[[], None]], iterations: int) -> dict[str, dict[str, tuple[float, int]]]:
-    """Per part: {kernel name: (device ms per step, launches per step)} from eager runs under the profiler."""
+    """Per part: {kernel name: (device ms per step, launches per step)} from eager runs under the profiler, after
+    one run outside it (a new shape's compilation times candidate kernels on the device)."""
     out: dict[str, dict[str, tuple[float, int]]] = {name: {} for name in fns}
+    with torch.no_grad():
+        for fn in fns.values():
+            fn()
     for _ in range(iterations):
         for name, fn in fns.items():
             with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():  # as the engine runs them
