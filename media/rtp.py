@@ -2,14 +2,16 @@
 
 Codecs (RFC 3551 table 4, RFC 7587): PCMU/PCMA at 8 kHz (our G.711 tables, media.codecs), G.722 at 16 kHz whose RTP
 clock is 8000 (a registration error kept for compatibility: 20 ms = 160 bytes = 320 samples, timestamp +160), and
-Opus whose RTP clock is always 48000 (`opus/48000/2`; we send mono, which every decoder takes). G.722 and Opus go
-through PyAV (libavcodec's g722 and libopus). Every codec maps 20 ms packets <-> mono float32 at its own rate.
+Opus whose RTP clock is always 48000 (`opus/48000/2`; we send mono, which every decoder takes). G.722 goes through
+PyAV (libavcodec's g722), Opus through PyAV to encode and libopus itself to decode (media/opus.py: in-band FEC).
+Every codec maps 20 ms packets <-> mono float32 at its own rate.
 
 `RtpReceiver` takes every datagram that reaches a call's RTP port and decides what it is worth: too short, not
 version 2, oversized, another SSRC than the latched one, a flood past the packet budget, or an unknown payload type
 is dropped and counted; telephone-events are de-duplicated by their timestamp and reported once each; audio is
 decoded, resampled to 24 kHz and pushed into a `PtsSink` (the conversation's jitter buffer) at the position its RTP
-timestamp says, so lost packets leave gaps and reordered ones land in place. A long sequence jump is counted.
+timestamp says, so lost packets leave gaps and reordered ones land in place; an Opus packet that comes right after
+a lost one rebuilds it first from its in-band FEC, when it carries some. A long sequence jump is counted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from aiortc.rtp import RtpPacket
 
 from media.codecs import AudioFormat
+from media.opus import OpusDecoder
 from media.resample import Resampler
 
 MODEL_RATE = 24000
@@ -77,12 +80,14 @@ class AudioCodec:
         self._g711 = AudioFormat(codec.name.lower(), codec.sample_rate) if codec in (PCMU, PCMA) else None
         self._dec: av.CodecContext | None = None
         self._enc: av.CodecContext | None = None
+        self._opus = OpusDecoder(codec.sample_rate) if codec is OPUS else None
         self._pts = 0
         if self._g711 is None:
             lib = "libopus" if codec is OPUS else "g722"
-            self._dec = av.CodecContext.create(lib, "r")
-            self._dec.sample_rate = codec.sample_rate
-            self._dec.layout = "mono"
+            if self._opus is None:
+                self._dec = av.CodecContext.create(lib, "r")
+                self._dec.sample_rate = codec.sample_rate
+                self._dec.layout = "mono"
             self._enc = av.CodecContext.create(lib, "w")
             self._enc.sample_rate = codec.sample_rate
             self._enc.format = "s16"
@@ -91,10 +96,19 @@ class AudioCodec:
                 self._enc.bit_rate = 32000
             self._enc.open()
 
+    def recover(self, payload: bytes) -> np.ndarray | None:
+        """The packet before `payload`, from its in-band FEC (Opus only, when it carries some); call before
+        decoding `payload`."""
+        if self._opus is None or not self._opus.has_fec(payload):
+            return None
+        return self._opus.recover(payload, self._opus.samples_in(payload))
+
     def decode(self, payload: bytes) -> np.ndarray:
         """Mono float32 at the codec's sample rate; raises ValueError for an undecodable payload."""
         if self._g711 is not None:
             return self._g711.decode(payload)
+        if self._opus is not None:
+            return self._opus.decode(payload)
         assert self._dec is not None
         try:
             frames = self._dec.decode(av.Packet(payload))
@@ -159,6 +173,7 @@ class ReceiveStats:
     ssrc_changes: int = 0
     events: int = 0              # telephone-events reported (each once)
     lost: int = 0                # packets missing by sequence number when a later one came
+    fec: int = 0                 # of those, rebuilt from the next packet's in-band FEC (Opus)
     late: int = 0                # arrived behind a newer packet
 
     def drop(self, reason: str) -> None:
@@ -230,7 +245,7 @@ class RtpReceiver:
             self.ssrc = packet.ssrc
             self._last_seq = None
         self._last_seen = now
-        self._track_sequence(packet.sequence_number)
+        lost_before = self._track_sequence(packet.sequence_number)
         if packet.payload_type == self.dtmf_pt:
             self._telephone_event(packet)
             return True
@@ -238,12 +253,18 @@ class RtpReceiver:
             st.drop("payload_type")
             return False
         try:
+            rebuilt = self._decoder.recover(packet.payload) if lost_before and self._base_pts is not None else None
             samples = self._decoder.decode(packet.payload)
         except ValueError:
             st.drop("undecodable")
             return False
+        if rebuilt is not None and rebuilt.size:
+            st.fec += 1
+            samples = np.concatenate([rebuilt, samples])     # in stream order through the stateful resampler
         audio = self._resampler.process(samples)
         offset = self._unwrap(packet.timestamp) * MODEL_RATE // self.codec.clock_rate
+        if rebuilt is not None and rebuilt.size:
+            offset -= rebuilt.size * MODEL_RATE // self.codec.sample_rate
         if self._base_pts is None:
             self._base_pts = self._end + (int((now - self._end_at) * MODEL_RATE) if self._end else 0)
             self._delay = samples.size * MODEL_RATE // self.codec.sample_rate - audio.size
@@ -270,17 +291,20 @@ class RtpReceiver:
         self._newest = max(self._newest, unwrapped)
         return unwrapped
 
-    def _track_sequence(self, seq: int) -> None:
-        if self._last_seq is not None:
-            step = (seq - self._last_seq) & 0xFFFF
-            if step < 0x8000:
-                if step > SEQ_JUMP:
-                    self.stats.seq_jumps += 1
-                elif step > 1:
-                    self.stats.lost += step - 1
-                self._last_seq = seq
-        else:
+    def _track_sequence(self, seq: int) -> bool:
+        """Count lost packets and jumps; True when the packet just before this one is missing."""
+        if self._last_seq is None:
             self._last_seq = seq
+            return False
+        step = (seq - self._last_seq) & 0xFFFF
+        if step >= 0x8000:
+            return False
+        if step > SEQ_JUMP:
+            self.stats.seq_jumps += 1
+        elif step > 1:
+            self.stats.lost += step - 1
+        self._last_seq = seq
+        return 1 < step <= SEQ_JUMP
 
     def _telephone_event(self, packet: RtpPacket) -> None:
         event = parse_telephone_event(packet.payload)

@@ -65,3 +65,41 @@ def test_the_answer_asks_for_inband_fec() -> None:
     params = "v=0\r\nm=audio 9 RTP/AVP 111\r\na=rtpmap:111 opus/48000/2\r\na=fmtp:111 minptime=10\r\n"
     assert "a=fmtp:111 minptime=10;useinbandfec=1" in with_inband_fec(params)
     assert with_inband_fec(with_inband_fec(bare)) == with_inband_fec(bare)
+
+
+class Timeline:
+    """A PtsSink keeping which 24 kHz positions received audio."""
+
+    def __init__(self) -> None:
+        self.have: set[int] = set()
+
+    def push(self, pts: int | None, samples: np.ndarray, now: float | None = None) -> None:
+        self.have.update(range(int(pts or 0), int(pts or 0) + samples.size))
+
+
+def test_a_sip_opus_packet_lost_before_one_with_fec_is_rebuilt_in_place() -> None:
+    import av
+
+    from media.resample import Resampler
+    from media.rtp import OPUS, RtpReceiver, build_rtp
+
+    enc = av.CodecContext.create("libopus", "w")
+    enc.sample_rate, enc.layout, enc.format, enc.bit_rate = 48000, "mono", "s16", 32000
+    enc.options = {"application": "voip", "fec": "1", "packet_loss": "10"}
+    x = np.clip(np.rint(Resampler(24000, 48000).process(speech_like(2.0)) * 32767), -32768, 32767).astype(np.int16)
+    payloads: list[bytes] = []
+    for i in range(x.size // 960):
+        frame = av.AudioFrame.from_ndarray(x[None, i * 960:(i + 1) * 960], format="s16", layout="mono")
+        frame.sample_rate, frame.pts = 48000, i * 960
+        payloads += [bytes(p) for p in enc.encode(frame)]
+    check = OpusDecoder(48000)
+    lost = next(i for i in range(30, len(payloads) - 1) if check.has_fec(payloads[i + 1]))
+    sink = Timeline()
+    rx = RtpReceiver(OPUS, 111, None, sink)
+    for i, payload in enumerate(payloads):
+        if i != lost:
+            rx.receive(build_rtp(111, 1000 + i, 5000 + 960 * i, 42, payload))
+    assert (rx.stats.lost, rx.stats.fec) == (1, 1)
+    first = min(sink.have)
+    end = first + (len(payloads) - 1) * 480                 # the last packet's start, at 24 kHz
+    assert all(p in sink.have for p in range(first + 480, end)), "a gap was left where FEC rebuilt the packet"
