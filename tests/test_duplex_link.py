@@ -54,9 +54,9 @@ async def test_session_link_reports_the_link_and_advises_a_playout_buffer(start_
         link = report["input"]
         assert report["playout_ms"] >= max(40.0, link["jitter_ms"] + 20.0), report
         assert link["target_ms"] >= 80.0 and link["concealed_ms"] == 0.0, report   # TCP: nothing is lost
-    # the far link's +-30 ms jitter is measured, and the advice grows with it
+    # the far link's +-30 ms jitter is measured (a retransmission's bunch counts once), and the advice grows with it
     up = relay.models[0][0].stats
-    assert far[-1]["input"]["jitter_ms"] >= 0.5 * up.jitter_ms(), (far[-1], up.summary())
+    assert far[-1]["input"]["jitter_ms"] >= clean[-1]["input"]["jitter_ms"] + 10.0, (far[-1], up.summary())
     assert far[-1]["playout_ms"] > clean[-1]["playout_ms"], (clean[-1], far[-1])
 
 
