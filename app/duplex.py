@@ -16,7 +16,6 @@ to play the model's audio without gaps over this link (`media.playout.advised_pl
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -26,18 +25,16 @@ from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
 from app.context import CONTEXT, ServerContext
 from app.conversation import Backpressure
 from app.errors import ProtocolError
+from app.link import closed_stats, link_report_s, report_link
 from app.realtime import capabilities
 from app.session import Session
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, format_from, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
 from app.websocket import serve
 from media.codecs import AudioFormat
-from media.jitter import FRAME, SAMPLE_RATE
-from media.playout import advised_playout_ms
 from model.engine import EngineError, FrameOutput, InvalidSessionParams
 
 OUTPUT_TRANSPORTS = ("binary", "json")
-LINK_REPORT_S = (0.5, 60.0)
 
 
 def format_object(fmt: AudioFormat) -> dict[str, Any]:
@@ -62,14 +59,8 @@ class DuplexSession(Session):
     def closed_event(self, reason: str) -> dict[str, Any] | None:
         if self.config is None:
             return None
-        stats = self.conversation.counters() if self.conversation is not None else {}
-        if self.conversation is not None:
-            stats |= {"frames_sent": self.frames_sent, "epoch": self.conversation.epoch,
-                      "backpressure_refusals": self.conversation.backpressure_refusals}
-            if self.conversation.input is not None:
-                j = self.conversation.input.stats()
-                stats |= {"input_ms": round(j.pushed_ms, 1), "concealed_ms": round(j.concealed_ms, 1)}
-        return {"type": "session.closed", "session_id": self.session_id, "reason": reason, "stats": stats}
+        return {"type": "session.closed", "session_id": self.session_id, "reason": reason,
+                "stats": closed_stats(self.conversation, self.frames_sent)}
 
     # ---- events ----------------------------------------------------------------------------------------------
 
@@ -132,11 +123,7 @@ class DuplexSession(Session):
         if transport not in OUTPUT_TRANSPORTS:
             raise ProtocolError("invalid_session_config", f"`output_transport` must be one of {OUTPUT_TRANSPORTS}",
                                 param="session.output_transport")
-        link_s = s.get("link_report_s") or 0.0
-        if isinstance(link_s, bool) or not isinstance(link_s, (int, float)) or \
-                (link_s and not LINK_REPORT_S[0] <= link_s <= LINK_REPORT_S[1]):
-            raise ProtocolError("invalid_session_config", f"`link_report_s` must be 0 (off) or {LINK_REPORT_S[0]} to "
-                                f"{LINK_REPORT_S[1]} seconds", param="session.link_report_s")
+        link_s = link_report_s(s.get("link_report_s"), "session.link_report_s")
         slot = await self.reserve()
         if slot is None:
             return
@@ -172,32 +159,7 @@ class DuplexSession(Session):
         for frame in early or ():
             self._on_frame(frame)
         if self.link_report_s:
-            self.spawn(self._report_link())
-
-    async def _report_link(self) -> None:
-        while not self.closed:
-            await asyncio.sleep(self.link_report_s)
-            event = self.link_event()
-            if event is not None and not self.closed:
-                self.send_nowait(event)
-
-    def link_event(self) -> dict[str, Any] | None:
-        """`session.link`: the input side of the link as the server measured it over the last period, and the playout
-        buffer the client should hold."""
-        conv = self.conversation
-        if conv is None or conv.input is None or self.ctx.engine is None:
-            return None
-        jb = conv.input
-        st = jb.stats()
-        added = jb.added_ms(max(1, round(self.link_report_s * SAMPLE_RATE / FRAME)))
-        engine = self.ctx.engine.stats()
-        return {"type": "session.link", "session_id": self.session_id, "input": {
-            "jitter_ms": round(st.jitter_ms, 1), "target_ms": round(st.target_ms, 1), "depth_ms": round(st.depth_ms, 1),
-            "added_ms": None if added is None else {"p50": round(added[0], 1), "p95": round(added[1], 1)},
-            "underruns": st.underruns, "concealed_ms": round(st.concealed_ms, 1), "late_drops": st.late_drops,
-            "overrun_drops_ms": round(st.overrun_drops_ms, 1), "sound_cut_max_ms": round(st.sound_cut_max_ms, 1),
-            "hard_cuts": st.hard_cuts},
-            "playout_ms": advised_playout_ms(st.jitter_ms, engine.tick_ms_p99 - engine.tick_ms_p50)}
+            self.spawn(report_link(self, self.session_id, lambda: self.link_report_s))
 
     def _parse(self, s: dict[str, Any]) -> SessionConfig:
         up = ConfigUpdate()

@@ -31,6 +31,7 @@ from app.auth import BETA_SUBPROTOCOL, CLIENT_SECRET, offered_subprotocols
 from app.context import CONTEXT, ServerContext
 from app.conversation import Backpressure, Conversation, State
 from app.errors import MAX_ECHO_CHARS, ProtocolError
+from app.link import closed_stats, report_link
 from app.realtime_items import ConversationItems, Response, new_id
 from app.realtime_update import Ignored, SessionUpdate, read_update
 from app.session import OUTPUT_TAG, Session
@@ -150,6 +151,9 @@ class RealtimeSession(Session):
         self.last_response_id: str | None = None
         self.restart_on_cancel = False
         self.stats_interval_s = 0.0                  # `session.stats` (WebRTC calls) every this many seconds; 0: none
+        self.link_report_s = 0.0                     # `session.link` every this many seconds; 0: none
+        self._link_task: asyncio.Task[None] | None = None
+        self.frames_sent = 0                         # audio frames handed to the client
         self.turn_detection: dict[str, Any] | None = None
         self._muted = False                          # cut: frames are not sent until the model's next utterance
         self._quiet = 0                              # frames without text since the cut
@@ -215,6 +219,7 @@ class RealtimeSession(Session):
             "idle_timeout_s": self.idle_timeout_s,
             "restart_on_cancel": self.restart_on_cancel,
             "stats_interval_s": self.stats_interval_s,
+            "link_report_s": self.link_report_s,
             "conversation_state": self.conversation.state.value,
             "capabilities": capabilities(self.ctx.engine.max_sessions),
         }
@@ -226,8 +231,8 @@ class RealtimeSession(Session):
         return session
 
     def closed_event(self, reason: str) -> dict[str, Any]:
-        counters = self.conversation.counters() if self.conversation is not None else {}
-        return {"type": "session.closed", "session_id": self.session_id, "reason": reason, "stats": counters}
+        return {"type": "session.closed", "session_id": self.session_id, "reason": reason,
+                "stats": closed_stats(self.conversation, self.frames_sent)}
 
     # ---- client events ---------------------------------------------------------------------------------------
 
@@ -280,6 +285,13 @@ class RealtimeSession(Session):
             self.restart_on_cancel = update.restart_on_cancel
         if update.stats_interval_s is not None:
             self.stats_interval_s = update.stats_interval_s
+        if update.link_report_s is not None:
+            self.link_report_s = update.link_report_s
+            if self.link_report_s and (self._link_task is None or self._link_task.done()):
+                self._link_task = asyncio.get_running_loop().create_task(
+                    report_link(self, self.session_id, lambda: self.link_report_s))
+                self.ctx.tasks.add(self._link_task)
+                self._link_task.add_done_callback(self.ctx.tasks.discard)
         if update.turn_detection_given:
             self.turn_detection = update.turn_detection
         if conv.started and new.persona != old.persona:
@@ -529,6 +541,7 @@ class RealtimeSession(Session):
         r = self.response
         ids = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
         self.play(frame, ids)
+        self.frames_sent += 1
         r.frames += 1
         if frame.text:
             r.pieces.append((r.frames - 1, frame.text))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import ProtocolError
+from app.link import link_report_s
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, check_extra_body, format_from
 
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar",
@@ -45,8 +46,8 @@ _AUDIO_IN_NOT_ACTED_ON = {"transcription": "input_audio_transcription",
 _KNOWN = frozenset({"type", "model", "instructions", "voice", "audio", "input_audio_format", "output_audio_format",
                     "input_sample_rate_hz", "output_sample_rate_hz", "turn_detection", "output_modalities",
                     "modalities", "temperature", "pacing", "idle_timeout_s", "extra_body", "restart_on_cancel",
-                    "stats_interval_s", "object", "id", "expires_at", "client_secret", "capabilities", "sampling",
-                    "state", "conversation_state", *SAMPLING_KEYS})
+                    "stats_interval_s", "link_report_s", "object", "id", "expires_at", "client_secret",
+                    "capabilities", "sampling", "state", "conversation_state", *SAMPLING_KEYS})
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class SessionUpdate:
     idle_timeout_s: float | None = None
     restart_on_cancel: bool | None = None
     stats_interval_s: float | None = None
+    link_report_s: float | None = None
     turn_detection: dict[str, Any] | None = None   # as the client set it (server_vad / semantic_vad), when it did
     turn_detection_given: bool = False
     ignored: list[Ignored] = field(default_factory=list)
@@ -134,6 +136,8 @@ def read_update(s: dict[str, Any], prefix: str = "session") -> SessionUpdate:
         if src.get("stats_interval_s") is not None:
             out.stats_interval_s = _number(src["stats_interval_s"], 0, 60, f"{where}.stats_interval_s",
                                            "a number of seconds, 0 for none")
+        if src.get("link_report_s") is not None:
+            out.link_report_s = link_report_s(src["link_report_s"], f"{where}.link_report_s")
     _read_turn_detection(s, audio_in, prefix, out)
     _list_ignored(s, audio_in, audio_out, prefix, out)
     return out

@@ -30,7 +30,14 @@ class SessionClosed(_Extension):
     type: Literal["session.closed"]
     session_id: str
     reason: str
-    stats: dict[str, int]
+    stats: dict[str, float]
+
+
+class SessionLink(_Extension):
+    type: Literal["session.link"]
+    session_id: str
+    input: dict[str, Any]
+    playout_ms: float
 
 
 class HeartbeatAck(_Extension):
@@ -47,6 +54,7 @@ EXTENSIONS: dict[str, type[BaseModel]] = {
     "session.closed": SessionClosed,
     "session.heartbeat_ack": HeartbeatAck,
     "playback.acknowledged": PlaybackAcknowledged,
+    "session.link": SessionLink,
 }
 
 

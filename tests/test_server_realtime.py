@@ -435,3 +435,25 @@ async def test_realtime_paced_output_keeps_up(server, speech_24k):
             await asyncio.sleep(0.05)
         task.cancel()
         assert out >= frames - 4
+
+
+async def test_link_report_and_closing_stats(server, speech_24k):
+    """`link_report_s` asks for `session.link` (the link as the server measures it, and the playout buffer the
+    client needs); `session.closed.stats` carries what the native dialect's does."""
+    from realtime_schema import validate_server_event
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws(REALTIME)) as ws:
+        await next_event(ws)
+        await ws.send_json({"type": "session.update", "session": {"link_report_s": 0.5}})
+        assert (await until(ws, "session.updated"))["session"]["link_report_s"] == 0.5
+        await ws.send_json({"type": "session.update", "session": {"link_report_s": 0.1}})
+        assert (await expect_error(ws, "invalid_session_config"))["param"] == "session.link_report_s"
+        await stream(ws, speech_24k[: 10 * 1920], AudioFormat("pcm16", 24000))
+        link = await until(ws, "session.link", timeout=15)
+        validate_server_event(link)
+        assert link["input"]["jitter_ms"] >= 0 and link["playout_ms"] > 0
+        await ws.send_json({"type": "session.close"})
+        closed = await until(ws, "session.closed", timeout=15)
+        validate_server_event(closed)
+        stats = closed["stats"]
+        assert stats["frames_sent"] >= 1 and stats["input_ms"] == pytest.approx(10 * 80, abs=1)
+        assert {"epoch", "backpressure_refusals", "concealed_ms", "frames_in", "frames_out"} <= set(stats)

@@ -1,0 +1,77 @@
+"""What the server measures of a client's link, for the dialects that report it: `session.link` every
+`link_report_s` seconds (the input buffer's arrival jitter, target, depth, the latency it added over the period,
+underruns, concealment, drops, and `playout_ms`, the playout buffer the client's own player needs to play the model's
+audio without gaps over this link), and the shared part of `session.closed.stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from app.conversation import Conversation
+from app.errors import ProtocolError
+from app.session import Session
+from media.jitter import FRAME, SAMPLE_RATE
+from media.playout import advised_playout_ms
+from model.engine import EngineStats
+
+LINK_REPORT_S = (0.5, 60.0)
+
+
+def link_report_s(value: object, param: str) -> float:
+    """A `link_report_s` setting: 0 (off) or a period in LINK_REPORT_S."""
+    value = value or 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (value and not LINK_REPORT_S[0] <= value <= LINK_REPORT_S[1]):
+        raise ProtocolError("invalid_session_config", f"`link_report_s` must be 0 (off) or {LINK_REPORT_S[0]:g} to "
+                            f"{LINK_REPORT_S[1]:g} seconds", param=param)
+    return float(value)
+
+
+def input_report(conv: Conversation, period_s: float) -> dict[str, Any] | None:
+    """The input side of the link (the added latency over the last `period_s`), or None before there is a buffer."""
+    jb = conv.input
+    if jb is None:
+        return None
+    st = jb.stats()
+    added = jb.added_ms(max(1, round(period_s * SAMPLE_RATE / FRAME)))
+    return {"jitter_ms": round(st.jitter_ms, 1), "target_ms": round(st.target_ms, 1), "depth_ms": round(st.depth_ms, 1),
+            "added_ms": None if added is None else {"p50": round(added[0], 1), "p95": round(added[1], 1)},
+            "underruns": st.underruns, "concealed_ms": round(st.concealed_ms, 1), "late_drops": st.late_drops,
+            "overrun_drops_ms": round(st.overrun_drops_ms, 1), "sound_cut_max_ms": round(st.sound_cut_max_ms, 1),
+            "hard_cuts": st.hard_cuts}
+
+
+def link_event(session_id: str, conv: Conversation | None, engine: EngineStats | None,
+               period_s: float) -> dict[str, Any] | None:
+    """`session.link`, or None before the conversation has an input buffer."""
+    report = None if conv is None or engine is None else input_report(conv, period_s)
+    if report is None:
+        return None
+    return {"type": "session.link", "session_id": session_id, "input": report,
+            "playout_ms": advised_playout_ms(report["jitter_ms"], engine.tick_ms_p99 - engine.tick_ms_p50)}
+
+
+def closed_stats(conv: Conversation | None, frames_sent: int) -> dict[str, Any]:
+    """`session.closed.stats`, as every dialect that says it gives them."""
+    if conv is None:
+        return {}
+    stats: dict[str, Any] = {**conv.counters(), "frames_sent": frames_sent, "epoch": conv.epoch,
+                             "backpressure_refusals": conv.backpressure_refusals}
+    if conv.input is not None:
+        j = conv.input.stats()
+        stats |= {"input_ms": round(j.pushed_ms, 1), "concealed_ms": round(j.concealed_ms, 1)}
+    return stats
+
+
+async def report_link(session: Session, session_id: str, period_s: Callable[[], float]) -> None:
+    """Send `session.link` every `period_s()` seconds until the session closes or the period becomes 0."""
+    while not session.closed and period_s():
+        period = period_s()
+        await asyncio.sleep(period)
+        engine = session.ctx.engine
+        event = link_event(session_id, session.conversation, engine.stats() if engine is not None else None, period)
+        if event is not None and not session.closed:
+            session.send_nowait(event)
