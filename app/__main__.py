@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from app.processes import run, setup_logging
+from app.model_choice import ModelUnavailable, check_strict
+from app.processes import engine_devices, run, setup_logging
 from app.settings import Settings, parse_settings
 
 if TYPE_CHECKING:
@@ -51,10 +52,15 @@ async def _run(settings: Settings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    if settings.strict_model:
+        check_strict(settings.model, engine_devices(settings))
     setup_logging(settings, LOG_FORMAT)
     if settings.workers > 0:
         sys.exit(run(settings))
-    asyncio.run(_run(settings))
+    try:
+        asyncio.run(_run(settings))
+    except ModelUnavailable as e:   # a load that failed under --strict-model: its reason, in one line
+        raise SystemExit(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import shutil
 import signal
 import socket
 import socketserver
+import sys
 import tempfile
 import threading
 import time
@@ -45,6 +46,7 @@ from app.settings import Settings, split_csv
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
+EXIT_MODEL_UNAVAILABLE = 3   # an engine process's status when --strict-model refused the model: not restarted
 MAX_RESTARTS = 5          # of one process within RESTART_WINDOW_S, before the server gives up
 RESTART_WINDOW_S = 30.0
 DRAIN_POLL_S = 0.2        # how often a draining supervisor asks whether sessions are left
@@ -103,10 +105,15 @@ def engine_devices(settings: Settings) -> list[str]:
 def engine_main(settings: Settings, path: str, index: int) -> None:
     """An engine process: load the model, start the engine, serve it on the channel until SIGTERM."""
     _child_setup(settings, f"engine {index}")
+    from app.model_choice import ModelUnavailable
     from app.server import build_engine, load_for
     from model.engine.process import EngineHost
 
-    model, note = load_for(settings)
+    try:
+        model, note = load_for(settings)
+    except ModelUnavailable as e:
+        logger.error("%s", e)
+        sys.exit(EXIT_MODEL_UNAVAILABLE)
     logger.info("%s", note)
     engine = build_engine(settings, model)
     engine.start()
@@ -241,6 +248,9 @@ class Supervisor:
                 return self._drain_sessions()
             for n, engine in enumerate(self.engines):
                 if engine is not None and not engine.is_alive():
+                    if engine.exitcode == EXIT_MODEL_UNAVAILABLE:
+                        logger.error("engine %d: the model cannot be served (--strict-model): stopping", n)
+                        return 1
                     logger.error("engine %d (%s, pid %d) exited (%s); its sessions ended; starting it again",
                                  n, self.devices[n], engine.pid, engine.exitcode)
                     if not self._may_restart(f"engine-{n}"):

@@ -24,7 +24,6 @@ import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import torch
 from aiohttp import web
 
 from app.audiosocket import setup_audiosocket
@@ -36,9 +35,10 @@ from app.duplex import duplex_handler
 from app.errors import http_error_body
 from app.freeswitch import freeswitch_handler
 from app.loop_lag import collector_report, freeze_startup_objects
+from app.model_choice import RANDOM_MODEL, TINY_MODEL, ModelUnavailable, fallback_reason, resolve_device
 from app.probes import DRAINING, READY, readiness, serve_agent
 from app.realtime import capabilities, realtime_handler
-from app.settings import RANDOM_MODEL, TINY_MODEL, Settings
+from app.settings import Settings
 from app.telnyx import telnyx_handler
 from app.twilio import twilio_handler
 from app.vonage import vonage_handler
@@ -54,16 +54,6 @@ logger = logging.getLogger(__name__)
 _BANNER = "=" * 78
 
 
-def resolve_device(settings: Settings) -> tuple[str, str]:
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = settings.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return device, dtype
-
-
 def tiny_folder(settings: Settings) -> Path:
     """The built-in tiny checkpoint, written once into the cache folder."""
     folder = settings.cache_dir / "tiny-checkpoint"
@@ -74,17 +64,16 @@ def tiny_folder(settings: Settings) -> Path:
 
 
 def load_for(settings: Settings) -> tuple[PersonaPlex, str]:
-    """The model to serve and a note on why. A repo id without a GPU or a token, or any load failure, falls back to
-    the built-in tiny model (unless `strict_model`), and the log says so loudly. `random-7b` (the official shape with
-    random weights, for sizing hardware) is loaded only when asked for by name, and says so everywhere."""
-    device, dtype = resolve_device(settings)
+    """The model to serve and a note on why. A repo id without a GPU, or any load failure, falls back to the built-in
+    tiny model, and the log says so loudly; with `strict_model` it raises `ModelUnavailable` instead. `random-7b`
+    (the official shape with random weights, for sizing hardware) is loaded only when asked for by name, and says so
+    everywhere."""
+    device, dtype = resolve_device(settings.device, settings.dtype)
     source = settings.model
     local = Path(source).expanduser().is_dir()
-    reason = ""
-    if source == TINY_MODEL:
-        reason = "the tiny model was asked for"
-    elif not local and not device.startswith("cuda"):
-        reason = f"no GPU for {source} (device {device})"
+    reason = fallback_reason(source, device)
+    if reason and settings.strict_model and source != TINY_MODEL:
+        raise ModelUnavailable(f"--strict-model: {reason}")
     if not reason:
         try:
             if source == RANDOM_MODEL:
@@ -94,10 +83,10 @@ def load_for(settings: Settings) -> tuple[PersonaPlex, str]:
                 return random_personaplex(device=device, dtype=dtype), note
             return load_model(source, device=device, dtype=dtype), f"loaded {source} on {device} ({dtype})"
         except Exception as e:
-            if settings.strict_model:
-                raise
             hint = "" if local or os.environ.get("HF_TOKEN") or source == RANDOM_MODEL else " (HF_TOKEN is not set)"
             reason = f"{source} did not load{hint}: {type(e).__name__}: {e}"
+            if settings.strict_model:
+                raise ModelUnavailable(f"--strict-model: {reason}") from e
     folder = tiny_folder(settings)
     model = load_model(str(folder), device=device, dtype="float32")
     note = f"serving the built-in TINY test model (random weights, not PersonaPlex-7B): {reason}"

@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-DEFAULT_MODEL = "nvidia/personaplex-7b-v1"
-TINY_MODEL = "tiny"
-RANDOM_MODEL = "random-7b"
+from app.model_choice import RANDOM_MODEL, TINY_MODEL, check_model_name
+from model.config import DEFAULT_REPO as DEFAULT_MODEL
+
+__all__ = ["DEFAULT_MODEL", "RANDOM_MODEL", "TINY_MODEL", "Settings", "build_parser", "parse_settings"]
 
 
 @dataclass
 class Settings:
-    model: str = DEFAULT_MODEL            # a checkpoint folder, a Hugging Face repo id, or "tiny"
+    model: str = DEFAULT_MODEL            # a checkpoint folder, a known Hugging Face repo id, "tiny" or "random-7b"
     host: str = "127.0.0.1"
     port: int = 8000
     device: str = "auto"                  # "auto": cuda when available, else cpu
@@ -208,6 +209,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     if s.drain_timeout_s < 0:
         raise SystemExit(f"--drain-timeout-s / PERSONAPLEX_DRAIN_TIMEOUT_S must be >= 0, got {s.drain_timeout_s:g}")
     _check_calls(s)
+    check_model_name(s.model)
     if s.workers < 0:
         s.workers = default_workers()
     if s.gpus and s.workers == 0:
