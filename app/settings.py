@@ -7,6 +7,7 @@ Every flag has an environment twin (`--max-sessions` ↔ `PERSONAPLEX_MAX_SESSIO
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,13 +85,49 @@ KV_CACHE_CHOICES = ("bf16", "fp8")
 RECORD_POLICIES = ("all", "opt-in", "opt-out")
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric setting takes: from `low` (or above it, when `above`) up to `high`, finite."""
+
+    low: float
+    high: float = math.inf
+    above: bool = False
+
+    def admits(self, value: float) -> bool:
+        return math.isfinite(value) and (value > self.low if self.above else value >= self.low) and value <= self.high
+
+    def __str__(self) -> str:
+        if self.high < math.inf:
+            return f"from {self.low:g} to {self.high:g}"
+        return f"{'>' if self.above else '>='} {self.low:g}"
+
+
+_PORT, _POSITIVE, _NOT_NEGATIVE = Bound(0, 65535), Bound(0, above=True), Bound(0)
+BOUNDS: dict[str, Bound] = {
+    "port": _PORT, "agent_port": _PORT, "audiosocket_port": _PORT, "sip_port": _PORT,
+    "max_sessions": Bound(1), "workers": Bound(0), "max_message_bytes": Bound(1), "max_output_bytes": Bound(1),
+    "max_connections_per_ip": _NOT_NEGATIVE, "queue_timeout_s": _NOT_NEGATIVE, "shutdown_timeout_s": _NOT_NEGATIVE,
+    "drain_timeout_s": _NOT_NEGATIVE, "input_lead_ms": _NOT_NEGATIVE, "ice_connect_timeout_s": _POSITIVE,
+    "first_message_timeout_s": _POSITIVE, "idle_timeout_s": _POSITIVE, "max_events_per_s": _POSITIVE,
+    "max_realtime_backlog_s": _POSITIVE, "max_input_backlog_s": _POSITIVE, "max_output_backlog_s": _POSITIVE,
+    "engine_stalled_s": _POSITIVE, "webhook_retry_s": _POSITIVE, "webhook_backoff_max_s": _POSITIVE,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose refusals are one line (its own print the whole usage first)."""
+
+    def error(self, message: str) -> None:   # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (--help lists every flag)\n")
+
+
 def split_csv(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = Settings()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="personaplex-server",
         description="Full-duplex speech-to-speech server for PersonaPlex-7B (WebSocket Realtime, native, Twilio).",
         epilog="Every flag has an environment twin: --max-sessions is PERSONAPLEX_MAX_SESSIONS (lists comma-separated, "
@@ -200,14 +237,20 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
             if raw is None or raw == "":
                 continue
             value = raw
-        setattr(s, name, _coerce(name, value, default))
+        try:
+            setattr(s, name, _coerce(name, value, default))
+        except ValueError:
+            kind = "an integer" if isinstance(default, int) else "a number"
+            raise SystemExit(f"{_names(name)} takes {kind}, got {value!r}") from None
+        bound = BOUNDS.get(name)
+        if bound is not None and not bound.admits(getattr(s, name)):
+            raise SystemExit(f"{_names(name)} must be {bound}, got {value}")
     if s.kv_cache not in KV_CACHE_CHOICES:
-        raise SystemExit(f"--kv-cache / PERSONAPLEX_KV_CACHE must be one of {', '.join(KV_CACHE_CHOICES)}, "
-                         f"got {s.kv_cache!r}")
-    if s.input_lead_ms < 0:
-        raise SystemExit(f"--input-lead-ms / PERSONAPLEX_INPUT_LEAD_MS must be >= 0, got {s.input_lead_ms:g}")
-    if s.drain_timeout_s < 0:
-        raise SystemExit(f"--drain-timeout-s / PERSONAPLEX_DRAIN_TIMEOUT_S must be >= 0, got {s.drain_timeout_s:g}")
+        raise SystemExit(f"{_names('kv_cache')} must be one of {', '.join(KV_CACHE_CHOICES)}, got {s.kv_cache!r}")
+    try:
+        rtp_port_range(s.rtp_ports)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     _check_calls(s)
     check_model_name(s.model)
     if s.workers < 0:
@@ -215,6 +258,22 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     if s.gpus and s.workers == 0:
         raise SystemExit("--gpus runs one engine process per GPU beside worker processes: it needs --workers >= 1")
     return s
+
+
+def rtp_port_range(spec: str) -> tuple[int, int]:
+    """`--rtp-ports FIRST-LAST` as (first, last); ValueError, in words, for anything else."""
+    try:
+        first, last = (int(p) for p in spec.split("-", 1))
+    except ValueError:
+        raise ValueError(f"--rtp-ports takes FIRST-LAST, got {spec!r}") from None
+    if not 1024 <= first < last <= 65535:
+        raise ValueError(f"--rtp-ports {spec!r}: need 1024 <= FIRST < LAST <= 65535")
+    return first, last
+
+
+def _names(name: str) -> str:
+    """A setting as the user spells it: `--max-sessions / PERSONAPLEX_MAX_SESSIONS`."""
+    return f"--{name.replace('_', '-')} / {_ENV_PREFIX}{name.upper()}"
 
 
 def _check_calls(s: Settings) -> None:
@@ -230,8 +289,6 @@ def _check_calls(s: Settings) -> None:
             raise SystemExit(f"--webhook-url must be an http:// or https:// URL, got {s.webhook_url!r}")
         if not s.webhook_secret:
             raise SystemExit("--webhook-url needs --webhook-secret (every event is signed with it)")
-    if s.webhook_retry_s <= 0 or s.webhook_backoff_max_s <= 0:
-        raise SystemExit("--webhook-retry-s and --webhook-backoff-max-s must be > 0")
     if s.admin_key and s.admin_key in s.api_keys:
         raise SystemExit("--admin-key must differ from every --api-key (a client must never hold the admin key)")
 

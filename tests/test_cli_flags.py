@@ -58,3 +58,42 @@ def test_strict_model_ends_the_server_when_the_load_fails(tmp_path, workers):
     assert done.returncode != 0, done.stderr
     assert f"--strict-model: {tmp_path} did not load" in done.stderr
     assert "Traceback" not in done.stderr and "starting it again" not in done.stderr and "TINY" not in done.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--port", "99999"), ("--port", "-5"), ("--max-sessions", "0"), ("--max-sessions", "-1"), ("--workers", "-2"),
+    ("--agent-port", "70000"), ("--sip-port", "-1"), ("--audiosocket-port", "65536"), ("--queue-timeout-s", "-1"),
+    ("--idle-timeout-s", "0"), ("--first-message-timeout-s", "nan"), ("--max-events-per-s", "inf"),
+    ("--max-message-bytes", "0"), ("--max-output-bytes", "-3"), ("--max-connections-per-ip", "-1"),
+    ("--ice-connect-timeout-s", "0"), ("--max-realtime-backlog-s", "0"), ("--max-input-backlog-s", "-1"),
+    ("--max-output-backlog-s", "0"), ("--shutdown-timeout-s", "-1"), ("--engine-stalled-s", "0"),
+    ("--input-lead-ms", "-1"), ("--drain-timeout-s", "-1"), ("--webhook-retry-s", "0"),
+    ("--webhook-backoff-max-s", "-1"),
+])
+def test_every_numeric_flag_out_of_range_is_one_line(flag, value):
+    env_name = "PERSONAPLEX_" + flag[2:].replace("-", "_").upper()
+    for argv, env in (([flag, value], {}), ([], {env_name: value})):
+        with pytest.raises(SystemExit, match=f"^{flag} / {env_name} must be ") as refusal:
+            parse_settings(argv, env)
+        assert value in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_numeric_flags_at_their_bounds_pass():
+    s = parse_settings(["--port", "0", "--max-sessions", "1", "--workers", "0", "--queue-timeout-s", "0",
+                        "--sip-port", "65535", "--max-connections-per-ip", "0"], {})
+    assert (s.port, s.max_sessions, s.workers, s.sip_port) == (0, 1, 0, 65535)
+
+
+def test_a_value_of_the_wrong_kind_is_one_line():
+    with pytest.raises(SystemExit, match=r"^--port / PERSONAPLEX_PORT takes an integer, got 'eighty'$"):
+        parse_settings([], {"PERSONAPLEX_PORT": "eighty"})
+    with pytest.raises(SystemExit, match="--rtp-ports '5000-4000': need 1024 <= FIRST < LAST"):
+        parse_settings(["--rtp-ports", "5000-4000"], {})
+
+
+def test_bad_flags_are_refused_by_the_cli_in_one_line():
+    assert refused("--port", "99999") == "--port / PERSONAPLEX_PORT must be from 0 to 65535, got 99999"
+    assert refused("--port", "-5") == "--port / PERSONAPLEX_PORT must be from 0 to 65535, got -5"
+    assert refused("--max-sessions", "0") == "--max-sessions / PERSONAPLEX_MAX_SESSIONS must be >= 1, got 0"
+    assert refused("--port", "eighty").startswith("personaplex-server: argument --port: invalid int value")
+    assert refused("--no-such-flag").startswith("personaplex-server: unrecognized arguments: --no-such-flag")

@@ -29,6 +29,7 @@ from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
 
 from app.conversation import Conversation, InputPolicy
 from app.metrics import Metrics
+from app.settings import rtp_port_range
 from app.sip.sdp import Choice
 from media.playout import PlayoutBuffer, PlayoutConfig
 from media.resample import Resampler
@@ -64,12 +65,7 @@ class PortRange:
     """Even RTP ports (RTCP on the next odd one) handed out from `first-last`."""
 
     def __init__(self, spec: str) -> None:
-        try:
-            first, last = (int(p) for p in spec.split("-", 1))
-        except ValueError:
-            raise ValueError(f"--rtp-ports takes FIRST-LAST, got {spec!r}") from None
-        if not 1024 <= first < last <= 65535:
-            raise ValueError(f"--rtp-ports {spec!r}: need 1024 <= FIRST < LAST <= 65535")
+        first, last = rtp_port_range(spec)
         self.ports = list(range(first + first % 2, last, 2))
         self._next = 0
 
