@@ -129,13 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = Settings()
     p = _Parser(
         prog="personaplex-server",
-        description="Full-duplex speech-to-speech server for PersonaPlex-7B (WebSocket Realtime, native, Twilio).",
+        description="Full-duplex speech-to-speech server for PersonaPlex-7B: browsers over WebRTC, apps over WebSocket "
+                    "(the OpenAI Realtime dialect and a native one), phone lines over SIP/RTP and the media WebSockets "
+                    "of Twilio, Telnyx, Vonage and FreeSWITCH, and Asterisk's AudioSocket.",
         epilog="Every flag has an environment twin: --max-sessions is PERSONAPLEX_MAX_SESSIONS (lists comma-separated, "
                "e.g. PERSONAPLEX_API_KEYS=k1,k2); a flag wins. HF_TOKEN is used for gated Hugging Face repos. Without "
                "a GPU, or when the model cannot be loaded, the server runs the built-in tiny test model and says so.",
     )
-    p.add_argument("--model", help=f"checkpoint folder, HF repo id, 'tiny', or '{RANDOM_MODEL}' (the official "
-                                   f"shape with random weights on the GPU, for sizing hardware) (default {d.model})")
+    p.add_argument("--model", help=f"checkpoint folder, a known Hugging Face repo id ({d.model}, or one already in "
+                                   f"the local Hugging Face cache), 'tiny', or '{RANDOM_MODEL}' (the official shape "
+                                   f"with random weights on the GPU, for sizing hardware) (default {d.model})")
     p.add_argument("--host", help=f"bind address (default {d.host})")
     p.add_argument("--port", type=int, help=f"TCP port, 0 = any free port (default {d.port})")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default auto)")
@@ -146,23 +149,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-origin", action="append", dest="allowed_origins", help="allowed Origin (repeat)")
     p.add_argument("--voices-dir", help="folder of extra voice prompts (.pt or .wav)")
     p.add_argument("--log-level", help=f"DEBUG, INFO, WARNING… (default {d.log_level})")
-    p.add_argument("--cache-dir", help="where the built-in tiny model is written")
-    p.add_argument("--strict-model", action="store_true", default=None, help="fail instead of falling back to tiny")
+    p.add_argument("--cache-dir", help=f"where the built-in tiny model and the webhook spool are written "
+                                       f"(default {d.cache_dir})")
+    p.add_argument("--strict-model", action="store_true", default=None,
+                   help="refuse to start when the model cannot be served (no GPU for it, or its load fails) instead "
+                        "of serving the built-in tiny model")
     p.add_argument("--kv-cache", choices=KV_CACHE_CHOICES,
-                   help="KV cache storage; fp8 holds about twice the sessions, close to but not bit-exact with bf16")
+                   help=f"KV cache storage; fp8 holds about twice the sessions, close to but not bit-exact with bf16 "
+                        f"(default {d.kv_cache})")
     p.add_argument("--stun-url", help="STUN server for WebRTC, e.g. stun:stun.example.org:3478 (default: none)")
     p.add_argument("--turn-url", help="TURN server for WebRTC, e.g. turn:turn.example.org:3478?transport=udp")
-    p.add_argument("--turn-username")
-    p.add_argument("--turn-credential")
+    p.add_argument("--turn-username", help="user name for the TURN server (with --turn-url)")
+    p.add_argument("--turn-credential", help="password for the TURN server (with --turn-url); browsers get it from "
+                                             "/v1/realtime/webrtc-config, which needs an API key when keys are set")
     p.add_argument("--ice-relay-only", action="store_true", default=None, help="relay all WebRTC media via TURN")
-    p.add_argument("--ice-connect-timeout-s", type=float)
+    p.add_argument("--ice-connect-timeout-s", type=float,
+                   help=f"a WebRTC call whose ICE and DTLS are not up this long after the answer ends "
+                        f"(default {d.ice_connect_timeout_s:g})")
     p.add_argument("--max-message-bytes", type=int, help=f"largest WebSocket message (default {d.max_message_bytes})")
-    p.add_argument("--first-message-timeout-s", type=float)
-    p.add_argument("--idle-timeout-s", type=float)
-    p.add_argument("--max-events-per-s", type=float)
-    p.add_argument("--max-realtime-backlog-s", type=float)
-    p.add_argument("--max-input-backlog-s", type=float)
-    p.add_argument("--max-output-backlog-s", type=float)
+    p.add_argument("--first-message-timeout-s", type=float,
+                   help=f"a connection (WebSocket, AudioSocket) whose first message has not come this long after "
+                        f"it opens is closed (default {d.first_message_timeout_s:g})")
+    p.add_argument("--idle-timeout-s", type=float,
+                   help=f"a session whose client has sent nothing this long ends; a Realtime session may set its own "
+                        f"(default {d.idle_timeout_s:g})")
+    p.add_argument("--max-events-per-s", type=float,
+                   help=f"client events per second per connection, with a burst of 2 s worth; more are dropped, "
+                        f"with an error "
+                        f"(default {d.max_events_per_s:g})")
+    p.add_argument("--max-realtime-backlog-s", type=float,
+                   help=f"audio a real-time WebSocket session may queue ahead of the engine, in seconds; more is "
+                        f"refused, since it would only add latency (default {d.max_realtime_backlog_s:g})")
+    p.add_argument("--max-input-backlog-s", type=float,
+                   help=f"audio an input-paced session may queue ahead of the engine before it is told to slow "
+                        f"down, in seconds (default {d.max_input_backlog_s:g})")
+    p.add_argument("--max-output-backlog-s", type=float,
+                   help=f"the model's output queued for a client that does not read, in seconds, before the "
+                        f"session is closed (default {d.max_output_backlog_s:g})")
     p.add_argument("--shutdown-timeout-s", type=float,
                    help=f"the final close: how long open sessions get for session.closed and the close handshake "
                         f"(default {d.shutdown_timeout_s:g})")
@@ -199,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "named 'default' takes other users; without agents every call gets the default voice)")
     p.add_argument("--sip-allow", action="append", help="source CIDR allowed to call (repeat; default: any)")
     p.add_argument("--sip-user", help="digest authentication user (with --sip-password)")
-    p.add_argument("--sip-password")
+    p.add_argument("--sip-password", help="digest authentication password (with --sip-user)")
     p.add_argument("--sip-realm", help=f"digest realm (default {d.sip_realm})")
     p.add_argument("--sip-x-headers", action="store_true", default=None,
                    help="let callers choose persona and voice with X-Persona / X-Voice headers")

@@ -3,6 +3,7 @@ anything starts; every flag says what it does."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from process_support import ROOT, cli_env
 
-from app.settings import parse_settings
+from app.settings import Settings, build_parser, parse_settings
 
 NO_GPU = not torch.cuda.is_available()
 
@@ -97,3 +98,12 @@ def test_bad_flags_are_refused_by_the_cli_in_one_line():
     assert refused("--max-sessions", "0") == "--max-sessions / PERSONAPLEX_MAX_SESSIONS must be >= 1, got 0"
     assert refused("--port", "eighty").startswith("personaplex-server: argument --port: invalid int value")
     assert refused("--no-such-flag").startswith("personaplex-server: unrecognized arguments: --no-such-flag")
+
+
+def test_every_flag_says_what_it_does():
+    parser = build_parser()
+    silent = [a.option_strings[0] for a in parser._actions if not a.help or a.help == argparse.SUPPRESS]
+    assert silent == []
+    assert "WebRTC" in parser.description and "SIP" in parser.description
+    cache_dir = next(a for a in parser._actions if "--cache-dir" in a.option_strings)
+    assert f"(default {Settings().cache_dir})" in cache_dir.help
