@@ -160,7 +160,9 @@ class Metrics:
         def each(field: str) -> list[tuple[str, dict[str, str], float]]:
             return [("", {"engine": str(v.index)}, getattr(v.stats, field)) for v in engines if v.stats is not None]
 
-        family("personaplex_engine_up", "gauge", "1 while an engine process is connected and ticking, by engine.",
+        family("personaplex_engine_up", "gauge",
+               "1 while an engine process is up: connected, its tick loop running (at idle too); 0 while it is gone "
+               "or stalled, by engine.",
                [("", {"engine": str(v.index), "device": v.device}, int(v.running)) for v in engines])
         family("personaplex_engine_sessions_in_use", "gauge", "Conversation slots in use, by engine.",
                each("sessions_in_use"))

@@ -361,7 +361,10 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None,
     """Run until `until(ctx)` returns (by default: until cancelled), then close every session and stop. In one
     process by default (with the agent-check port, when set); a worker process gets the listening socket it
     shares with the other workers and the engine processes' channels and devices (`engines`)."""
-    engine = EnginePool(*engines, worker, settings.input_lead_ms / 1000.0) if engines else None
+    engine = None
+    if engines:   # each engine's device as used (`auto` is resolved the way its engine process resolves it)
+        paths, devices = engines
+        engine = EnginePool(paths, [resolve_device(d)[0] for d in devices], worker, settings.input_lead_ms / 1000.0)
     app = create_app(settings, engine=engine)
     runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s,
                             access_log_class=RedactingAccessLogger)

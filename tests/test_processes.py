@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 import pytest
+import torch
 from process_support import DuplexCaller, health, open_call, start_tiny, stop, wait_ready
 from server_support import eventually
 
@@ -111,6 +112,13 @@ async def test_engine_process_dying_ends_sessions_cleanly_and_comes_back(tiny_ch
         async with aiohttp.ClientSession() as http:
             ready = await wait_ready(http, url)
             engine = next(p for p in ready["processes"] if p["role"] == "engine")
+            # --device auto (the default) is reported as the device the engine uses, and up means up at idle too.
+            used = "cuda" if torch.cuda.is_available() else "cpu"
+            assert engine["device"] == used and ready["engines"][0]["device"] == used, ready
+            async with http.get(url + "/metrics") as r:
+                text = await r.text()
+            assert f'personaplex_engine_up{{device="{used}",engine="0"}} 1' in text, text
+            assert "its tick loop running (at idle too)" in text
             caller = DuplexCaller(url)
             await caller.open()
             stream = asyncio.ensure_future(caller.stream(30.0))
