@@ -221,8 +221,13 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "index.html")
 
 
+async def favicon(request: web.Request) -> web.FileResponse:
+    """Browsers ask for /favicon.ico on every page load: the icon, not a 404."""
+    return web.FileResponse(STATIC_DIR / "favicon.ico", headers={"Cache-Control": "public, max-age=86400"})
+
+
 def setup_webrtc(app: web.Application, config: WebRTCConfig | None = None) -> None:
-    """Add the call routes and the browser page (`/`, `/static/`) to the server."""
+    """Add the call routes and the browser page (`/`, `/favicon.ico`, `/static/`) to the server."""
     app[WEBRTC] = config or WebRTCConfig.from_settings(app[CONTEXT].settings)
     app[CALLS] = {}
     app.router.add_post(CALLS_ROUTE, create_call_limited)
@@ -231,5 +236,6 @@ def setup_webrtc(app: web.Application, config: WebRTCConfig | None = None) -> No
     app.router.add_post(CALLS_ROUTE + "/{call_id}/hangup", hang_up)
     app.router.add_get("/v1/realtime/webrtc-config", webrtc_config)
     app.router.add_get("/", index)
+    app.router.add_get("/favicon.ico", favicon)
     app.router.add_static("/static/", STATIC_DIR)
 

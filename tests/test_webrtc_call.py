@@ -10,7 +10,7 @@ import time
 import aiohttp
 import numpy as np
 import pytest
-from process_support import open_call
+from process_support import ROOT, open_call
 from server_support import wait_in_use
 from webrtc_support import ensure_ice_host_address
 
@@ -265,6 +265,13 @@ async def test_the_page_and_its_config_are_served(server):
                 assert res.status == 200
         async with http.get(server.url + "/v1/realtime/webrtc-config") as res:
             assert (await res.json())["ice_servers"] == []
+
+
+async def test_the_favicon_is_served(server):
+    async with aiohttp.ClientSession() as http, http.get(server.url + "/favicon.ico") as res:
+        body = await res.read()
+    assert res.status == 200 and res.content_type in ("image/x-icon", "image/vnd.microsoft.icon")
+    assert body[:4] == b"\x00\x00\x01\x00" and body == (ROOT / "static" / "favicon.ico").read_bytes()
 
 
 async def test_the_model_starts_at_the_answer_not_at_the_first_microphone_packet(server):
