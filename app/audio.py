@@ -88,11 +88,12 @@ class InputDecoder:
 
 
 class OutputEncoder:
-    """The engine's 24 kHz float32 frames -> wire bytes in the session's output format."""
+    """The engine's 24 kHz float32 frames -> wire bytes in the session's output format, each frame whole (the
+    resampler starts primed: the first delta at 16 kHz is 1280 samples, as every other)."""
 
     def __init__(self, fmt: AudioFormat) -> None:
         self.format = fmt
-        self._resampler = Resampler(MODEL_RATE, fmt.sample_rate)
+        self._resampler = Resampler(MODEL_RATE, fmt.sample_rate, primed=True)
 
     def encode(self, samples: np.ndarray) -> bytes:
         return self.format.encode(np.clip(self._resampler.process(samples), -1.0, 1.0))

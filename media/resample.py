@@ -10,6 +10,7 @@ per-chunk resampling, which gives only ~30 dB SNR at chunk edges (measurements: 
 from __future__ import annotations
 
 import errno
+import functools
 
 import av
 import numpy as np
@@ -59,13 +60,27 @@ class MonoResampler:
         return graph
 
 
+@functools.lru_cache(maxsize=64)
+def _filter_delay_in(in_rate: int, out_rate: int) -> int:
+    """The input samples whose output the filter holds back (its delay), as measured on a stream of silence."""
+    probe = Resampler(in_rate, out_rate)
+    probe.process(np.zeros(in_rate // 10, dtype=np.float32))
+    return round(probe.held_back * in_rate / out_rate)
+
+
 class Resampler:
-    def __init__(self, in_rate: int, out_rate: int) -> None:
+    """`primed`: the stream starts with the filter's delay in silence (under 2 ms), so every chunk gives its full
+    length from the first one on (1920 samples at 24 kHz -> 1280 at 16 kHz, not 1264 then 1280); for output that
+    goes out in frames."""
+
+    def __init__(self, in_rate: int, out_rate: int, *, primed: bool = False) -> None:
         if in_rate <= 0 or out_rate <= 0:
             raise ValueError(f"sample rates must be positive, got {in_rate} -> {out_rate}")
         self.in_rate = int(in_rate)
         self.out_rate = int(out_rate)
+        self.primed = primed
         self._swr: MonoResampler | None = None
+        self._lead = _EMPTY                  # what priming gave out: it goes before the first chunk's output
         self.samples_in = 0
         self.samples_out = 0
         self.reset()
@@ -88,7 +103,10 @@ class Resampler:
             return x.copy()
         frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x)[None, :], format="flt", layout="mono")
         frame.sample_rate = self.in_rate
-        return self._collect(self._swr.resample(frame))
+        out = self._collect(self._swr.resample(frame))
+        if self._lead.size:
+            out, self._lead = np.concatenate([self._lead, out]), _EMPTY
+        return out
 
     def flush(self) -> np.ndarray:
         """End of stream: return the held-back tail and start a fresh stream."""
@@ -100,8 +118,11 @@ class Resampler:
         """Drop all state (and any held-back audio); the next chunk starts a new stream."""
         self.samples_in = 0
         self.samples_out = 0
+        self._lead = _EMPTY
         if self.in_rate != self.out_rate:
             self._swr = MonoResampler(self.out_rate)
+            if self.primed:
+                self._lead = self.process(np.zeros(_filter_delay_in(self.in_rate, self.out_rate), np.float32))
 
     def _collect(self, frames: list[av.AudioFrame]) -> np.ndarray:
         if not frames:

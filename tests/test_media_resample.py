@@ -131,3 +131,26 @@ def test_resamplers_start_no_threads() -> None:
     outputs = [r.process(np.zeros(960, np.float32)) for r in resamplers]
     assert all(out.size for out in outputs)
     assert threads() - before < 3  # the test process's own threads may come and go; a pool a graph would be 30
+
+
+@pytest.mark.parametrize("out_rate", [8000, 11025, 16000, 22050, 32000, 44100, 48000])
+def test_a_primed_resampler_gives_every_frame_whole_from_the_first(out_rate: int) -> None:
+    rng = np.random.default_rng(out_rate)
+    r = Resampler(24000, out_rate, primed=True)
+    whole = 1920 * out_rate // 24000
+    for _ in range(2):                              # a fresh stream, then one after flush()
+        assert [r.process(0.1 * rng.standard_normal(1920).astype(np.float32)).size for _ in range(5)] == [whole] * 5
+        r.flush()
+    # The priming is the filter's delay in silence, before the stream's own audio; an unprimed one is short first.
+    assert Resampler(24000, out_rate).process(np.zeros(1920, np.float32)).size < whole
+
+
+def test_the_wire_gets_whole_frames_at_every_output_rate() -> None:
+    from app.audio import OutputEncoder, parse_format
+
+    for fmt, frame_bytes in ((parse_format("pcm16", 16000), 2560), (parse_format("g711_ulaw"), 640),
+                             (parse_format("pcm16", 48000), 7680)):
+        encoder = OutputEncoder(fmt)
+        assert [len(encoder.encode(np.zeros(1920, np.float32))) for _ in range(3)] == [frame_bytes] * 3
+        encoder.reset()
+        assert len(encoder.encode(np.zeros(1920, np.float32))) == frame_bytes
