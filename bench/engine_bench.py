@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from bench.fullsize import bench_model, gpu_memory_gb, persona, voice_wav
 from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
@@ -214,6 +215,9 @@ def main() -> None:
                         default=EngineConfig.mimi_decoder_bf16, help="Mimi's streaming decoder in bf16 (CUDA)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("engine_bench: the full 7B shape needs a CUDA GPU and none is visible; --tiny runs the "
+                         "tiny checkpoint on the CPU")
     asyncio.run(main_async(args))
 
 

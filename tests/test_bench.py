@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -79,3 +82,12 @@ def test_sip_latency_bench_prints_the_sip_paths_added_latency() -> None:
     [line] = bench_lines("bench.sip_latency", "--seconds", "2")
     assert line["bench"] == "sip_latency" and line["clients"][0]["packets_per_s"] > 0
     assert line["added_p50_ms"] == round(line["inbound_p50_ms"] + line["outbound_p50_ms"] + line["resampler_ms"], 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal under test is the no-GPU one")
+def test_engine_bench_without_a_gpu_says_so_in_one_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.engine_bench"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        "engine_bench: the full 7B shape needs a CUDA GPU and none is visible; --tiny runs the tiny checkpoint on the "
+        "CPU"], done.stderr
