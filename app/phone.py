@@ -5,7 +5,9 @@ messages and calls `begin(config, line_format)` when the vendor says the call is
 `Session.reserve`, the one admission path; then the conversation starts at once), `hear(bytes)` with each piece of
 caller audio in the line's format, `dtmf(digit)` for each key press; it implements `send_chunk(samples)` to put
 one paced chunk of the model's audio (float32 at the line's rate) on its wire. The model's frames go through a
-`Pacer` at the line's rate. Caller audio lands in the conversation's jitter buffer under the WebSocket input policy
+`media.pacing.Pacer` at the line's rate (its `PHONE_LINE` rules): one chunk per chunk period of wall clock, silence
+while the model's next frame is due, never a burst and never a gap, since the platforms play what they are sent as
+it comes. Caller audio lands in the conversation's jitter buffer under the WebSocket input policy
 (a backlog past the bound is refused with `input_backpressure`).
 
 A start that fails (a bad voice, sampling out of range) is an `error` and close 1008; an engine failure is
@@ -26,13 +28,13 @@ import numpy as np
 from app.audio import InputDecoder, b64decode
 from app.conversation import Backpressure
 from app.errors import ProtocolError
-from app.pacer import Pacer
 from app.recording import asked_to_record
 from app.session import Session
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_POLICY
 from app.wire import WireError, parse_value
 from media.codecs import AudioFormat
+from media.pacing import PHONE_LINE, Pacer
 from model.engine import EngineError, FrameOutput
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class PhoneLine(Session):
             return False
         self.config = config
         self.decoder = InputDecoder(line)
-        self.pacer = Pacer(line.sample_rate, self._send_chunk, chunk_ms=self.chunk_ms, on_mark=self.on_mark)
+        self.pacer = Pacer(line.sample_rate, PHONE_LINE, chunk_ms=self.chunk_ms, on_mark=self.on_mark)
         conv = self.conversation = self.new_conversation(slot)   # in the live-call list from here
         conv.add_listener(self._on_frame, self._on_engine_error)
         conv.start(config.params()).add_done_callback(self._started)
@@ -125,6 +127,7 @@ class PhoneLine(Session):
 
     def _on_frame(self, frame: FrameOutput) -> None:
         if not self.closed and self.pacer is not None:
+            self.pacer.start(self._send_chunk)   # the sends start with the first frame
             self.pacer.write(frame.audio)
 
     def cut_output(self) -> None:

@@ -15,8 +15,8 @@ network bounds (late audio is worthless on a call) instead of the WebSocket's re
 
 Media: aiortc's receive jitter buffer is bypassed (`media.tracks.InboundAudio`): each 20 ms packet is decoded as
 it arrives, resampled to 24 kHz and lands at its pts in the conversation's jitter buffer; engine frames go to a
-`PlayoutBuffer` read 20 ms at a time by the paced `OutboundAudioTrack` (mono Opus at 24 kHz), whose read grid is
-aligned to the engine's writes.
+`media.pacing.Pacer` read 20 ms at a time by the `OutboundAudioTrack` (mono Opus at 24 kHz), whose read grid follows
+the engine's writes by the pacer's rules (`WEBRTC_TRACK`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from app.settings import Settings
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
 from app.worker_routing import new_call_id
 from media.jitter import FRAME, JitterStats
-from media.playout import PlayoutBuffer, PlayoutConfig
+from media.pacing import FIRST_PLAYED_FRAME, WEBRTC_TRACK, Pacer
 from media.tracks import (
     RATE,
     ContainedOpusEncoder,
@@ -61,16 +61,7 @@ logger = logging.getLogger(__name__)
 CALLS_ROUTE = "/v1/realtime/calls"
 CHANNEL_LABEL = "oai-events"
 FLUSH_WAIT_S = 2.0   # for the queued events to drain when a call ends
-
-# The outbound track reads right after each engine frame lands (OutboundAudioTrack.align), so the prebuffer is all
-# the slack a late tick needs: 10 ms (a tick's duration varies by a few ms); an underrun adds 20 ms (media.playout).
-PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
-# A context's frame 0 comes straight after the prompt prefill, 0-80 ms behind the tick grid: playing it would leave
-# that much standing latency for the rest of the call (the playout buffer sheds only beyond prebuffer + 160 ms).
-# It is the model's answer to the first 80 ms of the call, i.e. to nothing yet: its transcript is still sent.
-FIRST_PLAYED_FRAME = 1
-READ_AFTER_WRITE_MS = 2.0   # where a read lands after the write it should find
-REPACE_FRAMES = 25          # 2 s of frames between read-grid corrections
+RECENT_FRAMES = 750  # the output latency reported: the last minute of frames
 CHANNEL_BUFFER_BYTES = 256 << 10   # data-channel bytes in flight before the writer waits for SCTP to drain
 _RTP_ONLY = ("input_audio_buffer.append", "input_audio_buffer.commit", "input.commit")
 
@@ -114,34 +105,6 @@ class OfferError(Exception):
         self.status = status
 
 
-class TimedPlayout:
-    """The call's PlayoutBuffer as the outbound track's source, timing each engine frame from its write until its
-    first sample is handed to the encoder (the server's output-side added latency)."""
-
-    def __init__(self, playout: PlayoutBuffer) -> None:
-        self.playout = playout
-        self._pending: deque[tuple[int, float]] = deque()   # (first sample position, written at)
-        self.waits_ms: deque[float] = deque(maxlen=750)      # the last minute of frames
-
-    def write(self, samples: np.ndarray) -> None:
-        start = self.playout.stats().written_samples
-        if self.playout.write(samples):
-            self._pending.append((start, time.monotonic()))
-
-    def read(self, n: int) -> np.ndarray:
-        out = self.playout.read(n)
-        if self._pending:
-            drained = self.playout.stats().drained_samples
-            now = time.monotonic()
-            while self._pending and self._pending[0][0] < drained:
-                self.waits_ms.append((now - self._pending.popleft()[1]) * 1000.0)
-        return out
-
-    def clear(self) -> None:
-        self.playout.clear()
-        self._pending.clear()
-
-
 def _summary(values: deque[float] | list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "p50": None, "p95": None}
@@ -179,7 +142,7 @@ class CallDialect(RealtimeSession):
 
     def call_details(self) -> dict[str, Any]:
         """How much of the model's audio has gone to the caller (what the outbound track has read)."""
-        return {"sent_s": round(self.call.playout.playout.stats().drained_samples / RATE, 2)}
+        return {"sent_s": round(self.call.pacer.playout.stats().drained_samples / RATE, 2)}
 
     def _started(self, task: asyncio.Task[None]) -> None:
         super()._started(task)
@@ -214,8 +177,8 @@ class Call:
         self.address: str | None = None      # counted in ctx.addresses while the call lives
         policy = RTCIceTransportPolicy.RELAY if config.relay_only else RTCIceTransportPolicy.ALL
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=list(config.ice_servers), iceTransportPolicy=policy))
-        self.playout = TimedPlayout(PlayoutBuffer(RATE, PLAYOUT))
-        self.track = OutboundAudioTrack(self.playout)
+        self.pacer = Pacer(RATE, WEBRTC_TRACK)
+        self.track = OutboundAudioTrack(self.pacer)
         self.opus = ContainedOpusEncoder()
         self.inbound: InboundAudio | None = None
         self.channel: Any = None
@@ -223,9 +186,6 @@ class Call:
         self._arrivals: deque[tuple[int, int, float]] = deque(maxlen=64)   # recent pushes: (pts, end, arrival)
         self._origin: int | None = None      # input timeline position the engine's read count starts from
         self._tick_s = 0.0                   # the engine's recent tick duration (its read came that much earlier)
-        self._underruns_seen = 0
-        self._paced_at = 0                   # frame index of the last read-grid correction
-        self._playing = False                # a frame was played (frames before the peer connected are not)
         self.opened_at = time.monotonic()
         self.connected_at: float | None = None
         self.end_reason: str | None = None
@@ -409,36 +369,12 @@ class Call:
 
     def cut_playback(self) -> None:
         """A cut response: what is buffered is not played; the next frame played restarts playback."""
-        self.playout.clear()
-        self._playing = False
+        self.pacer.clear()
 
     def play(self, frame: FrameOutput) -> None:
-        """An engine frame the caller hears: onto the outbound track."""
+        """An engine frame the caller hears (from frame 1, once the peer is connected): onto the outbound track."""
         if frame.index >= FIRST_PLAYED_FRAME and self.connected_at is not None:
-            self._pace_reads(frame.index, first=not self._playing)
-            self._playing = True
-            self.playout.write(frame.audio)
-
-    def _pace_reads(self, index: int, first: bool) -> None:
-        """Keep the track's 20 ms reads just after the engine's 80 ms writes.
-
-        At the first played frame (of the call, or of a context after `response.cancel`), and after the playout
-        buffer ran dry (a late tick, another session's prefill),
-        this write restarts playback: the next read is put right after it. Ticks then come at a phase that moves
-        with the engine's load; when every frame of the last two seconds waited longer than the prebuffer for its
-        first read, the reads are brought forward by the smallest excess (a write later than the reads only eats
-        into the prebuffer, and past it is an underrun, which re-aligns)."""
-        playout = self.playout.playout.stats()
-        if first or index == FIRST_PLAYED_FRAME or playout.underruns != self._underruns_seen:
-            self.track.align(time.monotonic(), READ_AFTER_WRITE_MS / 1000.0)
-            self._underruns_seen = playout.underruns
-            self._paced_at = index
-        elif index - self._paced_at >= REPACE_FRAMES and len(self.playout.waits_ms) >= REPACE_FRAMES:
-            recent = list(self.playout.waits_ms)[-REPACE_FRAMES:]
-            excess_ms = min(recent) - playout.prebuffer_ms - READ_AFTER_WRITE_MS
-            if excess_ms > 3.0:
-                self.track.advance(excess_ms / 1000.0)
-            self._paced_at = index
+            self.pacer.write(frame.audio)
 
     # ---- counters --------------------------------------------------------------------------------------------
 
@@ -459,12 +395,12 @@ class Call:
             "state": "closed" if self.closed else (conv.state.value if conv else "idle"),
             "connected": self.connected_at is not None,
             "input": asdict(conv.input.stats()) if conv is not None and conv.input is not None else None,
-            "output": {**asdict(self.playout.playout.stats()), "frames_sent": track.frames, "stalls": track.stalls,
+            "output": {**asdict(self.pacer.playout.stats()), "frames_sent": track.frames, "stalls": track.stalls,
                        "skipped_ms": track.skipped_ms, "encode_failures": self.opus.failures},
             "inbound": asdict(self.inbound.stats) if self.inbound is not None else None,
             "rtp": rtp,
             "latency_ms": {"input_added": _summary(self.input_waits_ms),
-                           "output_added": _summary(self.playout.waits_ms)},
+                           "output_added": _summary([w * 1000.0 for w in self.pacer.waits][-RECENT_FRAMES:])},
             "engine": None if engine is None else {"tick_ms_p50": engine.tick_ms_p50, "tick_ms_p99": engine.tick_ms_p99,
                                                    "late_ticks": engine.late_ticks, "batch": engine.batch},
             "conversation": conv.counters() if conv is not None else None,

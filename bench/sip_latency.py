@@ -97,10 +97,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 if media is None or media.receiver is None:
                     continue
                 recent[call_id] = {"inbound": [t * 1000 for t in media.in_cost],
-                                   "outbound": [t * 1000 for t in media.out_latency],
+                                   "outbound": [t * 1000 for t in media.pacer.waits],
                                    "ahead": [t * 1000 for t in media.out_ahead]}
                 held = media.receiver._resampler.held_back / MODEL_RATE + \
-                    media._to_codec.held_back / media.choice.codec.sample_rate
+                    media.pacer.resampler.held_back / media.choice.codec.sample_rate
                 samples["resampler"].append(held * 1000)
 
     watcher = asyncio.ensure_future(watch())

@@ -8,9 +8,9 @@ it (media/opus.py) and lands in its gap before the buffer reads it. `with_inband
 sender for that redundancy.
 
 Send: `OutboundAudioTrack` returns exactly 20 ms per `recv()` (aiortc stamps every packet of one `recv()` with one RTP
-timestamp), paced by the clock, silence when the playout buffer is empty, and after a stall it jumps its clock forward
-instead of bursting overdue frames. `ContainedOpusEncoder` encodes those frames as mono Opus at 24 kHz with no
-resampling, and an encoder failure costs one frame instead of ending aiortc's RTP sender for good.
+timestamp), paced by a send grid (media/pacing.py), silence when the playout buffer is empty, and after a stall it
+jumps its clock forward instead of bursting overdue frames. `ContainedOpusEncoder` encodes those frames as mono Opus
+at 24 kHz with no resampling, and an encoder failure costs one frame instead of ending aiortc's RTP sender for good.
 
 Both swaps touch private aiortc attributes: the version is pinned (`AIORTC_VERSION`) and checked when they are made.
 """
@@ -37,6 +37,7 @@ from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.rtp import RtpPacket
 
 from media.opus import OpusDecoder
+from media.pacing import Pacer, SendGrid
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ AIORTC_VERSION = "1.16.0"
 RATE = 24000                      # model rate: what the tracks carry on our side
 RTP_RATE = 48000                  # Opus RTP clock
 OUT_SAMPLES = RATE // 50          # 20 ms per outbound recv()
-STALL_S = 0.040                   # a recv() this late rebases the clock instead of sending the backlog at once
 _TIME_BASE = fractions.Fraction(1, RATE)
 
 
@@ -214,7 +214,7 @@ class PlayoutSource(Protocol):
 @dataclass
 class OutboundStats:
     frames: int = 0               # 20 ms frames returned
-    stalls: int = 0               # times recv() came STALL_S late and the clock jumped
+    stalls: int = 0               # times recv() came a stall (40 ms) late and the clock jumped
     skipped_ms: float = 0.0       # clock time jumped over (no burst was sent for it)
     failures: int = 0             # recv() bodies that failed and sent silence instead
     aligned: int = 0              # align() and advance() calls
@@ -222,98 +222,60 @@ class OutboundStats:
 
 
 class OutboundAudioTrack(MediaStreamTrack):
-    """Exactly 20 ms (480 samples, s16 mono, 24 kHz) per `recv()`, due at `start + pts/24000`.
+    """Exactly 20 ms (480 samples, s16 mono, 24 kHz) per `recv()`, on a `media.pacing.SendGrid`: `pts` is the send's
+    slot x 480.
 
-    A `recv()` that comes `STALL_S` or more behind its due time (the loop was blocked) moves `pts` forward by the
-    whole frames it missed: the RTP timestamps then match the wall clock, so the browser conceals the gap instead
-    of receiving a burst it can only queue (a burst grows its jitter buffer, it never plays faster)."""
+    The source is a `Pacer` (the server's calls: its grid follows the engine's frames) or any `PlayoutSource` (read
+    on a plain grid of its own, on `clock`). A `recv()` that comes a stall (40 ms) or more behind its due time (the
+    loop was blocked) skips the whole frames it missed: the RTP timestamps then match the wall clock, so the browser
+    conceals the gap instead of receiving a burst it can only queue (a burst grows its jitter buffer, it never plays
+    faster)."""
 
     kind = "audio"
 
-    def __init__(self, source: PlayoutSource, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, source: PlayoutSource | Pacer, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self._source = source
-        self._clock = clock
-        self._start: float | None = None
-        self._pts = 0
-        self._sleeping: asyncio.Future[None] | None = None    # the recv() waiting for its due time, if any
-        self.stats = OutboundStats()
+        if isinstance(source, Pacer):
+            self.grid, self._due, self._read = source.grid, source.due, source.read
+        else:
+            self.grid = SendGrid(OUT_SAMPLES / RATE, clock)
+            self._due, self._read = self.grid.wait, source.read
+        self._frames = 0
+        self._failures = 0
+
+    @property
+    def stats(self) -> OutboundStats:
+        grid = self.grid
+        return OutboundStats(frames=self._frames, stalls=grid.stalls, skipped_ms=grid.skipped * grid.period_s * 1000,
+                             failures=self._failures, aligned=grid.moves, started_at=grid.started_at)
 
     def align(self, written_at: float, after_s: float = 0.002) -> None:
         """Make the next read (the one waiting now, or else the next `recv()`) fall `after_s` after `written_at`,
         and the 20 ms grid with it.
 
-        The writer's frames (80 ms from the engine, on its own clock) land at a fixed phase of this grid; left
-        alone, each waits 0–20 ms for a read on top of the playout prebuffer. Call it as the first frame is
-        written: that read then finds the frame and each later frame waits just the prebuffer (+ `after_s`).
         A move of less than a packet keeps the RTP timestamps continuous: the packets leave up to 20 ms earlier
         (or later) than they would have, once, which the receiver's jitter buffer takes as a step in network
-        delay. A later move (a write that comes after the playout ran dry) skips the timestamps of the whole
-        packets it spans, as a stall does: the receiver conceals the gap and keeps its delay, where a step of
-        that size would stand in its buffer as latency for the rest of the call."""
-        if self._start is None:
-            return
-        pts = self._pts if self._sleeping is not None else self._pts + OUT_SAMPLES
-        later = written_at + after_s - (self._start + pts / RATE)
-        skipped = max(0, int(later * RATE) // OUT_SAMPLES * OUT_SAMPLES)
-        self._pts += skipped
-        self.stats.skipped_ms += skipped * 1000 / RATE
-        self._start = written_at + after_s - (pts + skipped) / RATE
-        self.stats.aligned += 1
-        if self._sleeping is not None and not self._sleeping.done():
-            self._sleeping.set_result(None)
+        delay. A later move skips the timestamps of the whole packets it spans, as a stall does: the receiver
+        conceals the gap and keeps its delay, where a step of that size would stand in its buffer as latency for
+        the rest of the call."""
+        self.grid.align(written_at + after_s, skip=True)
 
     def advance(self, seconds: float) -> None:
-        """Bring the read grid `seconds` (< 20 ms) earlier: frames have been waiting that much longer than needed
-        for their first read. RTP timestamps stay continuous; the packets leave that much earlier, once."""
-        if self._start is None or not 0.0 < seconds < OUT_SAMPLES / RATE:
-            return
-        self._start -= seconds
-        self.stats.aligned += 1
-        if self._sleeping is not None and not self._sleeping.done():
-            self._sleeping.set_result(None)
+        """Bring the read grid `seconds` (< 20 ms) earlier; RTP timestamps stay continuous."""
+        self.grid.advance(seconds)
 
     async def recv(self) -> av.AudioFrame:
         if self.readyState != "live":
             raise MediaStreamError
-        now = self._clock()
-        if self._start is None:
-            self._start = self.stats.started_at = now
-        else:
-            self._pts += OUT_SAMPLES
-            late = now - (self._start + self._pts / RATE)
-            if late >= STALL_S:
-                missed = int(late * RATE) // OUT_SAMPLES * OUT_SAMPLES
-                self._pts += missed
-                self.stats.stalls += 1
-                self.stats.skipped_ms += missed * 1000 / RATE
-            while late < 0:
-                await self._sleep(-late)
-                late = self._clock() - (self._start + self._pts / RATE)
+        slot = await self._due()
         try:
-            samples = self._source.read(OUT_SAMPLES)
+            samples = self._read(OUT_SAMPLES)
         except Exception:
             logger.exception("outbound audio source failed; sending silence")
-            self.stats.failures += 1
+            self._failures += 1
             samples = np.zeros(OUT_SAMPLES, np.float32)
-        self.stats.frames += 1
-        return pcm_frame(samples, self._pts)
-
-    async def _sleep(self, seconds: float) -> None:
-        """asyncio.sleep that `align()` can cut short."""
-        loop = asyncio.get_running_loop()
-        self._sleeping = loop.create_future()
-        timer = loop.call_later(seconds, _settle, self._sleeping)
-        try:
-            await self._sleeping
-        finally:
-            timer.cancel()
-            self._sleeping = None
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+        self._frames += 1
+        return pcm_frame(samples, slot * OUT_SAMPLES)
 
 
 def pcm_frame(samples: np.ndarray, pts: int) -> av.AudioFrame:

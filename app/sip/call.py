@@ -2,11 +2,12 @@
 
 Inbound RTP goes through `media.rtp.RtpReceiver` into the conversation's jitter buffer at its RTP time. The first
 valid packet latches the send address (RFC 7362: behind NAT the packets come from where ours must go), and we send
-from the port we receive on (symmetric RTP, RFC 4961). Outbound: engine frames (24 kHz) are resampled to the codec's
-rate into a playout buffer; a sender task takes 20 ms from it every 20 ms of wall clock, silence when the model has
-nothing, so the caller never hears a gap. While the call is on hold (we answered recvonly/inactive) the timestamps go
-on advancing but nothing is sent. A sender that wakes late moves its clock on instead of bursting. RTCP: a sender
-report every 5 s from the RTCP port; what arrives there is counted, not read. A caller that should be sending and
+from the port we receive on (symmetric RTP, RFC 4961). Outbound: engine frames (24 kHz) go into a `media.pacing.Pacer`
+at the codec's rate; a sender task takes 20 ms from it every 20 ms of wall clock on the pacer's grid, which follows the
+engine's frames by its `SIP_RTP` rules; silence when the model has nothing, so the caller never hears a gap. While the
+call is on hold (we answered recvonly/inactive) the timestamps go on advancing but nothing is sent. A sender that
+wakes a stall late skips the packets' time and their audio instead of bursting. RTCP: a sender report every 5 s from
+the RTCP port; what arrives there is counted, not read. A caller that should be sending and
 has sent no RTP for 30 s is taken as gone: the call ends with our BYE, so its slot does not stay taken.
 
 `latency_ms()` gives what the SIP path adds on each side: inbound, a datagram's decode and push; outbound, the wait
@@ -31,34 +32,15 @@ from app.conversation import Conversation, InputPolicy
 from app.metrics import Metrics
 from app.settings import rtp_port_range
 from app.sip.sdp import Choice
-from media.playout import PlayoutBuffer, PlayoutConfig
-from media.resample import Resampler
-from media.rtp import MODEL_RATE, AudioCodec, RtpReceiver, TelephoneEvent, build_rtp
+from media.pacing import FIRST_PLAYED_FRAME, SIP_RTP, Pacer
+from media.rtp import AudioCodec, RtpReceiver, TelephoneEvent, build_rtp
 from model.engine import EngineError, FrameOutput, SessionParams, Slot
 
 logger = logging.getLogger(__name__)
 
-PACKET_S = 0.020
-STALL_S = 0.040          # a send this late moves the clock on instead of catching up in a burst
 RTCP_INTERVAL_S = 5.0
 RTP_TIMEOUT_S = 30.0     # no RTP this long from a caller that should be sending: it is gone (no BYE came)
-# The 20 ms send grid follows the engine's 80 ms frames as the WebRTC track does (app/webrtc.py): at the first played
-# frame and after an underrun the next packet leaves ALIGN_S after the frame landed; a frame then waits one packet
-# (20 ms, the previous frame's last) plus ALIGN_S. The tick's phase moves with the engine's load: when every frame
-# of the last REPACE_FRAMES waited more than that by over 3 ms, the grid is brought forward by the smallest excess.
-# The 10 ms prebuffer is the slack of a late tick; an underrun adds 20 ms (media.playout).
-PLAYOUT = PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0)
-ALIGN_S = 0.002
-REPACE_FRAMES = 25
-# Frame 0 comes straight after the prompt prefill, 0-80 ms behind the tick grid: playing it would leave that much
-# standing latency for the whole call. It answers the first 80 ms of the call, i.e. nothing yet.
-FIRST_PLAYED_FRAME = 1
 _NTP_EPOCH = 2208988800
-
-
-def _wake_up(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 class PortRange:
@@ -96,8 +78,6 @@ class _Socket(asyncio.DatagramProtocol):
 class CallStats:
     dtmf: list[str] = field(default_factory=list)
     packets_sent: int = 0
-    stalls: int = 0              # the sender woke a stall late and skipped that time (and its audio)
-    shed_ms: float = 0.0         # standing output backlog dropped to keep the latency down
     rtcp_received: int = 0
     latched: bool = False
 
@@ -124,19 +104,12 @@ class MediaSession:
         self._rtp: _Socket | None = None
         self._rtcp: _Socket | None = None
         self._codec = AudioCodec(choice.codec)
-        self._to_codec = Resampler(MODEL_RATE, choice.codec.sample_rate)
-        self.playout = PlayoutBuffer(choice.codec.sample_rate, PLAYOUT)
+        self.pacer = Pacer(choice.codec.sample_rate, SIP_RTP)
         self._ssrc = random.getrandbits(32)
         self._seq = random.getrandbits(16)
         self._ts = random.getrandbits(32)
         self._octets = 0
         self._tasks: list[asyncio.Task[None]] = []
-        self._due = 0.0                      # when the sender's next packet leaves
-        self._underruns_seen = 0
-        self._paced = 0                      # frames since the grid was last moved or checked
-        self._wake: asyncio.Future[None] | None = None
-        self._frames: deque[tuple[int, float]] = deque(maxlen=64)     # (playout position, arrival) of engine frames
-        self.out_latency: deque[float] = deque(maxlen=2000)            # seconds, per frame
         self.out_ahead: deque[float] = deque(maxlen=2000)              # seconds of audio queued ahead of each frame
         self.in_cost: deque[float] = deque(maxlen=2000)                # seconds, per datagram
         self.closed = False
@@ -176,8 +149,7 @@ class MediaSession:
         """A re-INVITE's answer: a new codec, direction or address takes effect now."""
         if choice.codec != self.choice.codec:
             self._codec = AudioCodec(choice.codec)
-            self._to_codec = Resampler(MODEL_RATE, choice.codec.sample_rate)
-            self.playout = PlayoutBuffer(choice.codec.sample_rate, PLAYOUT)
+            self.pacer.set_rate(choice.codec.sample_rate)
         if self.receiver is not None:
             if choice.codec != self.choice.codec or choice.payload_type != self.choice.payload_type:
                 self.receiver.set_codec(choice.codec, choice.payload_type)
@@ -190,11 +162,11 @@ class MediaSession:
     def cut(self) -> None:
         """Drop the model's audio not sent yet (the admin API's cut): the caller hears silence until the next
         frame."""
-        self.playout.clear()
+        self.pacer.clear()
 
     def sent_s(self) -> float:
         """Seconds of the model's audio sent to the caller."""
-        return round(self.playout.stats().drained_samples / self.choice.codec.sample_rate, 2)
+        return round(self.pacer.playout.stats().drained_samples / self.choice.codec.sample_rate, 2)
 
     def close(self) -> None:
         if self.closed:
@@ -237,44 +209,18 @@ class MediaSession:
     def _on_frame(self, frame: FrameOutput) -> None:
         if self.closed or frame.index < FIRST_PLAYED_FRAME:
             return
-        now = time.monotonic()
-        stats = self.playout.stats()
-        self._frames.append((stats.written_samples, now))
-        self.out_ahead.append(stats.depth_ms / 1000.0)
-        self.playout.write(self._to_codec.process(frame.audio))
-        if frame.index == FIRST_PLAYED_FRAME or stats.underruns != self._underruns_seen:
-            self._move_grid(now + ALIGN_S)
-            self._underruns_seen = stats.underruns
-            self._paced = 0
-        elif self._paced >= REPACE_FRAMES and len(self.out_latency) >= REPACE_FRAMES:
-            excess = min(list(self.out_latency)[-REPACE_FRAMES:]) - PACKET_S - ALIGN_S
-            packets = int(excess / PACKET_S)
-            if packets:     # a standing backlog (frames that came bunched after a stall): shed it, oldest first
-                self.playout.read(packets * self.choice.codec.samples_per_packet)
-                self.stats.shed_ms += packets * PACKET_S * 1000
-            if excess - packets * PACKET_S > 0.003:
-                self._move_grid(self._due - (excess - packets * PACKET_S))
-            self._paced = 0
-        self._paced += 1
-
-    def _move_grid(self, due: float) -> None:
-        """The next packet leaves at `due` (the timestamps stay continuous: packets leave earlier or later once,
-        which the receiver's jitter buffer takes as a step in delay)."""
-        self._due = due
-        if self._wake is not None:
-            _wake_up(self._wake)
+        self.out_ahead.append(self.pacer.playout.stats().depth_ms / 1000.0)
+        self.pacer.write(frame.audio)
 
     async def _send_loop(self) -> None:
-        """One packet per 20 ms; the RTP timestamps advance 20 ms per packet whatever the grid does."""
-        self._due = time.monotonic()
+        """One packet per slot of the pacer's grid; the RTP timestamps advance 20 ms per slot, skipped ones too."""
+        last: int | None = None
         while not self.closed:
-            await self._sleep_until_due()
-            n = self.choice.codec.samples_per_packet
-            chunk = self.playout.read(n)
-            now = time.monotonic()
-            drained = self.playout.stats().drained_samples
-            while self._frames and self._frames[0][0] < drained:
-                self.out_latency.append(now - self._frames.popleft()[1])
+            slot = await self.pacer.due()
+            chunk = self.pacer.read()
+            if last is not None:
+                self._ts = (self._ts + (slot - last) * self.choice.codec.ticks_per_packet) & 0xFFFFFFFF
+            last = slot
             if self.choice.sends and self._rtp is not None and self._rtp.transport is not None:
                 payload = self._codec.encode(chunk)
                 self._rtp.transport.sendto(build_rtp(self.choice.payload_type, self._seq, self._ts, self._ssrc,
@@ -282,25 +228,6 @@ class MediaSession:
                 self.stats.packets_sent += 1
                 self._octets += len(payload)
             self._seq = (self._seq + 1) & 0xFFFF
-            self._ts = (self._ts + self.choice.codec.ticks_per_packet) & 0xFFFFFFFF
-            self._due += PACKET_S
-            if now - self._due > STALL_S:        # the loop was blocked: skip the packets' time and their audio
-                missed = int((now - self._due) / PACKET_S)
-                self._ts = (self._ts + missed * self.choice.codec.ticks_per_packet) & 0xFFFFFFFF
-                self._due += missed * PACKET_S
-                self.playout.read(missed * n)
-                self.stats.stalls += 1
-
-    async def _sleep_until_due(self) -> None:
-        """Sleep until `_due`, which an alignment may move while we sleep."""
-        loop = asyncio.get_running_loop()
-        while (delay := self._due - time.monotonic()) > 0:
-            wake = self._wake = loop.create_future()
-            timer = loop.call_later(delay, _wake_up, wake)
-            try:
-                await wake
-            finally:
-                timer.cancel()
 
     async def _rtcp_loop(self) -> None:
         """Every 5 s: a sender report, and the check for a caller that vanished without BYE."""
@@ -322,7 +249,7 @@ class MediaSession:
     def latency_ms(self) -> dict[str, float]:
         def p50(values: deque[float]) -> float:
             return round(float(np.median(values)) * 1000.0, 2) if values else 0.0
-        return {"inbound_p50_ms": p50(self.in_cost), "outbound_p50_ms": p50(self.out_latency),
+        return {"inbound_p50_ms": p50(self.in_cost), "outbound_p50_ms": p50(self.pacer.waits),
                 "outbound_queued_ahead_p50_ms": p50(self.out_ahead)}
 
     def snapshot(self) -> dict[str, object]:
@@ -332,8 +259,8 @@ class MediaSession:
                 "latched": self.stats.latched, "packets_sent": self.stats.packets_sent,
                 "packets_received": rx.packets if rx else 0, "dropped": dict(rx.dropped) if rx else {},
                 "lost": rx.lost if rx else 0, "seq_jumps": rx.seq_jumps if rx else 0,
-                "rtcp_received": self.stats.rtcp_received, "stalls": self.stats.stalls,
-                "shed_ms": self.stats.shed_ms, "dtmf": list(self.stats.dtmf),
+                "rtcp_received": self.stats.rtcp_received, "stalls": self.pacer.grid.stalls,
+                "shed_ms": self.pacer.shed_ms, "dtmf": list(self.stats.dtmf),
                 "conversation": self.conversation.counters(), "input": self.input_stats(), **self.latency_ms()}
 
     def input_stats(self) -> dict[str, object] | None:

@@ -1,0 +1,221 @@
+"""media/pacing.py on a clock the test moves: the send grid (stalls, moves, slots) and the rules by which a door's
+sends follow the engine's frames, for each door's rules, with the real playout buffer and resampler."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from media.pacing import PHONE_LINE, SIP_RTP, WEBRTC_TRACK, Pacer, PacingRules, SendGrid
+
+FRAME_S = 0.080
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def frame(k: int) -> np.ndarray:
+    """Engine frame k: 1920 samples of the value (k + 1) / 1000, so what is sent tells which frame it came from."""
+    return np.full(1920, (k + 1) / 1000.0, np.float32)
+
+
+async def drive(pacer: Pacer, clock: Clock, writes: list[float], until: float) -> list[tuple[float, int, float]]:
+    """Writes engine frames at the given times and makes every send when it is due, in time order, until `until`:
+    each send's (time, slot, first sample)."""
+    sends: list[tuple[float, int, float]] = []
+    pacer.grid.start(clock.t)
+    k = 0
+    while True:
+        due = pacer.grid.due
+        assert due is not None
+        write_at = writes[k] if k < len(writes) else math.inf
+        if min(due, write_at) > until:
+            return sends
+        if write_at <= due:
+            clock.t = max(clock.t, write_at)
+            pacer.write(frame(k))
+            k += 1
+        else:
+            clock.t = max(clock.t, due)
+            slot = await pacer.due()
+            sends.append((clock.t, slot, float(pacer.read()[0])))
+
+
+def ticks(first: float, n: int, shift: dict[int, float] | None = None) -> list[float]:
+    """n engine ticks 80 ms apart from `first`; `shift` moves tick k and every later one."""
+    out, extra = [], 0.0
+    for k in range(n):
+        extra += (shift or {}).get(k, 0.0)
+        out.append(first + k * FRAME_S + extra)
+    return out
+
+
+def ms(values) -> list[float]:
+    return [round(v * 1000.0, 3) for v in values]
+
+
+# ---- the grid ---------------------------------------------------------------------------------------------------
+
+async def test_the_grid_sends_every_period_and_skips_what_a_stall_missed_instead_of_bursting():
+    clock = Clock()
+    grid = SendGrid(0.020, clock)
+    slots = []
+    for _ in range(3):
+        slots.append(await grid.wait())
+        clock.t = grid.due
+    clock.t += 0.105                                   # the loop was away: the next send is 105 ms overdue
+    slots.append(await grid.wait())
+    assert slots == [0, 1, 2, 8] and grid.missed == 5 and grid.stalls == 1 and grid.skipped == 5
+    assert grid.due == pytest.approx(0.180)           # the next one is on the old phase, not a burst
+    clock.t = grid.due - 0.001                         # 39 ms late is not a stall
+    clock.t += 0.039
+    assert await grid.wait() == 9 and grid.missed == 0 and grid.stalls == 1
+
+
+async def test_a_move_retimes_the_send_waiting_now_and_skips_slots_only_when_asked():
+    clock = Clock()
+    grid = SendGrid(0.020, clock)
+    grid.align(5.0)                                    # before the first send: nothing to move
+    assert grid.moves == 0
+    assert await grid.wait() == 0
+    clock.t -= 5.0                                     # the next send is 5 s away now
+    waiting = asyncio.ensure_future(grid.wait())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    grid.align(clock.t - 0.001)                        # its new time has passed: it leaves at once
+    assert await asyncio.wait_for(waiting, 2.0) == 1
+    grid.align(grid.due + 0.057, skip=True)            # a move 57 ms later skips the two whole slots it spans
+    assert grid.slot == 4 and grid.skipped == 2
+    grid.align(grid.due + 0.057)                       # without skip the slots stay continuous
+    assert grid.slot == 4
+    due = grid.due
+    grid.advance(0.007)
+    grid.advance(0.020)                                # a period or more is not an advance
+    assert grid.due == pytest.approx(due - 0.007) and grid.moves == 4
+
+
+# ---- following the engine's frames ------------------------------------------------------------------------------
+
+async def test_sends_land_just_after_each_frame_and_every_frame_waits_the_hold():
+    """SIP's rules: the first frame moves the next send to 2 ms after it; each frame then waits one packet (the
+    previous frame's last) plus 2 ms, and the grid stays put."""
+    clock = Clock()
+    pacer = Pacer(24000, SIP_RTP, clock=clock)
+    sends = await drive(pacer, clock, ticks(0.085, 40), until=3.3)
+    assert pacer.grid.moves == 1
+    assert any(t == pytest.approx(0.087) for t, _, _ in sends)
+    assert set(ms(pacer.waits)) == {22.0}
+    # Every frame's audio went out whole and in order, 20 ms per send, none shed.
+    firsts = [round(v * 1000) for _, _, v in sends if v]
+    assert firsts == [k + 1 for k in range(len(firsts) // 4) for _ in range(4)][: len(firsts)]
+    assert pacer.shed_ms == 0.0
+
+
+async def test_the_webrtc_track_holds_the_prebuffer_and_the_grid_comes_forward_to_it():
+    clock = Clock()
+    pacer = Pacer(24000, WEBRTC_TRACK, clock=clock)
+    await drive(pacer, clock, ticks(0.085, 60), until=4.9)
+    waits = ms(pacer.waits)
+    assert waits[:24] == [22.0] * 24                  # before the first check, as aligned
+    assert set(waits[30:]) == {12.0}                  # then the prebuffer (10 ms) plus 2 ms
+    assert pacer.grid.moves == 2
+
+
+@pytest.mark.parametrize("rules", [SIP_RTP, WEBRTC_TRACK], ids=["sip", "webrtc"])
+async def test_when_the_ticks_come_earlier_the_grid_follows_them(rules: PacingRules):
+    clock = Clock()
+    pacer = Pacer(24000, rules, clock=clock)
+    writes = ticks(0.085, 120, shift={60: -0.007})
+    await drive(pacer, clock, writes, until=writes[-1] + 0.030)
+    waits = ms(pacer.waits)
+    steady = waits[59]
+    assert waits[60:70] == [steady + 7.0] * 10       # the earlier frames wait 7 ms longer for their send
+    assert waits[-20:] == [steady] * 20               # until the grid moved 7 ms earlier
+    assert pacer.playout.stats().underruns == 0
+
+
+async def test_a_frame_that_comes_after_the_playout_ran_dry_realigns_the_grid():
+    clock = Clock()
+    pacer = Pacer(24000, SIP_RTP, clock=clock)
+    await drive(pacer, clock, ticks(0.085, 20, shift={10: 0.030}), until=1.7)
+    st = pacer.playout.stats()
+    assert st.underruns == 1 and pacer.grid.moves == 2
+    assert ms(pacer.waits)[-5:] == [22.0 + 20.0] * 5  # the prebuffer grew by 20 ms after the underrun
+
+
+@pytest.mark.parametrize(("rules", "shed"), [(SIP_RTP, True), (WEBRTC_TRACK, False)], ids=["sip", "webrtc"])
+async def test_a_standing_backlog_is_shed_where_the_rules_say_so(rules: PacingRules, shed: bool):
+    """A tick comes 80 ms late, its frame with the next one: the playout runs dry (the grid realigns), then 80 ms
+    more stands before every later frame. SIP sheds it in whole packets; WebRTC leaves it to the playout buffer."""
+    clock = Clock()
+    pacer = Pacer(24000, rules, clock=clock)
+    writes = ticks(0.085, 100)
+    writes[30] = writes[31]
+    await drive(pacer, clock, writes, until=writes[-1] + 0.030)
+    waits = ms(pacer.waits)
+    assert min(waits[35:55]) > 80.0
+    if shed:
+        assert pacer.shed_ms > 0.0 and pacer.shed_ms % 20.0 == 0.0 and waits[-10:] == [22.0] * 10
+    else:
+        assert pacer.shed_ms == 0.0 and min(waits[-10:]) > 80.0
+
+
+@pytest.mark.parametrize(("rules", "dropped"), [(SIP_RTP, True), (WEBRTC_TRACK, False), (PHONE_LINE, False)],
+                         ids=["sip", "webrtc", "phone"])
+async def test_a_stall_skips_its_slots_and_drops_their_audio_where_the_rules_say_so(rules, dropped):
+    clock = Clock()
+    pacer = Pacer(24000, rules, clock=clock)
+    sends = await drive(pacer, clock, ticks(0.005, 10), until=0.5)
+    pacer.write(frame(10))                             # 160 ms queued (within the playout's bound)
+    drained = pacer.playout.stats().drained_samples
+    clock.t = pacer.grid.due + 0.101                   # 5 sends' time missed
+    slot = await pacer.due()
+    pacer.read()
+    assert slot == sends[-1][1] + 1 + 5 and pacer.grid.stalls == 1
+    assert pacer.playout.stats().drained_samples - drained == 480 * (6 if dropped else 1)
+
+
+async def test_a_cut_drops_the_audio_and_its_marks_and_the_next_frame_realigns():
+    clock = Clock()
+    marks: list[str] = []
+    pacer = Pacer(24000, PHONE_LINE, clock=clock, on_mark=marks.append)
+    await drive(pacer, clock, ticks(0.005, 5), until=0.3)
+    pacer.mark("kept")                                 # its audio is still queued
+    moves = pacer.grid.moves
+    pacer.clear()
+    pacer.mark("after")                                # nothing is queued: answered at once
+    assert marks == ["after"]
+    clock.t += 0.013
+    pacer.write(frame(9))
+    assert pacer.grid.moves == moves + 1 and pacer.grid.due == pytest.approx(clock.t + 0.002)
+
+
+async def test_a_line_sends_on_its_own_and_answers_a_mark_once_its_audio_is_out():
+    """The phone doors' loop, on the real clock: chunks go out every 20 ms from the first frame, and a mark placed
+    after a frame is answered after the chunk that carries that frame's last sample."""
+    sent: list[np.ndarray] = []
+    marked = asyncio.Event()
+    pacer = Pacer(8000, PHONE_LINE, on_mark=lambda name: marked.set())
+
+    def send(chunk: np.ndarray) -> None:
+        assert not marked.is_set()
+        sent.append(chunk)
+
+    pacer.start(send)
+    pacer.write(frame(0))
+    pacer.mark("end")
+    try:
+        await asyncio.wait_for(marked.wait(), 5.0)
+    finally:
+        pacer.stop()
+    audio = np.concatenate(sent)
+    assert all(c.size == 160 for c in sent) and np.count_nonzero(audio) >= 640 - 16   # the frame, less the filter's
+    assert pacer.chunks_sent == len(sent)                                             # held-back tail
