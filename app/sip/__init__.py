@@ -2,8 +2,10 @@
 
 `setup_sip(app)` adds it to the aiohttp app: the SIP server starts after the engine (in a multi-process server, in
 worker 0 only: see app/sip/uas.py) and stops with the app; `GET /v1/sip/calls` lists the live calls and their media
-stats (API key as for /v1/models). Modules: uas (signalling, dialogs, access), sdp (offer/answer), digest (auth),
-call (one call's RTP and conversation); media/rtp.py has the codecs and the RTP receive side.
+stats (API key as for /v1/models). Modules: uas (the server: what comes in and where it goes), transport (UDP and
+TCP, where replies go), transactions (retransmissions), invite (a new call's signalling), dialogs (in-dialog
+requests, session timers, the end), sdp (offer/answer), digest (auth), call (one call's RTP and conversation),
+client (a SIP phone for tests and benchmarks); media/rtp.py has the codecs and the RTP receive side.
 """
 
 from __future__ import annotations
