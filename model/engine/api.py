@@ -114,9 +114,10 @@ class EngineConfig:
     kv_floor_frames: int = 750
     # On CUDA, Mimi's streaming encoder or decoder in bf16 instead of float32 (TF32 products); the quantizer stays
     # float32. The encoder's codes feed the model, so bf16 there changes tokens; the decoder only makes the audio,
-    # so its tokens are the float32 path's (docs/fidelity.md has both measured). CPU runs stay float32.
+    # so its tokens stay the float32 path's (docs/fidelity.md: what is measured of each, and what is not yet).
+    # CPU runs stay float32.
     mimi_encoder_bf16: bool = False
-    mimi_decoder_bf16: bool = True
+    mimi_decoder_bf16: bool = False
 
 
 @dataclass
