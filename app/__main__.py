@@ -1,6 +1,6 @@
 """`python -m app` / `personaplex-server`: parse flags and `PERSONAPLEX_*` variables, then serve until a signal.
 
-With `--workers N` (N > 0; the default comes from the core count) the server runs as processes (app/processes.py):
+With `--workers N` (N > 0; the default comes from the core count) the server runs as processes (app/shell/processes.py):
 one engine process and N workers sharing the port. `--workers 0` runs everything in this process. Either way the
 first SIGTERM drains (no new sessions, live ones run up to `--drain-timeout-s`), then every session is closed
 (`session.closed`, 1001) and the server exits 0; a second SIGTERM, or SIGINT, closes at once.
@@ -15,19 +15,19 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from app.model_choice import ModelUnavailable, check_strict
-from app.processes import engine_devices, run, setup_logging
-from app.settings import Settings, parse_settings
+from app.shell.model_choice import ModelUnavailable, check_strict
+from app.shell.processes import engine_devices, run, setup_logging
+from app.shell.settings import Settings, parse_settings
 
 if TYPE_CHECKING:
-    from app.context import ServerContext
+    from app.shell.context import ServerContext
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 async def _run(settings: Settings) -> None:
-    """One process: the first SIGTERM drains (app/server.py `drain`), a second one or SIGINT closes at once."""
-    from app.server import drain, serve
+    """One process: the first SIGTERM drains (app/shell/server.py `drain`), a second one or SIGINT closes at once."""
+    from app.shell.server import drain, serve
 
     loop = asyncio.get_running_loop()
     term, hurry = asyncio.Event(), asyncio.Event()

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.context import CONTEXT, ServerContext
 from app.errors import ProtocolError
 from app.phone import PhoneLine
+from app.shell.context import CONTEXT, ServerContext
 from app.tcp import TcpTransport
 from app.transport import CLOSE_NORMAL, CLOSE_POLICY
 from media.codecs import AudioFormat

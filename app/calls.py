@@ -11,7 +11,7 @@ place (the same worker number, or the server started again) ends it with reason 
 `call.json` beside the recording, which holds the call up to the kill.
 
 Admin API (`--admin-key`, never a client key): `GET /v1/calls` lists the live calls of every door and every
-worker (each worker answers for its own over its private socket, app/worker_routing.py); `DELETE /v1/calls/{id}`
+worker (each worker answers for its own over its private socket, app/shell/worker_routing.py); `DELETE /v1/calls/{id}`
 hangs one up (the client hears why: `session.closed` or the close frame's reason, `admin_hangup`; SIP a BYE);
 `POST /v1/calls/{id}/cut` drops what the caller is about to hear (a phone line's queued audio and the vendor's
 buffer: Twilio's `clear`; a Realtime response is cut as a `response.cancel` would).
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from app.auth import key_ok
-from app.context import CONTEXT
 from app.errors import http_error_body
-from app.metrics import Metrics
 from app.recording import FACTS, Recording, RecordingWriter, iso, wanted
-from app.settings import Settings
+from app.shell.auth import key_ok
+from app.shell.context import CONTEXT
+from app.shell.metrics import Metrics
+from app.shell.settings import Settings
+from app.shell.worker_routing import call_owner, forward, new_call_id, worker_socket
 from app.webhooks import Webhooks
-from app.worker_routing import call_owner, forward, new_call_id, worker_socket
 
 if TYPE_CHECKING:
     from app.conversation import Conversation

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from app.metrics import Metrics
+from app.shell.metrics import Metrics
 from media.jitter import BufferFull, JitterBuffer, JitterConfig
 from model.engine import EngineError, FrameOutput, SessionParams, Slot
 

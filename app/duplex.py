@@ -22,13 +22,13 @@ from typing import Any
 from aiohttp import web
 
 from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
-from app.context import CONTEXT, ServerContext
 from app.conversation import Backpressure
 from app.errors import ProtocolError
 from app.link import closed_stats, link_report_s, report_link
 from app.realtime import capabilities
 from app.session import Session
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, format_from, with_update
+from app.shell.context import CONTEXT, ServerContext
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
 from app.websocket import serve
 from media.codecs import AudioFormat

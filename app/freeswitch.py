@@ -24,9 +24,9 @@ import numpy as np
 from aiohttp import web
 
 from app.audio import b64encode
-from app.context import CONTEXT, ServerContext
 from app.errors import ProtocolError
 from app.phone import PhoneLine
+from app.shell.context import CONTEXT, ServerContext
 from app.transport import CLOSE_POLICY
 from app.websocket import serve
 from app.wire import WireError, parse_object

@@ -27,8 +27,6 @@ import numpy as np
 from aiohttp import web
 
 from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
-from app.auth import BETA_SUBPROTOCOL, CLIENT_SECRET, offered_subprotocols
-from app.context import CONTEXT, ServerContext
 from app.conversation import Backpressure, Conversation, State
 from app.errors import MAX_ECHO_CHARS, ProtocolError
 from app.link import closed_stats, report_link
@@ -36,6 +34,8 @@ from app.realtime_items import ConversationItems, Response, new_id
 from app.realtime_update import Ignored, SessionUpdate, read_update
 from app.session import OUTPUT_TAG, Session
 from app.session_config import SessionConfig, default_config, format_from, with_update
+from app.shell.auth import BETA_SUBPROTOCOL, CLIENT_SECRET, offered_subprotocols
+from app.shell.context import CONTEXT, ServerContext
 from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
 from app.websocket import serve
 from media.codecs import AudioFormat

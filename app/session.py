@@ -19,11 +19,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from app.admission import Refused, admit
-from app.context import ServerContext
 from app.conversation import Conversation, InputPolicy, State
 from app.errors import ProtocolError, error_event, new_event_id
 from app.flood import FloodGuard
 from app.outbox import Outbox
+from app.shell.context import ServerContext
 from app.transport import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER, Transport
 from app.wire import WireError, dumps, parse_object
 from model.engine import Slot

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.audio import MODEL_RATE, parse_format
-from app.context import ServerContext
 from app.errors import ProtocolError
+from app.shell.context import ServerContext
 from media.codecs import AudioFormat
 from model.engine import SamplingParams, SessionParams
 

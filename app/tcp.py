@@ -17,9 +17,9 @@ import contextlib
 import logging
 import socket
 
-from app.context import ServerContext
 from app.outbox import Message, held_by
 from app.session import Session
+from app.shell.context import ServerContext
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_POLICY
 from app.websocket import FLUSH_WAIT_S, SOCKET_SEND_BUFFER
 

@@ -20,9 +20,9 @@ import numpy as np
 from aiohttp import web
 
 from app.audio import b64encode
-from app.context import CONTEXT
 from app.errors import ProtocolError
 from app.phone import MAX_NAME_CHARS, PhoneLine, inbound_payload, media_streams_start
+from app.shell.context import CONTEXT
 from app.transport import CLOSE_NORMAL
 from app.websocket import serve
 from media.codecs import AudioFormat

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.context import CONTEXT
 from app.errors import ProtocolError
 from app.phone import PhoneLine
+from app.shell.context import CONTEXT
 from app.websocket import serve
 from media.codecs import AudioFormat
 

@@ -29,14 +29,14 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from app.admission import Refused, admit, gate
-from app.auth import CLIENT_SECRET, refusal, too_many_connections
 from app.client_secrets import merged_session
-from app.context import CONTEXT
 from app.errors import ProtocolError, http_error_body
+from app.shell.auth import CLIENT_SECRET, refusal, too_many_connections
+from app.shell.context import CONTEXT
+from app.shell.worker_routing import call_owner, forward, worker_socket
 from app.transport import CLOSE_NORMAL
 from app.webrtc_call import CALLS_ROUTE, CHANNEL_LABEL, Call, OfferError, WebRTCConfig
 from app.wire import WireError, parse_object
-from app.worker_routing import call_owner, forward, worker_socket
 from model.engine.pool import EnginePool
 
 logger = logging.getLogger(__name__)

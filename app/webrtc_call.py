@@ -35,15 +35,15 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 from aiortc.rtcconfiguration import RTCIceTransportPolicy
 from aiortc.rtcrtpsender import RTCRtpSender
 
-from app.context import CONTEXT
 from app.conversation import Conversation, State
 from app.errors import ProtocolError
 from app.outbox import Message
 from app.realtime import RealtimeSession, is_beta
 from app.recording import asked_to_record
-from app.settings import Settings
+from app.shell.context import CONTEXT
+from app.shell.settings import Settings
+from app.shell.worker_routing import new_call_id
 from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
-from app.worker_routing import new_call_id
 from media.jitter import FRAME, JitterStats
 from media.pacing import FIRST_PLAYED_FRAME, WEBRTC_TRACK, Pacer
 from media.tracks import (

@@ -23,11 +23,11 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from app.admission import gate
-from app.auth import refusal, response_subprotocols, too_many_connections
-from app.context import CONTEXT
 from app.errors import ProtocolError, http_error_body
 from app.outbox import Message, held_by
 from app.session import Session
+from app.shell.auth import refusal, response_subprotocols, too_many_connections
+from app.shell.context import CONTEXT
 from app.transport import CLOSE_GOING_AWAY, CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ import json
 import tempfile
 import time
 
-from app.server import create_app
-from app.settings import Settings
+from app.shell.server import create_app
+from app.shell.settings import Settings
 from model.loading import load_model
 from model.tiny import write_tiny_checkpoint
 

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from app.server import create_app
-from app.settings import TINY_MODEL, Settings
+from app.shell.server import create_app
+from app.shell.settings import TINY_MODEL, Settings
 from app.sip import SIP
 from app.sip.client import RtpPeer, SipClient, offer
 from app.sip.sdp import parse_offer

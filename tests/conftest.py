@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from app.context import CONTEXT, ServerContext
-from app.server import create_app
-from app.settings import Settings
+from app.shell.context import CONTEXT, ServerContext
+from app.shell.server import create_app
+from app.shell.settings import Settings
 from media.resample import Resampler
 from model.loading import load_model
 from model.tiny import synthetic_voice, write_tiny_checkpoint

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from app.errors import CODES
-from app.server import create_app
+from app.shell.server import create_app
 from model.loading import load_model
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from process_support import ROOT, cli_env
 
-from app.settings import Settings, build_parser, parse_settings
+from app.shell.settings import Settings, build_parser, parse_settings
 
 NO_GPU = not torch.cuda.is_available()
 

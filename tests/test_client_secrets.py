@@ -23,9 +23,9 @@ from server_support import next_event, until, wait_in_use
 from test_browser import CHROMIUM, browser_factory, chromium_args, mic_wav, wait_until  # noqa: F401 (fixtures)
 from webrtc_support import ensure_ice_host_address
 
-from app.auth import redact_query
 from app.client_secrets import CLIENT_SECRETS, MAX_SECRET_CHARS
-from app.server import create_app
+from app.shell.auth import redact_query
+from app.shell.server import create_app
 from app.webrtc import CALLS
 from app.webrtc_client import CallRefused, RealtimeCall
 from model.loading import load_model

@@ -10,7 +10,7 @@ import re
 import pytest
 from process_support import ROOT
 
-from app.settings import Settings, parse_settings
+from app.shell.settings import Settings, parse_settings
 from app.webrtc import CALLS_ROUTE
 
 yaml = pytest.importorskip("yaml")

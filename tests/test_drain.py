@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from process_support import DuplexCaller, free_port, start_tiny, stop, wait_ready
 
-from app.probes import agent_answer, readiness
+from app.shell.probes import agent_answer, readiness
 
 
 async def agent(port: int) -> str:

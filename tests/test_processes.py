@@ -49,7 +49,7 @@ async def test_realtime_two_workers_share_sessions_and_one_dying_frees_only_its_
 
             async def frozen() -> bool:
                 # Each worker took its imports out of the collector's view: a full collection walks only what
-                # sessions made (app/loop_lag.py).
+                # sessions made (app/shell/loop_lag.py).
                 report = await health(http, url)
                 return bool(report) and all(w["gc"].get("frozen", 0) > 100_000 for w in _workers(report).values())
 

@@ -20,7 +20,7 @@ import pytest
 from server_support import next_event
 from webrtc_support import ensure_ice_host_address
 
-import app.auth
+import app.shell.auth
 from app.webrtc_client import CallRefused, RealtimeCall
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,19 +57,19 @@ def test_keys_are_compared_in_constant_time(monkeypatch):
         compared.append((a, b))
         return compare(a, b)
 
-    monkeypatch.setattr(app.auth.hmac, "compare_digest", spy)
+    monkeypatch.setattr(app.shell.auth.hmac, "compare_digest", spy)
 
     class Request:
         headers = {"Authorization": "Bearer k1"}
         query: dict[str, str] = {}
 
-    assert app.auth.key_ok(Request(), ("k1", "k2"))  # type: ignore[arg-type]
+    assert app.shell.auth.key_ok(Request(), ("k1", "k2"))  # type: ignore[arg-type]
     assert compared == [(b"k1", b"k1"), (b"k1", b"k2")]
-    assert not app.auth.key_ok(Request(), ("nope",))  # type: ignore[arg-type]
+    assert not app.shell.auth.key_ok(Request(), ("nope",))  # type: ignore[arg-type]
 
 
 def test_access_log_redaction_rule():
-    r = app.auth.redact_query
+    r = app.shell.auth.redact_query
     assert r("/v1/realtime?duplex=1&api_key=abc") == "/v1/realtime?duplex=1&api_key=REDACTED"
     assert r("/x?access_token=t&Key=k&voice=key") == "/x?access_token=REDACTED&Key=REDACTED&voice=key"
     assert r("/x?client_secret=s;sig=z") == "/x?client_secret=REDACTED;sig=REDACTED"

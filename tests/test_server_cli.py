@@ -15,7 +15,7 @@ import pytest
 import torch
 from process_support import ROOT, cli_env, free_port
 
-from app.settings import DEFAULT_MODEL, parse_settings
+from app.shell.settings import DEFAULT_MODEL, parse_settings
 from model.audio import write_wav
 
 

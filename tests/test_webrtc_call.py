@@ -14,7 +14,7 @@ from process_support import ROOT, open_call
 from server_support import wait_in_use
 from webrtc_support import ensure_ice_host_address
 
-from app.settings import parse_settings
+from app.shell.settings import parse_settings
 from app.webrtc import CALLS, WebRTCConfig
 from app.webrtc_client import CallRefused, RealtimeCall
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from app.auth import AddressLimit
 from app.errors import ProtocolError
-from app.metrics import Metrics
-from app.settings import Settings
+from app.shell.auth import AddressLimit
+from app.shell.metrics import Metrics
+from app.shell.settings import Settings
 
 if TYPE_CHECKING:
     from app.calls import CallRegistry

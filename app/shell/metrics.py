@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.loop_lag import LoopLag, collector_report
+from app.shell.loop_lag import LoopLag, collector_report
 
 _QUANTILES = {"p50": "0.5", "p99": "0.99", "max": "1"}
 _KEY_JOIN = "\t"  # joins a rejection's route and code into one key of a snapshot

@@ -5,7 +5,7 @@ one line as HAProxy's `agent-check` reads it: `ready up 37%` (the share of free 
 weighs instances by real capacity; `0%` while full), `drain` while the server drains for a restart (live sessions
 go on, HAProxy sends no new ones), `down#<why>` while no engine is up. In one process the server answers from its
 own state (`serve_agent`); in the multi-process server the supervisor alone listens on the port and answers from
-a worker's `/health/ready` (app/processes.py), so there is one listener whatever the worker count.
+a worker's `/health/ready` (app/shell/processes.py), so there is one listener whatever the worker count.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ an engine process that dies is reported by every worker's /health, its sessions 
 The first SIGTERM drains: every worker stops admitting (a flag they watch), the supervisor waits until the engine
 holds no session, up to `--drain-timeout-s`, restarting no worker meanwhile. Then, or on a second SIGTERM or on
 SIGINT, it stops the workers first (each tells its clients `session.closed` and closes them within the shutdown
-timeout), then the engine. The supervisor alone listens on `--agent-port` (app/probes.py): it answers `drain`
+timeout), then the engine. The supervisor alone listens on `--agent-port` (app/shell/probes.py): it answers `drain`
 while draining, else from a worker's `/health/ready` on the shared port.
 """
 
@@ -40,8 +40,8 @@ from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
 from typing import Any
 
-from app.probes import agent_answer
-from app.settings import Settings, split_csv
+from app.shell.probes import agent_answer
+from app.shell.settings import Settings, split_csv
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ def engine_devices(settings: Settings) -> list[str]:
 def engine_main(settings: Settings, path: str, index: int) -> None:
     """An engine process: load the model, start the engine, serve it on the channel until SIGTERM."""
     _child_setup(settings, f"engine {index}")
-    from app.model_choice import ModelUnavailable
-    from app.server import build_engine, load_for
+    from app.shell.model_choice import ModelUnavailable
+    from app.shell.server import build_engine, load_for
     from model.engine.process import EngineHost
 
     try:
@@ -132,7 +132,7 @@ def worker_main(settings: Settings, paths: list[str], devices: list[str], worker
     """A worker process: an aiohttp server on its own socket of the shared port, the engine over the channel; it
     stops admitting once the supervisor sets `drain`."""
     _child_setup(settings, f"worker {worker}")
-    from app.server import serve
+    from app.shell.server import serve
 
     sock = port_socket(settings.host, settings.port, listen=True)
 

@@ -3,7 +3,7 @@
 `create_app(settings)` builds the app; startup loads the model (in a worker thread) and starts the engine, shutdown
 tells every open session `session.closed` and closes it with 1001, cleanup stops the engine.
 
-Routes: `GET /health`, `GET /health/live`, `GET /health/ready` (probes for a balancer, app/probes.py),
+Routes: `GET /health`, `GET /health/live`, `GET /health/ready` (probes for a balancer, app/shell/probes.py),
 `GET /metrics`, `GET /v1/models`, `GET /v1/voices`, `WS /v1/realtime` (`?duplex=1`), `POST /v1/realtime/client_secrets`
 (app/client_secrets.py, which also checks the `ek_` secrets presented to the session routes),
 `WS /v1/duplex`, `WS /v1/twilio`, the bridges `WS /v1/telnyx`, `WS /v1/vonage`, `WS /v1/freeswitch` and the
@@ -27,22 +27,22 @@ from pathlib import Path
 from aiohttp import web
 
 from app.audiosocket import setup_audiosocket
-from app.auth import RedactingAccessLogger, authorized
 from app.calls import CallRegistry, setup_calls
 from app.client_secrets import setup_client_secrets
-from app.context import CONTEXT, ServerContext
 from app.duplex import duplex_handler
 from app.errors import http_error_body
 from app.freeswitch import freeswitch_handler
-from app.loop_lag import collector_report, freeze_startup_objects
-from app.model_choice import RANDOM_MODEL, TINY_MODEL, ModelUnavailable, fallback_reason, resolve_device
-from app.probes import DRAINING, READY, readiness, serve_agent
 from app.realtime import capabilities, realtime_handler
-from app.settings import Settings
+from app.shell.auth import RedactingAccessLogger, authorized
+from app.shell.context import CONTEXT, ServerContext
+from app.shell.loop_lag import collector_report, freeze_startup_objects
+from app.shell.model_choice import RANDOM_MODEL, TINY_MODEL, ModelUnavailable, fallback_reason, resolve_device
+from app.shell.probes import DRAINING, READY, readiness, serve_agent
+from app.shell.settings import Settings
+from app.shell.worker_routing import worker_socket
 from app.telnyx import telnyx_handler
 from app.twilio import twilio_handler
 from app.vonage import vonage_handler
-from app.worker_routing import worker_socket
 from model.engine import Engine, EngineConfig, EngineError, EngineStats
 from model.engine.pool import EnginePool
 from model.loading import PersonaPlex, load_model
@@ -371,7 +371,7 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None,
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
     await site.start()
-    if engine is not None:  # where the other workers forward requests for this one's calls (app/worker_routing.py)
+    if engine is not None:  # where the other workers forward requests for this one's calls (worker_routing.py)
         await web.UnixSite(runner, worker_socket(engine.folder, worker)).start()
         freeze_startup_objects()  # one process alone: the engine's start freezes it (model/engine/core.py)
     ctx = app[CONTEXT]

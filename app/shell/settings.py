@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from app.model_choice import RANDOM_MODEL, TINY_MODEL, check_model_name
+from app.shell.model_choice import RANDOM_MODEL, TINY_MODEL, check_model_name
 from model.config import DEFAULT_REPO as DEFAULT_MODEL
 
 __all__ = ["DEFAULT_MODEL", "RANDOM_MODEL", "TINY_MODEL", "Settings", "build_parser", "parse_settings"]

@@ -14,9 +14,9 @@ import json
 
 from aiohttp import web
 
-from app.auth import key_ok
-from app.context import CONTEXT
 from app.errors import http_error_body
+from app.shell.auth import key_ok
+from app.shell.context import CONTEXT
 from app.sip.uas import SipServer
 from model.engine.pool import EnginePool
 

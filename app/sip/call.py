@@ -29,8 +29,8 @@ import numpy as np
 from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
 
 from app.conversation import Conversation, InputPolicy
-from app.metrics import Metrics
-from app.settings import rtp_port_range
+from app.shell.metrics import Metrics
+from app.shell.settings import rtp_port_range
 from app.sip.sdp import Choice
 from media.pacing import FIRST_PLAYED_FRAME, SIP_RTP, Pacer
 from media.rtp import AudioCodec, RtpReceiver, TelephoneEvent, build_rtp

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from sipmessage import URI, Request
 
 from app.calls import LiveCall
-from app.context import ServerContext
+from app.shell.context import ServerContext
 from app.sip.call import MediaSession
 from app.sip.sdp import SdpError, answer, negotiate, parse_offer
 from app.sip.transactions import CacheKey, InviteTx, Transactions, invite_tx

@@ -21,10 +21,10 @@ from sipmessage import Request
 
 from app import admission
 from app.calls import LiveCall
-from app.context import ServerContext
 from app.errors import ProtocolError
 from app.recording import asked_to_record
 from app.session_config import ConfigUpdate, SessionConfig, default_config, with_update
+from app.shell.context import ServerContext
 from app.sip.call import MediaSession, PortRange
 from app.sip.dialogs import MIN_SE, Dialog, Dialogs, capabilities
 from app.sip.digest import DigestAuth

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from sipmessage import Request, Response
 
-from app.metrics import Metrics
-from app.settings import Settings
+from app.shell.metrics import Metrics
+from app.shell.settings import Settings
 
 logger = logging.getLogger(__name__)
 

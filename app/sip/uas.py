@@ -24,7 +24,7 @@ import logging
 
 from sipmessage import Message, Request, Response
 
-from app.context import ServerContext
+from app.shell.context import ServerContext
 from app.sip.dialogs import ALLOW, Dialog, Dialogs, capabilities
 from app.sip.invite import Invites
 from app.sip.transactions import Transactions, cache_key
