@@ -13,7 +13,7 @@ it comes. Caller audio lands in the conversation's jitter buffer under the WebSo
 A start that fails (a bad voice, sampling out of range) is an `error` and close 1008; an engine failure is
 `runtime_failed` and close 1011. Key presses are counted per route (`personaplex_dtmf_total`). The bridge sets
 `caller` (the identity its vendor gives the call) before `begin`, and a `record` parameter is the call's wish to be
-recorded: both go to the live-call list (app/calls.py), the recording and the webhooks. `cut_output` (the admin
+recorded: both go to the live-call list (app/calls/live.py), the recording and the webhooks. `cut_output` (the admin
 API) drops the audio not sent yet and tells the vendor to drop what it buffered (`on_cut`).
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from app.audio import InputDecoder, b64decode
+from app.calls.recording import asked_to_record
 from app.conversation import Backpressure
 from app.errors import ProtocolError
-from app.recording import asked_to_record
 from app.session import Session
 from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, with_update
 from app.transport import CLOSE_INTERNAL, CLOSE_POLICY

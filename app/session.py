@@ -9,7 +9,7 @@ What the dialect sends goes into the session's one `Outbox` (bounded; past its b
 `output_backpressure` and close 1008), which its transport drains; it ends the session with `close()`, which frees
 the slot at once and asks the transport to flush and close. It takes a slot through `reserve()`, the one admission
 path (`app.admission`). The session owns its `Conversation`; `close()` and a disconnect close it. Its conversation
-is in the live-call list (`app.calls`: `call_opening`, `call_details`, `hang_up`, `cut_output`) until then.
+is in the live-call list (`app.calls.live`: `call_opening`, `call_details`, `hang_up`, `cut_output`) until then.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from app.wire import WireError, dumps, parse_object
 from model.engine import Slot
 
 if TYPE_CHECKING:
-    from app.calls import LiveCall
+    from app.calls.live import LiveCall
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Session:
         self.flood = FloodGuard(self.settings.max_events_per_s, self._flood_warning,
                                 lambda: self.spawn(self._flood_close()))
         self._closing: tuple[int, str] | None = None   # (code, reason) once a close has begun
-        self.live_call: LiveCall | None = None          # in the live-call list (app/calls.py) from its conversation on
+        self.live_call: LiveCall | None = None          # in the live-call list (calls/live.py) from its conversation on
 
     def attach(self, transport: Transport) -> None:
         self.transport = transport

@@ -35,11 +35,11 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 from aiortc.rtcconfiguration import RTCIceTransportPolicy
 from aiortc.rtcrtpsender import RTCRtpSender
 
+from app.calls.recording import asked_to_record
 from app.conversation import Conversation, State
 from app.errors import ProtocolError
 from app.outbox import Message
 from app.realtime import RealtimeSession, is_beta
-from app.recording import asked_to_record
 from app.shell.context import CONTEXT
 from app.shell.settings import Settings
 from app.shell.worker_routing import new_call_id

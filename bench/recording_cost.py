@@ -1,4 +1,4 @@
-"""CPU cost of recording a call (app/recording.py), as JSON lines.
+"""CPU cost of recording a call (app/calls/recording.py), as JSON lines.
 
     python -m bench.recording_cost [--calls 8] [--seconds 60] [--audio speech|noise]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.recording import FRAME, RecordingWriter
+from app.calls.recording import FRAME, RecordingWriter
 from model.engine import FrameOutput
 from model.tiny import synthetic_voice
 

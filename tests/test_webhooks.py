@@ -21,7 +21,7 @@ from process_support import free_port, health, start_tiny, stop, wait_ready
 from server_support import eventually
 from twilio_fake import FakeTwilio
 
-from app.webhooks import SIGNATURE_HEADER, sign, verify
+from app.calls.webhooks import SIGNATURE_HEADER, sign, verify
 
 SECRET = "whsec-test-secret"
 ADMIN = "admin-key-for-tests"

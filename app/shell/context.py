@@ -22,7 +22,7 @@ from app.shell.metrics import Metrics
 from app.shell.settings import Settings
 
 if TYPE_CHECKING:
-    from app.calls import CallRegistry
+    from app.calls.live import CallRegistry
     from model.engine import Engine
     from model.engine.channel import ModelInfo
     from model.engine.pool import EnginePool
@@ -47,7 +47,7 @@ class ServerContext:
     addresses: AddressLimit = field(default_factory=AddressLimit)   # open connections per client address
     shutting_down: bool = False
     draining: bool = False                    # SIGTERM: live sessions go on, new ones are refused
-    calls: CallRegistry = field(init=False)   # the live calls, their recordings and webhooks (app/calls.py)
+    calls: CallRegistry = field(init=False)   # the live calls, their recordings and webhooks (app/calls/live.py)
     _info: ModelInfo | None = None
 
     @property

@@ -55,8 +55,8 @@ class Metrics:
         self.dtmf: Counter[str] = Counter()                      # route, telephone key presses received
         self.closed_totals: Counter[str] = Counter()             # frames_in/frames_out/underruns of closed sessions
         self.sip: Counter[str] = Counter()                       # SIP door events: malformed, oversized, rtp drops...
-        self.recordings: Counter[str] = Counter()                # app/recording.py (its writer thread adds)
-        self.webhooks: Counter[str] = Counter()                  # app/webhooks.py: events by result
+        self.recordings: Counter[str] = Counter()                # app/calls/recording.py (its writer thread adds)
+        self.webhooks: Counter[str] = Counter()                  # app/calls/webhooks.py: events by result
         self.live: set[CountedConversation] = set()
         self.loop_lag = LoopLag()
 

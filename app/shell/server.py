@@ -27,7 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 from app.audiosocket import setup_audiosocket
-from app.calls import CallRegistry, setup_calls
+from app.calls.live import CallRegistry, setup_calls
 from app.client_secrets import setup_client_secrets
 from app.duplex import duplex_handler
 from app.errors import http_error_body

@@ -70,10 +70,10 @@ class Settings:
     sip_password: str = ""
     sip_realm: str = "personaplex"
     sip_x_headers: bool = False           # callers may set persona/voice with X-Persona / X-Voice
-    record_dir: Path | None = None        # call recordings (app/recording.py); None: off
-    record_policy: str = "all"            # all, opt-in, opt-out: which calls are recorded (app.recording.wanted)
+    record_dir: Path | None = None        # call recordings (app/calls/recording.py); None: off
+    record_policy: str = "all"            # all, opt-in, opt-out: which calls are recorded (app.calls.recording.wanted)
     spool_dir: Path | None = None         # undelivered webhooks and live-call markers; None: cache_dir/spool-<port>
-    webhook_url: str = ""                 # call.started / call.ended are POSTed here (app/webhooks.py); "": off
+    webhook_url: str = ""                 # call.started / call.ended are POSTed here (app/calls/webhooks.py); "": off
     webhook_secret: str = ""              # signs each webhook (HMAC-SHA256)
     webhook_retry_s: float = 3600.0       # an undelivered webhook is retried this long, then given up
     webhook_backoff_max_s: float = 60.0   # the longest wait between two tries

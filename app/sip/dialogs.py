@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from sipmessage import URI, Request
 
-from app.calls import LiveCall
+from app.calls.live import LiveCall
 from app.shell.context import ServerContext
 from app.sip.call import MediaSession
 from app.sip.sdp import SdpError, answer, negotiate, parse_offer
@@ -56,7 +56,7 @@ class Dialog:
     local_cseq: int = field(default_factory=lambda: secrets.randbelow(1 << 20) + 1)
     remote_cseq: int = 0
     media: MediaSession | None = None
-    call: LiveCall | None = None   # in the live-call list (app/calls.py) while the call is up
+    call: LiveCall | None = None   # in the live-call list (app/calls/live.py) while the call is up
     offer_body: bytes = b""
     answer_body: bytes = b""
     confirmed: bool = False

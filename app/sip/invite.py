@@ -4,7 +4,7 @@ The checks that cost nothing come first (`Require` 420, allowlist 403, digest 40
 agent 404), then 100 Trying, a slot (`admit`, the door's one admission step: 486 when full, 503 + Retry-After when
 draining or the engine is down), the RTP ports, 180 Ringing, the conversation's prefill, and 200 OK with our SDP
 answer. A CANCEL before the 200 gets 200 and the INVITE 487; the slot is freed. An answered call is in the live-call
-list (app/calls.py: its recording and webhooks) with what SIP says of the caller (From, To, Call-ID) until it ends.
+list (app/calls/live.py: its recording and webhooks) with what SIP says of the caller (From, To, Call-ID) until it ends.
 Agents (`--sip-agent NAME=voice,persona-file`): the request-URI's user picks one.
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 from sipmessage import Request
 
 from app import admission
-from app.calls import LiveCall
+from app.calls.live import LiveCall
+from app.calls.recording import asked_to_record
 from app.errors import ProtocolError
-from app.recording import asked_to_record
 from app.session_config import ConfigUpdate, SessionConfig, default_config, with_update
 from app.shell.context import ServerContext
 from app.sip.call import MediaSession, PortRange

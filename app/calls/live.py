@@ -3,8 +3,8 @@ recording, its webhooks), and the admin API over every worker.
 
 A door opens a `LiveCall` for each conversation (`CallRegistry.open`, before the conversation starts) and ends it
 once (`CallRegistry.end`, idempotent) with the reason the call ended. Opening starts the recording (when the
-server records and the policy lets this call be recorded: app/recording.py), writes a small marker file for the
-call, and emits `call.started` (app/webhooks.py); ending finishes the recording, writes `call.json`, emits
+server records and the policy lets this call be recorded: app/calls/recording.py), writes a small marker file for the
+call, and emits `call.started` (app/calls/webhooks.py); ending finishes the recording, writes `call.json`, emits
 `call.ended` with the call's stats and the recording's paths, and removes the marker. A marker still there when a
 process starts belongs to a call whose process died (kill -9, an out-of-memory kill): the process started in its
 place (the same worker number, or the server started again) ends it with reason `worker_lost`: `call.ended`, and
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from app.calls.recording import FACTS, Recording, RecordingWriter, iso, wanted
+from app.calls.webhooks import Webhooks
 from app.errors import http_error_body
-from app.recording import FACTS, Recording, RecordingWriter, iso, wanted
 from app.shell.auth import key_ok
 from app.shell.context import CONTEXT
 from app.shell.metrics import Metrics
 from app.shell.settings import Settings
 from app.shell.worker_routing import call_owner, forward, new_call_id, worker_socket
-from app.webhooks import Webhooks
 
 if TYPE_CHECKING:
     from app.conversation import Conversation
@@ -137,7 +137,7 @@ class CallRegistry:
              codec: str = "", record: bool | None = None, call_id: str | None = None,
              agent: dict[str, Any] | None = None) -> LiveCall:
         """Register a call (before its conversation starts); `record` is the session's or agent's wish, which the
-        server's policy weighs (app.recording.wanted); `agent` the persona and voice the door set up."""
+        server's policy weighs (app.calls.recording.wanted); `agent` the persona and voice the door set up."""
         call = LiveCall(call_id or new_call_id(self.worker, "call"), door, conversation, owner, caller or {}, codec,
                         self.worker_name, configured=agent or {})
         self.calls[call.id] = call
