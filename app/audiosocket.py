@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.errors import ProtocolError
 from app.phone import PhoneLine
+from app.sessions.errors import ProtocolError
+from app.sessions.tcp import TcpTransport
+from app.sessions.transport import CLOSE_NORMAL, CLOSE_POLICY
 from app.shell.context import CONTEXT, ServerContext
-from app.tcp import TcpTransport
-from app.transport import CLOSE_NORMAL, CLOSE_POLICY
 from media.codecs import AudioFormat
 
 logger = logging.getLogger(__name__)

@@ -55,12 +55,12 @@ from typing import Any
 
 from aiohttp import web
 
-from app.errors import ProtocolError, http_error_body
 from app.realtime_update import read_update
-from app.session_config import default_config, with_update
+from app.sessions.errors import ProtocolError, http_error_body
+from app.sessions.session_config import default_config, with_update
+from app.sessions.wire import WireError, parse_object
 from app.shell.auth import CLIENT_SECRET, key_ok, origin_ok, presented_key, refusal
 from app.shell.context import CONTEXT, ServerContext
-from app.wire import WireError, parse_object
 from model.engine.pool import EnginePool
 
 ROUTE = "/v1/realtime/client_secrets"

@@ -21,16 +21,23 @@ from typing import Any
 
 from aiohttp import web
 
-from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
-from app.conversation import Backpressure
-from app.errors import ProtocolError
-from app.link import closed_stats, link_report_s, report_link
 from app.realtime import capabilities
-from app.session import Session
-from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, format_from, with_update
+from app.sessions.audio import InputDecoder, OutputEncoder, b64decode, b64encode
+from app.sessions.conversation import Backpressure
+from app.sessions.errors import ProtocolError
+from app.sessions.link import closed_stats, link_report_s, report_link
+from app.sessions.session import Session
+from app.sessions.session_config import (
+    SAMPLING_KEYS,
+    ConfigUpdate,
+    SessionConfig,
+    default_config,
+    format_from,
+    with_update,
+)
+from app.sessions.transport import CLOSE_INTERNAL, CLOSE_NORMAL
+from app.sessions.websocket import serve
 from app.shell.context import CONTEXT, ServerContext
-from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
-from app.websocket import serve
 from media.codecs import AudioFormat
 from model.engine import EngineError, FrameOutput, InvalidSessionParams
 

@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.audio import b64encode
-from app.errors import ProtocolError
 from app.phone import PhoneLine
+from app.sessions.audio import b64encode
+from app.sessions.errors import ProtocolError
+from app.sessions.transport import CLOSE_POLICY
+from app.sessions.websocket import serve
+from app.sessions.wire import WireError, parse_object
 from app.shell.context import CONTEXT, ServerContext
-from app.transport import CLOSE_POLICY
-from app.websocket import serve
-from app.wire import WireError, parse_object
 from media.codecs import MAX_RATE, AudioFormat
 
 ROUTE = "/v1/freeswitch"

@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from app.audio import InputDecoder, b64decode
 from app.calls.recording import asked_to_record
-from app.conversation import Backpressure
-from app.errors import ProtocolError
-from app.session import Session
-from app.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, with_update
-from app.transport import CLOSE_INTERNAL, CLOSE_POLICY
-from app.wire import WireError, parse_value
+from app.sessions.audio import InputDecoder, b64decode
+from app.sessions.conversation import Backpressure
+from app.sessions.errors import ProtocolError
+from app.sessions.session import Session
+from app.sessions.session_config import SAMPLING_KEYS, ConfigUpdate, SessionConfig, default_config, with_update
+from app.sessions.transport import CLOSE_INTERNAL, CLOSE_POLICY
+from app.sessions.wire import WireError, parse_value
 from media.codecs import AudioFormat
 from media.pacing import PHONE_LINE, Pacer
 from model.engine import EngineError, FrameOutput

@@ -26,18 +26,18 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.audio import InputDecoder, OutputEncoder, b64decode, b64encode
-from app.conversation import Backpressure, Conversation, State
-from app.errors import MAX_ECHO_CHARS, ProtocolError
-from app.link import closed_stats, report_link
 from app.realtime_items import ConversationItems, Response, new_id
 from app.realtime_update import Ignored, SessionUpdate, read_update
-from app.session import OUTPUT_TAG, Session
-from app.session_config import SessionConfig, default_config, format_from, with_update
+from app.sessions.audio import InputDecoder, OutputEncoder, b64decode, b64encode
+from app.sessions.conversation import Backpressure, Conversation, State
+from app.sessions.errors import MAX_ECHO_CHARS, ProtocolError
+from app.sessions.link import closed_stats, report_link
+from app.sessions.session import OUTPUT_TAG, Session
+from app.sessions.session_config import SessionConfig, default_config, format_from, with_update
+from app.sessions.transport import CLOSE_INTERNAL, CLOSE_NORMAL
+from app.sessions.websocket import serve
 from app.shell.auth import BETA_SUBPROTOCOL, CLIENT_SECRET, offered_subprotocols
 from app.shell.context import CONTEXT, ServerContext
-from app.transport import CLOSE_INTERNAL, CLOSE_NORMAL
-from app.websocket import serve
 from media.codecs import AudioFormat
 from model.engine import EngineError, FrameOutput, InvalidSessionParams
 

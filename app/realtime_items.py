@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import ProtocolError
+from app.sessions.errors import ProtocolError
 
 FRAME_MS = 80
 MAX_ITEMS = 256   # the oldest are forgotten past this: a long call does not grow the bookkeeping without bound

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import ProtocolError
-from app.link import link_report_s
-from app.session_config import SAMPLING_KEYS, ConfigUpdate, check_extra_body, format_from
+from app.sessions.errors import ProtocolError
+from app.sessions.link import link_report_s
+from app.sessions.session_config import SAMPLING_KEYS, ConfigUpdate, check_extra_body, format_from
 
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar",
                            "fable", "onyx", "nova"})

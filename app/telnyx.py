@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.audio import b64encode
-from app.errors import ProtocolError
 from app.phone import PhoneLine, inbound_payload, media_streams_start
 from app.reorder import Reorder
+from app.sessions.audio import b64encode
+from app.sessions.errors import ProtocolError
+from app.sessions.transport import CLOSE_NORMAL
+from app.sessions.websocket import serve
 from app.shell.context import CONTEXT
-from app.transport import CLOSE_NORMAL
-from app.websocket import serve
 from media.codecs import MAX_RATE, MIN_RATE, AudioFormat
 
 logger = logging.getLogger(__name__)

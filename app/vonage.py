@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.errors import ProtocolError
 from app.phone import PhoneLine
+from app.sessions.errors import ProtocolError
+from app.sessions.websocket import serve
 from app.shell.context import CONTEXT
-from app.websocket import serve
 from media.codecs import AudioFormat
 
 ROUTE = "/v1/vonage"

@@ -36,14 +36,14 @@ from aiortc.rtcconfiguration import RTCIceTransportPolicy
 from aiortc.rtcrtpsender import RTCRtpSender
 
 from app.calls.recording import asked_to_record
-from app.conversation import Conversation, State
-from app.errors import ProtocolError
-from app.outbox import Message
 from app.realtime import RealtimeSession, is_beta
+from app.sessions.conversation import Conversation, State
+from app.sessions.errors import ProtocolError
+from app.sessions.outbox import Message
+from app.sessions.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
 from app.shell.context import CONTEXT
 from app.shell.settings import Settings
 from app.shell.worker_routing import new_call_id
-from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
 from media.jitter import FRAME, JitterStats
 from media.pacing import FIRST_PLAYED_FRAME, WEBRTC_TRACK, Pacer
 from media.tracks import (

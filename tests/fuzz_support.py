@@ -16,7 +16,7 @@ from conftest import RunningServer, server_settings
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from app.errors import CODES
+from app.sessions.errors import CODES
 from app.shell.server import create_app
 from model.loading import load_model
 

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from server_support import wait_in_use
 
-from app.errors import CODES
+from app.sessions.errors import CODES
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

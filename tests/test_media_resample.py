@@ -146,7 +146,7 @@ def test_a_primed_resampler_gives_every_frame_whole_from_the_first(out_rate: int
 
 
 def test_the_wire_gets_whole_frames_at_every_output_rate() -> None:
-    from app.audio import OutputEncoder, parse_format
+    from app.sessions.audio import OutputEncoder, parse_format
 
     for fmt, frame_bytes in ((parse_format("pcm16", 16000), 2560), (parse_format("g711_ulaw"), 640),
                              (parse_format("pcm16", 48000), 7680)):

@@ -106,7 +106,7 @@ async def test_realtime_check_load_mode(start_server):
 
 
 def test_every_error_code_is_documented():
-    from app.errors import CODES
+    from app.sessions.errors import CODES
     doc = (ROOT / "docs" / "protocol.md").read_text()
     table = doc[doc.index("## 4. Error codes"):]
     for code in CODES.values():

@@ -13,7 +13,7 @@ import pytest
 from server_support import b64, closed_with, eventually, expect_error, next_event
 from twilio_fake import ULAW, FakeTwilio, start_event
 
-from app.audio import InputDecoder, OutputEncoder
+from app.sessions.audio import InputDecoder, OutputEncoder
 from media.codecs import AudioFormat
 from media.resample import Resampler
 

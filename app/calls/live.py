@@ -34,7 +34,7 @@ from aiohttp import web
 
 from app.calls.recording import FACTS, Recording, RecordingWriter, iso, wanted
 from app.calls.webhooks import Webhooks
-from app.errors import http_error_body
+from app.sessions.errors import http_error_body
 from app.shell.auth import key_ok
 from app.shell.context import CONTEXT
 from app.shell.metrics import Metrics
@@ -42,7 +42,7 @@ from app.shell.settings import Settings
 from app.shell.worker_routing import call_owner, forward, new_call_id, worker_socket
 
 if TYPE_CHECKING:
-    from app.conversation import Conversation
+    from app.sessions.conversation import Conversation
     from model.engine import FrameOutput
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_log import AccessLogger
 
-from app.errors import http_error_body
+from app.sessions.errors import http_error_body
 
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from app.errors import ProtocolError
+from app.sessions.errors import ProtocolError
 from app.shell.auth import AddressLimit
 from app.shell.metrics import Metrics
 from app.shell.settings import Settings

@@ -30,9 +30,9 @@ from app.audiosocket import setup_audiosocket
 from app.calls.live import CallRegistry, setup_calls
 from app.client_secrets import setup_client_secrets
 from app.duplex import duplex_handler
-from app.errors import http_error_body
 from app.freeswitch import freeswitch_handler
 from app.realtime import capabilities, realtime_handler
+from app.sessions.errors import http_error_body
 from app.shell.auth import RedactingAccessLogger, authorized
 from app.shell.context import CONTEXT, ServerContext
 from app.shell.loop_lag import collector_report, freeze_startup_objects

@@ -14,7 +14,7 @@ import json
 
 from aiohttp import web
 
-from app.errors import http_error_body
+from app.sessions.errors import http_error_body
 from app.shell.auth import key_ok
 from app.shell.context import CONTEXT
 from app.sip.uas import SipServer

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
 
-from app.conversation import Conversation, InputPolicy
+from app.sessions.conversation import Conversation, InputPolicy
 from app.shell.metrics import Metrics
 from app.shell.settings import rtp_port_range
 from app.sip.sdp import Choice

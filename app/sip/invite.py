@@ -19,11 +19,11 @@ from pathlib import Path
 
 from sipmessage import Request
 
-from app import admission
 from app.calls.live import LiveCall
 from app.calls.recording import asked_to_record
-from app.errors import ProtocolError
-from app.session_config import ConfigUpdate, SessionConfig, default_config, with_update
+from app.sessions import admission
+from app.sessions.errors import ProtocolError
+from app.sessions.session_config import ConfigUpdate, SessionConfig, default_config, with_update
 from app.shell.context import ServerContext
 from app.sip.call import MediaSession, PortRange
 from app.sip.dialogs import MIN_SE, Dialog, Dialogs, capabilities
@@ -49,13 +49,13 @@ class Refusal(Exception):
         self.reason = reason
         self.label = label
         self.headers = headers or []
-        self.counted = counted  # in the rejection metrics already (by app.admission)
+        self.counted = counted  # in the rejection metrics already (by app.sessions.admission)
 
 
 async def admit(ctx: ServerContext) -> Slot:
-    """The SIP door's slot, through the one admission path every door takes (app.admission, which counts it), its
-    refusals said in SIP: 486 when every slot is busy (the trunk tries no other server for it), 503 + Retry-After
-    when draining or the engine is down (the failover signal)."""
+    """The SIP door's slot, through the one admission path every door takes (app.sessions.admission, which counts
+    it), its refusals said in SIP: 486 when every slot is busy (the trunk tries no other server for it), 503 +
+    Retry-After when draining or the engine is down (the failover signal)."""
     if ctx.shutting_down:
         raise Refusal(503, "Service Unavailable", "shutting_down", [("Retry-After", RETRY_AFTER_S)])
     try:

@@ -11,7 +11,7 @@ per route, so `/metrics` sees every door alike.
 
 from __future__ import annotations
 
-from app.errors import DRAINING_MESSAGE
+from app.sessions.errors import DRAINING_MESSAGE
 from app.shell.context import ServerContext
 from model.engine import EngineError, ResourceExhausted, Slot
 

@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from app.conversation import Conversation
-from app.errors import ProtocolError
-from app.session import Session
+from app.sessions.conversation import Conversation
+from app.sessions.errors import ProtocolError
+from app.sessions.session import Session
 from media.jitter import FRAME, SAMPLE_RATE
 from media.playout import advised_playout_ms
 from model.engine import EngineStats

@@ -1,10 +1,10 @@
 """What a session's transport is to its dialect, and the close codes every transport speaks.
 
-A session is a dialect (`app.session.Session` and its subclasses: client messages in, server messages out, the
+A session is a dialect (`app.sessions.session.Session` and its subclasses: client messages in, server messages out, the
 protocol state; no I/O) joined to a transport that owns the I/O: reading and bounding what arrives, draining the
-session's `Outbox` into the connection, timeouts, and the close handshake. The transports: `app.websocket`
+session's `Outbox` into the connection, timeouts, and the close handshake. The transports: `app.sessions.websocket`
 (WebSocket text and binary frames), `app.webrtc_call` (the `oai-events` data channel plus the RTP media track) and
-`app.tcp` (framed raw TCP, for Asterisk AudioSocket).
+`app.sessions.tcp` (framed raw TCP, for Asterisk AudioSocket).
 The dialect reaches its transport only through `Transport`.
 
 Close codes (WebSocket numbers; other transports map them to their own ending): 1000 normal, 1001 server shutdown,

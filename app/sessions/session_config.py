@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.audio import MODEL_RATE, parse_format
-from app.errors import ProtocolError
+from app.sessions.audio import MODEL_RATE, parse_format
+from app.sessions.errors import ProtocolError
 from app.shell.context import ServerContext
 from media.codecs import AudioFormat
 from model.engine import SamplingParams, SessionParams

@@ -1,10 +1,10 @@
-"""The WebSocket transport: one aiohttp WebSocket carrying one session (`app.session.Session`) of any dialect.
+"""The WebSocket transport: one aiohttp WebSocket carrying one session (`app.sessions.session.Session`) of any dialect.
 
 `serve(request, session)` runs a connection: refuse a bad key or Origin with HTTP 401/403 and an address over
-`max_connections_per_ip` with HTTP 429 (no slot taken), a draining or stopped server with HTTP 503 (`app.admission`),
-upgrade, then read messages with a first-message timeout and a read-idle timeout (the session's, which its dialect
-may change), a size bound (close 1009), and the session's flood guard (`rate_limited`, close 1008 when sustained).
-Text frames go to the dialect's parser, binary frames to `on_binary`.
+`max_connections_per_ip` with HTTP 429 (no slot taken), a draining or stopped server with HTTP 503
+(`app.sessions.admission`), upgrade, then read messages with a first-message timeout and a read-idle timeout (the
+session's, which its dialect may change), a size bound (close 1009), and the session's flood guard (`rate_limited`,
+close 1008 when sustained). Text frames go to the dialect's parser, binary frames to `on_binary`.
 
 The session's outbox is drained here into the socket, whose kernel send buffer is capped so that unread output
 stays where the outbox bound sees it. A close flushes the outbox for a bounded time, then runs the close handshake
@@ -22,13 +22,13 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from app.admission import gate
-from app.errors import ProtocolError, http_error_body
-from app.outbox import Message, held_by
-from app.session import Session
+from app.sessions.admission import gate
+from app.sessions.errors import ProtocolError, http_error_body
+from app.sessions.outbox import Message, held_by
+from app.sessions.session import Session
+from app.sessions.transport import CLOSE_GOING_AWAY, CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG
 from app.shell.auth import refusal, response_subprotocols, too_many_connections
 from app.shell.context import CONTEXT
-from app.transport import CLOSE_GOING_AWAY, CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,9 @@ A `ProtocolError` raised in a hook becomes one `error` event and the session goe
 What the dialect sends goes into the session's one `Outbox` (bounded; past its bound the session ends with
 `output_backpressure` and close 1008), which its transport drains; it ends the session with `close()`, which frees
 the slot at once and asks the transport to flush and close. It takes a slot through `reserve()`, the one admission
-path (`app.admission`). The session owns its `Conversation`; `close()` and a disconnect close it. Its conversation
-is in the live-call list (`app.calls.live`: `call_opening`, `call_details`, `hang_up`, `cut_output`) until then.
+path (`app.sessions.admission`). The session owns its `Conversation`; `close()` and a disconnect close it. Its
+conversation is in the live-call list (`app.calls.live`: `call_opening`, `call_details`, `hang_up`, `cut_output`)
+until then.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from app.admission import Refused, admit
-from app.conversation import Conversation, InputPolicy, State
-from app.errors import ProtocolError, error_event, new_event_id
-from app.flood import FloodGuard
-from app.outbox import Outbox
+from app.sessions.admission import Refused, admit
+from app.sessions.conversation import Conversation, InputPolicy, State
+from app.sessions.errors import ProtocolError, error_event, new_event_id
+from app.sessions.flood import FloodGuard
+from app.sessions.outbox import Outbox
+from app.sessions.transport import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER, Transport
+from app.sessions.wire import WireError, dumps, parse_object
 from app.shell.context import ServerContext
-from app.transport import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER, Transport
-from app.wire import WireError, dumps, parse_object
 from model.engine import Slot
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ class Session:
     # ---- input -----------------------------------------------------------------------------------------------
 
     async def dispatch_text(self, text: str) -> None:
-        """One text message: strict JSON (`app.wire`) with a string `type_key`, handed to `on_event`."""
+        """One text message: strict JSON (`app.sessions.wire`) with a string `type_key`, handed to `on_event`."""
         try:
             event = parse_object(text)
         except WireError as e:

@@ -13,7 +13,7 @@ import binascii
 
 import numpy as np
 
-from app.errors import ProtocolError
+from app.sessions.errors import ProtocolError
 from media.codecs import MAX_RATE, MIN_RATE, AudioFormat
 from media.resample import Resampler
 

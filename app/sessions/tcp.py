@@ -17,11 +17,11 @@ import contextlib
 import logging
 import socket
 
-from app.outbox import Message, held_by
-from app.session import Session
+from app.sessions.outbox import Message, held_by
+from app.sessions.session import Session
+from app.sessions.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_POLICY
+from app.sessions.websocket import FLUSH_WAIT_S, SOCKET_SEND_BUFFER
 from app.shell.context import ServerContext
-from app.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_POLICY
-from app.websocket import FLUSH_WAIT_S, SOCKET_SEND_BUFFER
 
 logger = logging.getLogger(__name__)
 
