@@ -3,7 +3,7 @@
 
 Doors: `RealtimeClient` (`WS /v1/realtime?duplex=1`, PCM16 24 kHz appends, audio deltas out), `DuplexClient`
 (`WS /v1/duplex`, binary PCM16 24 kHz both ways), `TwilioClient` (`WS /v1/twilio`, 20 ms μ-law 8 kHz `media` both
-ways), `WebRTCClient` (an aiortc peer through `app.webrtc_client.RealtimeCall`, Opus) and `SipClientDoor` (a SIP
+ways), `WebRTCClient` (an aiortc peer through `app.doors.webrtc.client.RealtimeCall`, Opus) and `SipClientDoor` (a SIP
 call over UDP to the server's `--sip-port`, 20 ms PCMU RTP both ways; `SipClientDoor.sip_port` must be set).
 Each one opens its session, sends its audio paced on the clock (a piece that is due late goes late: no catch-up
 burst), reads everything, and keeps per piece of output its arrival time and where it ends in the output stream.
@@ -40,8 +40,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import numpy as np
 
-from app.sip.client import RtpPeer, SipClient, offer
-from app.sip.sdp import parse_offer
+from app.doors.sip.client import RtpPeer, SipClient, offer
+from app.doors.sip.sdp import parse_offer
 from media.codecs import AudioFormat
 from model.audio import read_wav, resample
 
@@ -481,7 +481,7 @@ class WebRTCClient(DoorClient):
         self.stats: dict[str, Any] | None = None
 
     async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
-        from app.webrtc_client import CallRefused, RealtimeCall
+        from app.doors.webrtc.client import CallRefused, RealtimeCall
         self.open_began = time.monotonic()
         api_key = self.headers.get("Authorization", "").removeprefix("Bearer ") or None
         self.call = RealtimeCall(self.base_url, self.audio, loop_audio=True, api_key=api_key,
@@ -547,7 +547,7 @@ class WebRTCClient(DoorClient):
 
 
 class SipClientDoor(DoorClient):
-    """A SIP call (app/sip/client.py): INVITE offering PCMU, 20 ms RTP on the clock; the server's RTP is recorded
+    """A SIP call (app/doors/sip/client.py): INVITE offering PCMU, 20 ms RTP on the clock; the server's RTP is recorded
     with each packet's arrival, played out on the server's clock (μ-law silence where the model's frame was not
     there). `relay` (a bench.impair.UdpRelay) puts the media behind a link: the SDP names its far side. Before
     hanging up, the call's own counters come from `GET /v1/sip/calls` (the SIP door lives in worker 0: asked until

@@ -1,8 +1,8 @@
 """What the SIP door adds to a call's latency on loopback, printed as JSON.
 
 Starts the server in this process (the tiny model by default) with `--sip-port`, places `--calls` calls with the raw
-caller of app/sip/client.py, streams speech-like audio as 20 ms RTP packets for `--seconds`, and reads each call's
-own measurements (app/sip/call.py):
+caller of app/doors/sip/client.py, streams speech-like audio as 20 ms RTP packets for `--seconds`, and reads each call's
+own measurements (app/doors/sip/call.py):
 - inbound: a datagram's parse, decode, resample and push into the conversation's jitter buffer;
 - outbound: from an engine frame's arrival on the event loop to the RTP packet that carries its first sample
   (the playout prebuffer and the 20 ms send clock's phase);
@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
+from app.doors.sip import SIP
+from app.doors.sip.client import RtpPeer, SipClient, offer
+from app.doors.sip.sdp import parse_offer
 from app.shell.server import create_app
 from app.shell.settings import TINY_MODEL, Settings
-from app.sip import SIP
-from app.sip.client import RtpPeer, SipClient, offer
-from app.sip.sdp import parse_offer
 from media.resample import Resampler
 from media.rtp import G722, MODEL_RATE, PCMA, PCMU, RtpCodec
 from model.loading import load_model

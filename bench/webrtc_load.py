@@ -37,7 +37,7 @@ if __package__ in (None, ""):                      # run as a file: make the rep
 import aiohttp
 import numpy as np
 
-from app.webrtc_client import RealtimeCall
+from app.doors.webrtc.client import RealtimeCall
 from bench.doors import FRAME, RATE, client_session, peer_report, speech
 from bench.server_probe import cpu_seconds
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from webrtc_support import ensure_ice_host_address, espeak_wav
 
-from app.webrtc_client import RealtimeCall
+from app.doors.webrtc.client import RealtimeCall
 
 CHROMIUM = Path("/usr/bin/chromium")
 

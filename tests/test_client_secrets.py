@@ -1,8 +1,8 @@
-"""Ephemeral client secrets (`POST /v1/realtime/client_secrets`, app/client_secrets.py) against live servers on the
-tiny model: minted with the openai SDK's own `client.realtime.client_secrets.create`, its answer validated against
-the SDK's pydantic type, then presented as the SDK, a browser WebSocket (the subprotocol), an aiortc call and the
-page in a real Chromium present it; reused, expired, forged and garbled secrets are refused with HTTP 401 before any
-upgrade or slot, by every worker of a `--workers 2` server, and no secret reaches the log.
+"""Ephemeral client secrets (`POST /v1/realtime/client_secrets`, app/doors/realtime/client_secrets.py) against live
+servers on the tiny model: minted with the openai SDK's own `client.realtime.client_secrets.create`, its answer
+validated against the SDK's pydantic type, then presented as the SDK, a browser WebSocket (the subprotocol), an aiortc
+call and the page in a real Chromium present it; reused, expired, forged and garbled secrets are refused with HTTP 401
+before any upgrade or slot, by every worker of a `--workers 2` server, and no secret reaches the log.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from server_support import next_event, until, wait_in_use
 from test_browser import CHROMIUM, browser_factory, chromium_args, mic_wav, wait_until  # noqa: F401 (fixtures)
 from webrtc_support import ensure_ice_host_address
 
-from app.client_secrets import CLIENT_SECRETS, MAX_SECRET_CHARS
+from app.doors.realtime.client_secrets import CLIENT_SECRETS, MAX_SECRET_CHARS
+from app.doors.webrtc.client import CallRefused, RealtimeCall
+from app.doors.webrtc.routes import CALLS
 from app.shell.auth import redact_query
 from app.shell.server import create_app
-from app.webrtc import CALLS
-from app.webrtc_client import CallRefused, RealtimeCall
 from model.loading import load_model
 
 KEY = "sk-test-operator-key"

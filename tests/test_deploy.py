@@ -10,8 +10,8 @@ import re
 import pytest
 from process_support import ROOT
 
+from app.doors.webrtc.routes import CALLS_ROUTE
 from app.shell.settings import Settings, parse_settings
-from app.webrtc import CALLS_ROUTE
 
 yaml = pytest.importorskip("yaml")
 

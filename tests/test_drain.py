@@ -172,7 +172,7 @@ async def test_a_webrtc_call_is_told_on_its_data_channel_when_the_drain_ends(tin
     pytest.importorskip("aiortc")
     from webrtc_support import ensure_ice_host_address
 
-    from app.webrtc_client import CallRefused, RealtimeCall
+    from app.doors.webrtc.client import CallRefused, RealtimeCall
 
     ensure_ice_host_address()
     proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", "0", "--max-sessions", "2",

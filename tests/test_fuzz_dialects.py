@@ -29,7 +29,7 @@ from fuzz_support import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.realtime import _HANDLERS, _UNSUPPORTED
+from app.doors.realtime.dialect import _HANDLERS, _UNSUPPORTED
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

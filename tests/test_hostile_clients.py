@@ -15,7 +15,7 @@ import pytest
 from server_support import b64, closed_with, encode, expect_error, next_event, until, wait_in_use
 from webrtc_support import ensure_ice_host_address
 
-from app.webrtc_client import RealtimeCall
+from app.doors.webrtc.client import RealtimeCall
 
 REALTIME = "/v1/realtime?duplex=1"
 DEEP = "[" * 1000 + "]" * 1000   # 2 KB, 1000 levels

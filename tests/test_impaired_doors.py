@@ -32,11 +32,11 @@ import numpy as np
 import pytest
 from webrtc_support import ensure_ice_host_address
 
-from app.sip import SIP
-from app.sip.client import RtpPeer, SipClient, offer
-from app.sip.sdp import parse_offer
-from app.webrtc import CALLS
-from app.webrtc_client import RealtimeCall
+from app.doors.sip import SIP
+from app.doors.sip.client import RtpPeer, SipClient, offer
+from app.doors.sip.sdp import parse_offer
+from app.doors.webrtc.client import RealtimeCall
+from app.doors.webrtc.routes import CALLS
 from bench.doors import RealtimeClient, TwilioClient, client_session
 from bench.impair import FAR, PRESETS, Link, LinkModel, PeerImpairment, TcpRelay, UdpRelay, impair_peer
 from bench.impair_report import (

@@ -20,8 +20,8 @@ from server_support import eventually, wait_in_use
 from twilio_fake import ULAW, FakeTwilio
 from webrtc_support import ensure_ice_host_address
 
-from app.sip import SIP
-from app.webrtc_client import RealtimeCall
+from app.doors.sip import SIP
+from app.doors.webrtc.client import RealtimeCall
 from media.resample import Resampler
 from tests.sip_support import BARESIP, baresip_call, free_port, read_wav
 

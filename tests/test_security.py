@@ -21,7 +21,7 @@ from server_support import next_event
 from webrtc_support import ensure_ice_host_address
 
 import app.shell.auth
-from app.webrtc_client import CallRefused, RealtimeCall
+from app.doors.webrtc.client import CallRefused, RealtimeCall
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-7f3a9c1e5b"

@@ -214,7 +214,7 @@ async def test_a_cut_with_no_new_response_asked_for_is_heard_again_within_a_seco
     utterance, is heard again at the latest MAX_MUTED_FRAMES frames after the cut, in a response of its own."""
     import asyncio
 
-    from app.realtime import MAX_MUTED_FRAMES
+    from app.doors.realtime.dialect import MAX_MUTED_FRAMES
     server = await start_server(max_sessions=1)
     stepped = lambda: server.ctx.engine.stats().offline_frames
     speech = np.tile(speech_24k, 3)[: 40 * 1920]

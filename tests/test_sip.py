@@ -1,4 +1,4 @@
-"""The SIP door end to end on loopback: a real baresip phone, and a raw UDP/TCP caller (app/sip/client.py) for the
+"""The SIP door end to end on loopback: a real baresip phone, and a raw UDP/TCP caller (app/doors/sip/client.py) for the
 refusals, re-INVITEs, CANCEL, DTMF, session timers, and hostile SIP and RTP. The real engine runs the tiny model."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from app.sip import SIP
-from app.sip.client import Dialog, RtpPeer, SipClient, offer
-from app.sip.sdp import parse_offer
+from app.doors.sip import SIP
+from app.doors.sip.client import Dialog, RtpPeer, SipClient, offer
+from app.doors.sip.sdp import parse_offer
 from media.rtp import PCMA, PCMU, AudioCodec, build_rtp
 from tests.conftest import RunningServer, speech_like
 from tests.sip_support import BARESIP, baresip_call, free_port, read_wav

@@ -14,9 +14,9 @@ from process_support import ROOT, open_call
 from server_support import wait_in_use
 from webrtc_support import ensure_ice_host_address
 
+from app.doors.webrtc.client import CallRefused, RealtimeCall
+from app.doors.webrtc.routes import CALLS, WebRTCConfig
 from app.shell.settings import parse_settings
-from app.webrtc import CALLS, WebRTCConfig
-from app.webrtc_client import CallRefused, RealtimeCall
 
 CALLS_URL = "/v1/realtime/calls"
 OFFER = "v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\n"

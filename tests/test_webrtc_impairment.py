@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from webrtc_support import PacketTap, ensure_ice_host_address
 
-from app.webrtc import CALLS
-from app.webrtc_client import RealtimeCall
+from app.doors.webrtc.client import RealtimeCall
+from app.doors.webrtc.routes import CALLS
 
 CLEAN_S, IMPAIRED_S, RECOVER_S = 2.0, 5.0, 13.0
 

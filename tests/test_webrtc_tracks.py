@@ -14,7 +14,7 @@ import tomllib
 from aiortc.mediastreams import MediaStreamError
 from webrtc_support import connect_pair
 
-from app.webrtc_client import ArraySource
+from app.doors.webrtc.client import ArraySource
 from media.jitter import JitterBuffer, JitterConfig
 from media.tracks import (
     AIORTC_VERSION,

@@ -1,9 +1,10 @@
 """The dialect half of a session: client messages in, server messages out, the protocol state; no I/O of its own.
 
-A dialect (`app.realtime`, `app.duplex`, `app.twilio`, the bridges) subclasses `Session`, sets `route`/`type_key`
-and implements the hooks: `on_open` (after the connection is up: admission, greeting), `on_event` (one parsed JSON
-message), `on_binary` (one binary message), `closed_event` (its last word), `on_disconnect` (free what it holds).
-A `ProtocolError` raised in a hook becomes one `error` event and the session goes on.
+A dialect (`app.doors.realtime.dialect`, `app.doors.duplex`, `app.doors.phone.twilio`, the bridges) subclasses
+`Session`, sets `route`/`type_key` and implements the hooks: `on_open` (after the connection is up: admission,
+greeting), `on_event` (one parsed JSON message), `on_binary` (one binary message), `closed_event` (its last word),
+`on_disconnect` (free what it holds). A `ProtocolError` raised in a hook becomes one `error` event and the session goes
+on.
 
 What the dialect sends goes into the session's one `Outbox` (bounded; past its bound the session ends with
 `output_backpressure` and close 1008), which its transport drains; it ends the session with `close()`, which frees

@@ -2,7 +2,7 @@
 
 `SessionConfig` holds persona, voice, sampling, pacing and the wire formats; `with_update` returns an updated copy
 or raises a `ProtocolError` whose `param` is the path the client sent the bad field at (`ConfigUpdate.paths`; nothing
-changes then). What may change once a conversation has started is the dialect's business (`app.realtime_update`).
+changes then). What may change once a conversation has started is the dialect's business (`app.doors.realtime.update`).
 """
 
 from __future__ import annotations

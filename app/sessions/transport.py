@@ -3,7 +3,7 @@
 A session is a dialect (`app.sessions.session.Session` and its subclasses: client messages in, server messages out, the
 protocol state; no I/O) joined to a transport that owns the I/O: reading and bounding what arrives, draining the
 session's `Outbox` into the connection, timeouts, and the close handshake. The transports: `app.sessions.websocket`
-(WebSocket text and binary frames), `app.webrtc_call` (the `oai-events` data channel plus the RTP media track) and
+(WebSocket text and binary frames), `app.doors.webrtc.call` (the `oai-events` data channel plus the RTP media track) and
 `app.sessions.tcp` (framed raw TCP, for Asterisk AudioSocket).
 The dialect reaches its transport only through `Transport`.
 

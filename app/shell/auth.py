@@ -2,9 +2,9 @@
 that never writes a credential.
 
 A key is accepted from `Authorization: Bearer <key>`, `?api_key=<key>`, or the WebSocket subprotocol
-`openai-insecure-api-key.<key>` that browser Realtime clients send (browsers cannot set headers on a WebSocket).
-Keys are compared in constant time. An ephemeral client secret (`ek_…`, app/client_secrets.py) is presented the same
-way; that module checks it first and marks the request (`CLIENT_SECRET`), which `authorized` then lets through.
+`openai-insecure-api-key.<key>` that browser Realtime clients send (browsers cannot set headers on a WebSocket). Keys
+are compared in constant time. An ephemeral client secret (`ek_…`, app/doors/realtime/client_secrets.py) is presented
+the same way; that module checks it first and marks the request (`CLIENT_SECRET`), which `authorized` then lets through.
 `RedactingAccessLogger` replaces the value of every credential-like query parameter (`api_key`, `token`, `key`,
 `secret`, `password`, …) with `REDACTED` in the access log, and any `ek_…` value wherever it appears.
 """
@@ -27,8 +27,8 @@ BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 
 
 TELNYX_TOKEN_HEADER = "x-telnyx-streaming-auth-token"
-# The request key of a checked client secret's claim (app/client_secrets.py). aiohttp 3.14 typed request storage
-# (and warns on plain string keys); older releases have only strings.
+# The request key of a checked client secret's claim (app/doors/realtime/client_secrets.py). aiohttp 3.14 typed request
+# storage (and warns on plain string keys); older releases have only strings.
 CLIENT_SECRET: Any = (web.RequestKey("personaplex_client_secret", object) if hasattr(web, "RequestKey")
                       else "personaplex_client_secret")
 
@@ -65,7 +65,8 @@ def key_ok(request: web.Request, keys: tuple[str, ...]) -> bool:
 
 
 def authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
-    """A configured key, or a client secret that app/client_secrets.py checked for this request's route."""
+    """A configured key, or a client secret that app/doors/realtime/client_secrets.py checked for this request's
+    route."""
     return CLIENT_SECRET in request or key_ok(request, keys)
 
 

@@ -4,12 +4,12 @@
 tells every open session `session.closed` and closes it with 1001, cleanup stops the engine.
 
 Routes: `GET /health`, `GET /health/live`, `GET /health/ready` (probes for a balancer, app/shell/probes.py),
-`GET /metrics`, `GET /v1/models`, `GET /v1/voices`, `WS /v1/realtime` (`?duplex=1`), `POST /v1/realtime/client_secrets`
-(app/client_secrets.py, which also checks the `ek_` secrets presented to the session routes),
-`WS /v1/duplex`, `WS /v1/twilio`, the bridges `WS /v1/telnyx`, `WS /v1/vonage`, `WS /v1/freeswitch` and the
-Asterisk AudioSocket TCP door (`--audiosocket-port`); `app.webrtc.setup_webrtc(app)` adds the WebRTC routes when
-that module exists (it finds the shared `ServerContext` at `app[CONTEXT]`); with `--sip-port`, `app.sip.setup_sip(app)`
-adds the SIP door.
+`GET /metrics`, `GET /v1/models`, `GET /v1/voices`, then each door's: `WS /v1/realtime` (`?duplex=1`) and
+`POST /v1/realtime/client_secrets` (app/doors/realtime/; client_secrets.py also checks the `ek_` secrets presented
+to the session routes), `WS /v1/duplex`, the phone bridges `WS /v1/twilio`,
+`WS /v1/telnyx`, `WS /v1/vonage`, `WS /v1/freeswitch` and the Asterisk AudioSocket TCP door (`--audiosocket-port`,
+app/doors/phone/), the WebRTC calls and the page (`app.doors.webrtc.routes.setup_webrtc`, when that module is there;
+it finds the shared `ServerContext` at `app[CONTEXT]`), and with `--sip-port` the SIP door (`app.doors.sip.setup_sip`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from app.audiosocket import setup_audiosocket
 from app.calls.live import CallRegistry, setup_calls
-from app.client_secrets import setup_client_secrets
-from app.duplex import duplex_handler
-from app.freeswitch import freeswitch_handler
-from app.realtime import capabilities, realtime_handler
+from app.doors.duplex import duplex_handler
+from app.doors.phone.audiosocket import setup_audiosocket
+from app.doors.phone.freeswitch import freeswitch_handler
+from app.doors.phone.telnyx import telnyx_handler
+from app.doors.phone.twilio import twilio_handler
+from app.doors.phone.vonage import vonage_handler
+from app.doors.realtime.client_secrets import setup_client_secrets
+from app.doors.realtime.dialect import capabilities, realtime_handler
 from app.sessions.errors import http_error_body
 from app.shell.auth import RedactingAccessLogger, authorized
 from app.shell.context import CONTEXT, ServerContext
@@ -40,9 +43,6 @@ from app.shell.model_choice import RANDOM_MODEL, TINY_MODEL, ModelUnavailable, f
 from app.shell.probes import DRAINING, READY, readiness, serve_agent
 from app.shell.settings import Settings
 from app.shell.worker_routing import worker_socket
-from app.telnyx import telnyx_handler
-from app.twilio import twilio_handler
-from app.vonage import vonage_handler
 from model.engine import Engine, EngineConfig, EngineError, EngineStats
 from model.engine.pool import EnginePool
 from model.loading import PersonaPlex, load_model
@@ -343,12 +343,12 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
     app.router.add_get("/v1/freeswitch", freeswitch_handler)
     setup_client_secrets(app)
     setup_audiosocket(app)
-    if importlib.util.find_spec("app.webrtc") is not None:
-        from app.webrtc import setup_webrtc
+    if importlib.util.find_spec("app.doors.webrtc.routes") is not None:
+        from app.doors.webrtc.routes import setup_webrtc
         setup_webrtc(app)
     app.on_startup.append(_startup)
     if settings.sip_port:  # after _startup: the SIP door needs the engine
-        from app.sip import setup_sip
+        from app.doors.sip import setup_sip
         setup_sip(app)
     app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)

@@ -1,10 +1,11 @@
 """The Realtime dialect's conversation items: the responses the model spoke and the items a client added.
 
-A full-duplex model keeps its context in its own KV, not in a list of items, so this is bookkeeping that lets the
-OpenAI item events mean what clients expect: `conversation.item.retrieve` returns the item as the server holds it,
-`conversation.item.delete` forgets it, and `conversation.item.truncate` cuts an assistant item's transcript at the
-audio the client says was played (nothing is rewound in the model, which heard the caller talk over it anyway).
-What a client-added text item does to the model is `app.realtime`'s business (a prompt prefilled into the context).
+A full-duplex model keeps its context in its own KV, not in a list of items, so this is bookkeeping that lets the OpenAI
+item events mean what clients expect: `conversation.item.retrieve` returns the item as the server holds it,
+`conversation.item.delete` forgets it, and `conversation.item.truncate` cuts an assistant item's transcript at the audio
+the client says was played (nothing is rewound in the model, which heard the caller talk over it anyway). What a
+client-added text item does to the model is `app.doors.realtime.dialect`'s business (a prompt prefilled into the
+context).
 """
 
 from __future__ import annotations

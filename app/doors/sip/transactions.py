@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from sipmessage import Request, Response
 
-from app.sip.transport import Peer, response
+from app.doors.sip.transport import Peer, response
 
 T1, T2 = 0.5, 4.0
 TIMEOUT_64T1 = 64 * T1
@@ -58,7 +58,7 @@ class Transactions:
     def reply(self, req: Request, peer: Peer, reply_to: tuple[str, int], code: int, reason: str, *,
               to_tag: str | None = None, headers: list[tuple[str, str]] | None = None, body: bytes = b"",
               cache: CacheKey | None = None) -> bytes:
-        """Send a response (app.sip.transport.response) and return its bytes; with `cache`, kept for the request's
+        """Send a response (app.doors.sip.transport.response) and return its bytes; with `cache`, kept for the request's
         retransmissions."""
         data = response(req, peer, code, reason, to_tag=to_tag, headers=headers, body=body)
         peer.send(data, reply_to)

@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from app.realtime import capabilities
+from app.doors.realtime.dialect import capabilities
 from app.sessions.audio import InputDecoder, OutputEncoder, b64decode, b64encode
 from app.sessions.conversation import Backpressure
 from app.sessions.errors import ProtocolError

@@ -55,7 +55,7 @@ from typing import Any
 
 from aiohttp import web
 
-from app.realtime_update import read_update
+from app.doors.realtime.update import read_update
 from app.sessions.errors import ProtocolError, http_error_body
 from app.sessions.session_config import default_config, with_update
 from app.sessions.wire import WireError, parse_object

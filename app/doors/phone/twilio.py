@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.phone import MAX_NAME_CHARS, PhoneLine, inbound_payload, media_streams_start
+from app.doors.phone.line import MAX_NAME_CHARS, PhoneLine, inbound_payload, media_streams_start
 from app.sessions.audio import b64encode
 from app.sessions.errors import ProtocolError
 from app.sessions.transport import CLOSE_NORMAL

@@ -2,17 +2,16 @@
 
 As OpenAI Realtime does it over WebRTC. The body is the offer as `application/sdp`, or `multipart/form-data` with an
 `sdp` part and an optional `session` part (the JSON of a `session.update`'s `session`: persona as `instructions`,
-`voice`, sampling); `application/json` `{"sdp", "session"?}` is taken too. The answer is `201` with the answer SDP
-and `Location: /v1/realtime/calls/<call id>`; `GET` there gives the call's counters, `DELETE` (or
-`POST …/hangup`) hangs up. Admission is `app.sessions.admission`'s, answered over HTTP before any peer is made: a
-full server answers `429` with a JSON error, a draining or stopped one `503`. An ephemeral client secret
-(app/client_secrets.py) opens a call as a key does, and its bound session is applied first, the offer's `session`
-part over it.
+`voice`, sampling); `application/json` `{"sdp", "session"?}` is taken too. The answer is `201` with the answer SDP and
+`Location: /v1/realtime/calls/<call id>`; `GET` there gives the call's counters, `DELETE` (or `POST …/hangup`) hangs up.
+Admission is `app.sessions.admission`'s, answered over HTTP before any peer is made: a full server answers `429` with a
+JSON error, a draining or stopped one `503`. An ephemeral client secret (app/doors/realtime/client_secrets.py) opens a
+call as a key does, and its bound session is applied first, the offer's `session` part over it.
 
-One call is one `app.webrtc_call.Call`: the WebRTC transport (data channel `oai-events` + RTP media track) carrying
-the Realtime dialect. The call ends, and its slot is freed at once, on DELETE, when ICE fails or does not connect
-within `connect_timeout_s`, when the peer closes (DTLS close or RTCP BYE), or at server shutdown (`session.closed`
-first, reason `server_shutdown`).
+One call is one `app.doors.webrtc.call.Call`: the WebRTC transport (data channel `oai-events` + RTP media track)
+carrying the Realtime dialect. The call ends, and its slot is freed at once, on DELETE, when ICE fails or does not
+connect within `connect_timeout_s`, when the peer closes (DTLS close or RTCP BYE), or at server shutdown
+(`session.closed` first, reason `server_shutdown`).
 
 ICE servers: none by default (host candidates only: localhost and LAN). `--stun-url`, `--turn-url` (with
 `--turn-username`, `--turn-credential`) and `--ice-relay-only` set them (or their `PERSONAPLEX_*` environment twins),
@@ -29,7 +28,8 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from app.client_secrets import merged_session
+from app.doors.realtime.client_secrets import merged_session
+from app.doors.webrtc.call import CALLS_ROUTE, CHANNEL_LABEL, Call, OfferError, WebRTCConfig
 from app.sessions.admission import Refused, admit, gate
 from app.sessions.errors import ProtocolError, http_error_body
 from app.sessions.transport import CLOSE_NORMAL
@@ -37,14 +37,13 @@ from app.sessions.wire import WireError, parse_object
 from app.shell.auth import CLIENT_SECRET, refusal, too_many_connections
 from app.shell.context import CONTEXT
 from app.shell.worker_routing import call_owner, forward, worker_socket
-from app.webrtc_call import CALLS_ROUTE, CHANNEL_LABEL, Call, OfferError, WebRTCConfig
 from model.engine.pool import EnginePool
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CALLS", "CALLS_ROUTE", "WEBRTC", "WebRTCConfig", "setup_webrtc"]
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+STATIC_DIR = Path(__file__).resolve().parents[3] / "static"   # app/doors/webrtc/ -> the repository
 
 WEBRTC = web.AppKey("personaplex_webrtc", WebRTCConfig)
 CALLS = web.AppKey("personaplex_webrtc_calls", dict)

@@ -1,9 +1,9 @@
 """The SIP user agent server (RFC 3261) a trunk calls: what comes in on the SIP port, and where each request goes.
 
-The parts, each readable on its own: app/sip/transport.py (UDP and TCP, framing, where replies go, our address),
-app/sip/transactions.py (retransmissions and their timers), app/sip/invite.py (a new call: its checks, admission,
-the RTP ports and the answer; CANCEL), app/sip/dialogs.py (in-dialog requests, session timers, the call's end and
-our BYE), app/sip/call.py (one call's RTP and conversation).
+The parts, each readable on its own: app/doors/sip/transport.py (UDP and TCP, framing, where replies go, our address),
+app/doors/sip/transactions.py (retransmissions and their timers), app/doors/sip/invite.py (a new call: its checks,
+admission, the RTP ports and the answer; CANCEL), app/doors/sip/dialogs.py (in-dialog requests, session timers, the
+call's end and our BYE), app/doors/sip/call.py (one call's RTP and conversation).
 
 Each message is parsed with `sipmessage` (parse only: it owns no I/O, and keeps raw header values, so Via, From, To
 and Record-Route are copied into responses exactly). Anything it cannot parse is dropped and counted (`malformed`); a
@@ -24,11 +24,11 @@ import logging
 
 from sipmessage import Message, Request, Response
 
+from app.doors.sip.dialogs import ALLOW, Dialog, Dialogs, capabilities
+from app.doors.sip.invite import Invites
+from app.doors.sip.transactions import Transactions, cache_key
+from app.doors.sip.transport import MAX_SIP_BYTES, Local, Peer, Sockets, reply_address, tag
 from app.shell.context import ServerContext
-from app.sip.dialogs import ALLOW, Dialog, Dialogs, capabilities
-from app.sip.invite import Invites
-from app.sip.transactions import Transactions, cache_key
-from app.sip.transport import MAX_SIP_BYTES, Local, Peer, Sockets, reply_address, tag
 
 logger = logging.getLogger(__name__)
 

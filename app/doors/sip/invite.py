@@ -21,16 +21,16 @@ from sipmessage import Request
 
 from app.calls.live import LiveCall
 from app.calls.recording import asked_to_record
+from app.doors.sip.call import MediaSession, PortRange
+from app.doors.sip.dialogs import MIN_SE, Dialog, Dialogs, capabilities
+from app.doors.sip.digest import DigestAuth
+from app.doors.sip.sdp import Choice, Offer, SdpError, answer, negotiate, parse_offer
+from app.doors.sip.transactions import RETRY_AFTER_S, CacheKey, InviteTx, Transactions, invite_tx
+from app.doors.sip.transport import Local, Peer
 from app.sessions import admission
 from app.sessions.errors import ProtocolError
 from app.sessions.session_config import ConfigUpdate, SessionConfig, default_config, with_update
 from app.shell.context import ServerContext
-from app.sip.call import MediaSession, PortRange
-from app.sip.dialogs import MIN_SE, Dialog, Dialogs, capabilities
-from app.sip.digest import DigestAuth
-from app.sip.sdp import Choice, Offer, SdpError, answer, negotiate, parse_offer
-from app.sip.transactions import RETRY_AFTER_S, CacheKey, InviteTx, Transactions, invite_tx
-from app.sip.transport import Local, Peer
 from media.rtp import TelephoneEvent
 from model.engine import EngineError, Slot
 

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
 
+from app.doors.sip.sdp import Choice
 from app.sessions.conversation import Conversation, InputPolicy
 from app.shell.metrics import Metrics
 from app.shell.settings import rtp_port_range
-from app.sip.sdp import Choice
 from media.pacing import FIRST_PLAYED_FRAME, SIP_RTP, Pacer
 from media.rtp import AudioCodec, RtpReceiver, TelephoneEvent, build_rtp
 from model.engine import EngineError, FrameOutput, SessionParams, Slot

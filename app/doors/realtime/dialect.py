@@ -1,7 +1,7 @@
 """`WS /v1/realtime?duplex=1`: the OpenAI Realtime vocabulary over one model-native duplex conversation.
 
-Admission happens at connect (`session.created`, or `error resource_exhausted` and close 1013). `session.update`
-sets persona, voice, sampling, pacing and the wire formats (GA and beta spellings, `app.realtime_update`); the first
+Admission happens at connect (`session.created`, or `error resource_exhausted` and close 1013). `session.update` sets
+persona, voice, sampling, pacing and the wire formats (GA and beta spellings, `app.doors.realtime.update`); the first
 `input_audio_buffer.append` or `response.create` starts the conversation (prompt prefill, then one frame per 80 ms).
 
 A full-duplex model has no turns, so each turn-based request gets the meaning it can have (docs/protocol.md §2):
@@ -10,7 +10,7 @@ another carrying the request's metadata (before any audio it starts the conversa
 `output_audio_buffer.clear` cut what the caller hears (queued audio withdrawn) and keep the model's context, muting
 the model until it has finished what it was saying (a fresh context instead is the session option
 `restart_on_cancel`); instructions changed mid-call and text items a client adds are prefilled into the live context
-at the next frame boundary; item events are bookkeeping (`app.realtime_items`). Every event sent validates against
+at the next frame boundary; item events are bookkeeping (`app.doors.realtime.items`). Every event sent validates against
 the openai SDK's types (GA, or beta when the client asked for beta names: `OpenAI-Beta: realtime=v1` or the
 `openai-beta.realtime-v1` subprotocol); the extensions `session.closed`, `session.heartbeat_ack` and
 `playback.acknowledged` are documented, and the last two answer only our own events.
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.realtime_items import ConversationItems, Response, new_id
-from app.realtime_update import Ignored, SessionUpdate, read_update
+from app.doors.realtime.items import ConversationItems, Response, new_id
+from app.doors.realtime.update import Ignored, SessionUpdate, read_update
 from app.sessions.audio import InputDecoder, OutputEncoder, b64decode, b64encode
 from app.sessions.conversation import Backpressure, Conversation, State
 from app.sessions.errors import MAX_ECHO_CHARS, ProtocolError
@@ -136,8 +136,8 @@ class RealtimeSession(Session):
 
     def __init__(self, ctx: ServerContext, beta: bool, session_id: str | None = None,
                  bound: dict[str, Any] | None = None) -> None:
-        """`session_id` and `bound`: a client secret's (app/client_secrets.py): the id its mint answered and the
-        session config it carries, applied before `session.created`."""
+        """`session_id` and `bound`: a client secret's (app/doors/realtime/client_secrets.py): the id its mint answered
+        and the session config it carries, applied before `session.created`."""
         super().__init__(ctx)
         self.beta = beta
         self.names = BETA_NAMES if self.beta else GA_NAMES

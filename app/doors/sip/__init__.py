@@ -1,11 +1,11 @@
 """The SIP door (`--sip-port`): a user agent server for SIP trunks, with RTP media (issue 16).
 
 `setup_sip(app)` adds it to the aiohttp app: the SIP server starts after the engine (in a multi-process server, in
-worker 0 only: see app/sip/uas.py) and stops with the app; `GET /v1/sip/calls` lists the live calls and their media
-stats (API key as for /v1/models). Modules: uas (the server: what comes in and where it goes), transport (UDP and
-TCP, where replies go), transactions (retransmissions), invite (a new call's signalling), dialogs (in-dialog
-requests, session timers, the end), sdp (offer/answer), digest (auth), call (one call's RTP and conversation),
-client (a SIP phone for tests and benchmarks); media/rtp.py has the codecs and the RTP receive side.
+worker 0 only: see app/doors/sip/uas.py) and stops with the app; `GET /v1/sip/calls` lists the live calls and their
+media stats (API key as for /v1/models). Modules: uas (the server: what comes in and where it goes), transport (UDP and
+TCP, where replies go), transactions (retransmissions), invite (a new call's signalling), dialogs (in-dialog requests,
+session timers, the end), sdp (offer/answer), digest (auth), call (one call's RTP and conversation), client (a SIP phone
+for tests and benchmarks); media/rtp.py has the codecs and the RTP receive side.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import json
 
 from aiohttp import web
 
+from app.doors.sip.uas import SipServer
 from app.sessions.errors import http_error_body
 from app.shell.auth import key_ok
 from app.shell.context import CONTEXT
-from app.sip.uas import SipServer
 from model.engine.pool import EnginePool
 
 SIP = web.AppKey("personaplex_sip", SipServer)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.phone import PhoneLine
+from app.doors.phone.line import PhoneLine
 from app.sessions.errors import ProtocolError
 from app.sessions.websocket import serve
 from app.shell.context import CONTEXT

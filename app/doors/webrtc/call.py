@@ -1,5 +1,5 @@
 """One WebRTC call: the WebRTC transport (peer connection, `oai-events` data channel, RTP media track) carrying the
-Realtime dialect (`CallDialect`, the `app.realtime` dialect with WebRTC's differences).
+Realtime dialect (`CallDialect`, the `app.doors.realtime.dialect` dialect with WebRTC's differences).
 
 `Call` is the transport: it negotiates the peer, drains the session's outbox into the data channel only as fast as
 SCTP takes it (what the peer does not read stays in the outbox, where its bound sees it; aiortc's own send queue is
@@ -36,7 +36,7 @@ from aiortc.rtcconfiguration import RTCIceTransportPolicy
 from aiortc.rtcrtpsender import RTCRtpSender
 
 from app.calls.recording import asked_to_record
-from app.realtime import RealtimeSession, is_beta
+from app.doors.realtime.dialect import RealtimeSession, is_beta
 from app.sessions.conversation import Conversation, State
 from app.sessions.errors import ProtocolError
 from app.sessions.outbox import Message

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from sipmessage import URI, Request
 
 from app.calls.live import LiveCall
+from app.doors.sip.call import MediaSession
+from app.doors.sip.sdp import SdpError, answer, negotiate, parse_offer
+from app.doors.sip.transactions import CacheKey, InviteTx, Transactions, invite_tx
+from app.doors.sip.transport import Local, Peer, tag
 from app.shell.context import ServerContext
-from app.sip.call import MediaSession
-from app.sip.sdp import SdpError, answer, negotiate, parse_offer
-from app.sip.transactions import CacheKey, InviteTx, Transactions, invite_tx
-from app.sip.transport import Local, Peer, tag
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.phone import PhoneLine
+from app.doors.phone.line import PhoneLine
 from app.sessions.audio import b64encode
 from app.sessions.errors import ProtocolError
 from app.sessions.transport import CLOSE_POLICY

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.phone import PhoneLine, inbound_payload, media_streams_start
-from app.reorder import Reorder
+from app.doors.phone.line import PhoneLine, inbound_payload, media_streams_start
+from app.doors.phone.reorder import Reorder
 from app.sessions.audio import b64encode
 from app.sessions.errors import ProtocolError
 from app.sessions.transport import CLOSE_NORMAL

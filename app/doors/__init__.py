@@ -1,0 +1,6 @@
+"""The doors: one module or package per family of clients, each a dialect (and where needed a transport) on the
+shared session machinery (app/sessions/). realtime/ (the OpenAI Realtime WebSocket dialect, its session.update, items
+and client secrets), duplex.py (the native dialect), phone/ (the telephone bridges: Twilio, Telnyx, Vonage,
+FreeSWITCH, Asterisk AudioSocket, on one `PhoneLine`), webrtc/ (browser calls: the routes, one call, and a Python
+client), sip/ (SIP trunks with RTP: the user agent server and one call's media). docs/architecture.md says how to add
+one; phone/vonage.py is the smallest to copy."""
