@@ -8,15 +8,14 @@ Routes: `GET /health`, `GET /health/live`, `GET /health/ready` (probes for a bal
 `POST /v1/realtime/client_secrets` (app/doors/realtime/; client_secrets.py also checks the `ek_` secrets presented
 to the session routes), `WS /v1/duplex`, the phone bridges `WS /v1/twilio`,
 `WS /v1/telnyx`, `WS /v1/vonage`, `WS /v1/freeswitch` and the Asterisk AudioSocket TCP door (`--audiosocket-port`,
-app/doors/phone/), the WebRTC calls and the page (`app.doors.webrtc.routes.setup_webrtc`, when that module is there;
-it finds the shared `ServerContext` at `app[CONTEXT]`), and with `--sip-port` the SIP door (`app.doors.sip.setup_sip`).
+app/doors/phone/), the WebRTC calls and the page (`app.doors.webrtc.routes.setup_webrtc`, which finds the shared
+`ServerContext` at `app[CONTEXT]`), and with `--sip-port` the SIP door (`app.doors.sip.setup_sip`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from app.doors.phone.twilio import twilio_handler
 from app.doors.phone.vonage import vonage_handler
 from app.doors.realtime.client_secrets import setup_client_secrets
 from app.doors.realtime.dialect import capabilities, realtime_handler
+from app.doors.webrtc.routes import setup_webrtc
 from app.sessions.errors import http_error_body
 from app.shell.auth import RedactingAccessLogger, authorized
 from app.shell.context import CONTEXT, ServerContext
@@ -343,9 +343,7 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
     app.router.add_get("/v1/freeswitch", freeswitch_handler)
     setup_client_secrets(app)
     setup_audiosocket(app)
-    if importlib.util.find_spec("app.doors.webrtc.routes") is not None:
-        from app.doors.webrtc.routes import setup_webrtc
-        setup_webrtc(app)
+    setup_webrtc(app)
     app.on_startup.append(_startup)
     if settings.sip_port:  # after _startup: the SIP door needs the engine
         from app.doors.sip import setup_sip
