@@ -61,7 +61,7 @@ class Settings:
     max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
     audiosocket_port: int = 0             # Asterisk AudioSocket TCP door; 0: off
     engine_stalled_s: float = 2.0         # this long without an engine tick and /health reports the engine down
-    sip_port: int = 0                     # SIP user agent server on UDP and TCP; 0: off (app/sip)
+    sip_port: int = 0                     # SIP user agent server on UDP and TCP; 0: off (app/doors/sip)
     sip_address: str = ""                 # the address our SDP and Contact give; "": the bind address, else found
     rtp_ports: str = "20000-29999"        # RTP on even ports of this range, RTCP on the next odd one
     sip_agents: tuple[str, ...] = ()      # NAME=voice,persona-file: the request-URI user picks one
