@@ -189,11 +189,12 @@ class Pacer:
     def write(self, audio: np.ndarray) -> None:
         """One engine frame (24 kHz float32); the grid follows it."""
         now = self._clock()
+        owed = round(self.resampler.held_back)    # the earlier frames' tail the resampler gives out first
         samples = self.resampler.process(audio)
         before = self.playout.stats()
         self._follow(before.underruns, before.prebuffer_ms / 1000.0, now)
         if self.playout.write(samples):
-            self._pending.append((before.written_samples, now))
+            self._pending.append((before.written_samples + owed, now))
 
     def _follow(self, underruns: int, prebuffer_s: float, now: float) -> None:
         rules = self.rules

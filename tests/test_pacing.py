@@ -119,6 +119,16 @@ async def test_sends_land_just_after_each_frame_and_every_frame_waits_the_hold()
     assert pacer.shed_ms == 0.0
 
 
+@pytest.mark.parametrize("rate", [8000, 16000, 48000])
+async def test_a_frame_is_timed_from_its_own_first_sample_at_any_line_rate(rate: int):
+    """The resampler to the line's rate gives out the previous frame's last 2 ms with each frame (its filter's delay):
+    the frame's own audio starts after them, one send later, so it waits one packet plus 2 ms, as at 24 kHz."""
+    clock = Clock()
+    pacer = Pacer(rate, SIP_RTP, clock=clock)
+    await drive(pacer, clock, ticks(0.085, 40), until=3.3)
+    assert set(ms(pacer.waits)) == {22.0} and pacer.grid.moves == 1
+
+
 async def test_the_webrtc_track_holds_the_prebuffer_and_the_grid_comes_forward_to_it():
     clock = Clock()
     pacer = Pacer(24000, WEBRTC_TRACK, clock=clock)
