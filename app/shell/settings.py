@@ -267,7 +267,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
             raise SystemExit(f"{_names(name)} takes {kind}, got {value!r}") from None
         bound = BOUNDS.get(name)
         if bound is not None and not bound.admits(getattr(s, name)):
-            raise SystemExit(f"{_names(name)} must be {bound}, got {value}")
+            raise SystemExit(f"{_names(name)} must be {bound}, got {value:g}" if isinstance(value, float) else
+                             f"{_names(name)} must be {bound}, got {value}")
     if s.kv_cache not in KV_CACHE_CHOICES:
         raise SystemExit(f"{_names('kv_cache')} must be one of {', '.join(KV_CACHE_CHOICES)}, got {s.kv_cache!r}")
     try:
