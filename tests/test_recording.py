@@ -8,6 +8,7 @@ list says of a recorded call, and the admin API's cut, are checked on the way.""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -239,3 +240,37 @@ async def test_the_admin_api_lists_cuts_and_hangs_up_every_door(start_server, sp
     off = await start_server()
     async with aiohttp.ClientSession() as http, http.get(off.url + "/v1/calls") as r:
         assert r.status == 403                                         # no --admin-key: the API is off
+
+
+@pytest.mark.parametrize("policy,record,recorded", [("opt-in", True, True), ("opt-in", None, False),
+                                                    ("opt-out", False, False)])
+async def test_a_realtime_session_states_its_wish_before_audio(start_server, speech_24k, tmp_path, policy, record,
+                                                               recorded):
+    """The Realtime WebSocket's `session.record`, given before audio flows, is weighed by the server's policy as
+    a phone door's parameter is; once the conversation started it is listed as ignored."""
+    root = tmp_path / "rec"
+    server = await start_server(record_dir=root, record_policy=policy)
+    session: dict[str, Any] = {"pacing": "input"} if record is None else {"pacing": "input", "record": record}
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws("/v1/realtime?duplex=1")) as ws:
+        await ws.receive_json()
+        await ws.send_json({"type": "session.update", "session": session})
+        assert (await ws.receive_json())["session"]["record"] is record
+        pcm = (np.clip(speech_24k[: 6 * 1920], -1, 1) * 32767).astype("<i2").tobytes()
+        await ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+        deltas = 0
+        while deltas < 6:
+            deltas += (await ws.receive_json())["type"] == "response.output_audio.delta"
+        await ws.send_json({"type": "session.update", "session": {"record": not record}})
+        while (event := await ws.receive_json())["type"] != "session.updated":
+            pass
+        assert {"param": "session.record", "reason": "recording is decided as the conversation starts"} \
+            in event["ignored"]
+        await ws.send_json({"type": "session.close"})
+        while (await ws.receive_json())["type"] != "session.closed":
+            pass
+        await wait_in_use(http, server.url, 0)
+    if recorded:
+        folder, call = await finished(root)
+        assert call["door"] == "/v1/realtime" and decode(folder / "audio.ogg")[0].shape[0] == 2
+    else:
+        assert not list(root.rglob("audio.ogg"))

@@ -135,24 +135,34 @@ class CallRegistry:
 
     def open(self, door: str, conversation: Conversation, owner: CallOwner, *, caller: dict[str, Any] | None = None,
              codec: str = "", record: bool | None = None, call_id: str | None = None,
-             agent: dict[str, Any] | None = None) -> LiveCall:
+             agent: dict[str, Any] | None = None, defer_record: bool = False) -> LiveCall:
         """Register a call (before its conversation starts); `record` is the session's or agent's wish, which the
-        server's policy weighs (app.calls.recording.wanted); `agent` the persona and voice the door set up."""
+        server's policy weighs (app.calls.recording.wanted); `agent` the persona and voice the door set up.
+        `defer_record`: the session states its wish later, and `start_recording` decides as its conversation
+        starts."""
         call = LiveCall(call_id or new_call_id(self.worker, "call"), door, conversation, owner, caller or {}, codec,
                         self.worker_name, configured=agent or {})
         self.calls[call.id] = call
+        if not defer_record:
+            self.start_recording(call, record)
         started = call.describe()
-        if self.writer is not None and wanted(self.settings.record_policy, record):
-            call.recording = self.writer.start(call.id, call.started_at, self._facts(call))
+        if call.recording is not None:
             started["recording"] = call.recording.paths
-            recording = call.recording
-            conversation.add_input_tap(recording.input_frame)
-            conversation.add_listener(lambda frame: self._recorded(call, frame))
         if self.keeps_markers:
             self._disk.submit(self._write_marker, call.id, {"call": started, "started_at": call.started_at})
         if self.webhooks is not None:
             self.webhooks.emit("call.started", started)
         return call
+
+    def start_recording(self, call: LiveCall | None, record: bool | None) -> None:
+        """Record the call if the server records and its policy takes the wish `record` (before the conversation's
+        first frame; once per call)."""
+        if call is None or call.recording is not None or call.ended or self.writer is None \
+                or not wanted(self.settings.record_policy, record):
+            return
+        call.recording = self.writer.start(call.id, call.started_at, self._facts(call))
+        call.conversation.add_input_tap(call.recording.input_frame)
+        call.conversation.add_listener(lambda frame: self._recorded(call, frame))
 
     def _recorded(self, call: LiveCall, frame: FrameOutput) -> None:
         if call.recording is not None and not call.ended:

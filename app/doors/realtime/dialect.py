@@ -154,6 +154,7 @@ class RealtimeSession(Session):
         self.link_report_s = 0.0                     # `session.link` every this many seconds; 0: none
         self._link_task: asyncio.Task[None] | None = None
         self.frames_sent = 0                         # audio frames handed to the client
+        self.record: bool | None = None              # the session's wish to be recorded, stated before audio flows
         self.turn_detection: dict[str, Any] | None = None
         self._muted = False                          # cut: frames are not sent until the model's next utterance
         self._quiet = 0                              # frames without text since the cut
@@ -220,6 +221,7 @@ class RealtimeSession(Session):
             "restart_on_cancel": self.restart_on_cancel,
             "stats_interval_s": self.stats_interval_s,
             "link_report_s": self.link_report_s,
+            "record": self.record,
             "conversation_state": self.conversation.state.value,
             "capabilities": capabilities(self.ctx.engine.max_sessions),
         }
@@ -285,6 +287,11 @@ class RealtimeSession(Session):
             self.restart_on_cancel = update.restart_on_cancel
         if update.stats_interval_s is not None:
             self.stats_interval_s = update.stats_interval_s
+        if update.record is not None:
+            if conv.started:
+                ignored.append(Ignored("session.record", "recording is decided as the conversation starts"))
+            else:
+                self.record = update.record
         if update.link_report_s is not None:
             self.link_report_s = update.link_report_s
             if self.link_report_s and (self._link_task is None or self._link_task.done()):
@@ -321,8 +328,12 @@ class RealtimeSession(Session):
             except Backpressure as e:
                 raise ProtocolError("input_backpressure", str(e)) from None
 
+    def call_opening(self) -> dict[str, Any]:
+        return {"defer_record": True}   # the wish comes with a session.update, before the conversation starts
+
     def _start(self) -> None:
         assert self.conversation is not None
+        self.ctx.calls.start_recording(self.live_call, self.record)
         params = self.config.params()
         if self._prompt_notes:
             params = replace(params, persona="\n".join([params.persona, *self._prompt_notes]).strip())

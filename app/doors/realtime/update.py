@@ -46,7 +46,7 @@ _AUDIO_IN_NOT_ACTED_ON = {"transcription": "input_audio_transcription",
 _KNOWN = frozenset({"type", "model", "instructions", "voice", "audio", "input_audio_format", "output_audio_format",
                     "input_sample_rate_hz", "output_sample_rate_hz", "turn_detection", "output_modalities",
                     "modalities", "temperature", "pacing", "idle_timeout_s", "extra_body", "restart_on_cancel",
-                    "stats_interval_s", "link_report_s", "object", "id", "expires_at", "client_secret",
+                    "stats_interval_s", "link_report_s", "record", "object", "id", "expires_at", "client_secret",
                     "capabilities", "sampling", "state", "conversation_state", *SAMPLING_KEYS})
 
 
@@ -66,6 +66,7 @@ class SessionUpdate:
     restart_on_cancel: bool | None = None
     stats_interval_s: float | None = None
     link_report_s: float | None = None
+    record: bool | None = None                     # the session's wish to be recorded (the server's policy decides)
     turn_detection: dict[str, Any] | None = None   # as the client set it (server_vad / semantic_vad), when it did
     turn_detection_given: bool = False
     ignored: list[Ignored] = field(default_factory=list)
@@ -136,6 +137,11 @@ def read_update(s: dict[str, Any], prefix: str = "session") -> SessionUpdate:
         if src.get("stats_interval_s") is not None:
             out.stats_interval_s = _number(src["stats_interval_s"], 0, 60, f"{where}.stats_interval_s",
                                            "a number of seconds, 0 for none")
+        if src.get("record") is not None:
+            if not isinstance(src["record"], bool):
+                raise ProtocolError("invalid_session_config", "`record` must be true or false",
+                                    param=f"{where}.record")
+            out.record = src["record"]
         if src.get("link_report_s") is not None:
             out.link_report_s = link_report_s(src["link_report_s"], f"{where}.link_report_s")
     _read_turn_detection(s, audio_in, prefix, out)
