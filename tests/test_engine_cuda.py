@@ -79,6 +79,13 @@ def test_graphs_replay_the_eager_step(cuda_model):
     assert all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
+def test_the_default_cuda_engine_decodes_in_bf16_and_encodes_in_float32(cuda_model):
+    engine = Engine(cuda_model, EngineConfig(max_sessions=1))
+    assert (engine.runner.mimi.encoder_dtype, engine.runner.mimi.decoder_dtype) == (torch.float32, torch.bfloat16)
+    exact = Engine(cuda_model, EngineConfig(max_sessions=1, mimi_decoder_bf16=False))
+    assert exact.runner.mimi.decoder_dtype == torch.float32
+
+
 def test_fused_and_fp8_engines_run(cuda_model):
     fused = asyncio.run(session_tokens(cuda_model, EngineConfig(max_sessions=2, fuse_kernels=True), 8))
     fp8 = asyncio.run(session_tokens(cuda_model, EngineConfig(max_sessions=2, fp8_kv=True), 8))

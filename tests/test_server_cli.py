@@ -15,8 +15,10 @@ import pytest
 import torch
 from process_support import ROOT, cli_env, free_port
 
+from app.shell.server import build_engine
 from app.shell.settings import DEFAULT_MODEL, parse_settings
 from model.audio import write_wav
+from model.loading import load_model
 
 
 def test_flags_win_over_environment():
@@ -35,6 +37,16 @@ def test_kv_cache_choice_is_checked_for_flags_and_environment():
     assert parse_settings([], {"PERSONAPLEX_KV_CACHE": "fp8"}).kv_cache == "fp8"
     with pytest.raises(SystemExit, match="PERSONAPLEX_KV_CACHE must be one of bf16, fp8"):
         parse_settings([], {"PERSONAPLEX_KV_CACHE": "fp9"})
+
+
+def test_mimi_decoder_precision_is_a_choice_and_reaches_the_engine(tiny_checkpoint):
+    tiny_model = load_model(str(tiny_checkpoint))
+    assert parse_settings([], {}).mimi_decoder == "bf16"
+    settings = parse_settings(["--mimi-decoder", "float32"], {})
+    assert build_engine(settings, tiny_model).config.mimi_decoder_bf16 is False
+    assert build_engine(parse_settings([], {}), tiny_model).config.mimi_decoder_bf16 is True
+    with pytest.raises(SystemExit, match="PERSONAPLEX_MIMI_DECODER must be one of bf16, float32"):
+        parse_settings([], {"PERSONAPLEX_MIMI_DECODER": "fp16"})
 
 
 async def test_no_gpu_falls_back_to_tiny_loudly_and_exits_on_sigterm(tiny_checkpoint, tmp_path):

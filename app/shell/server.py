@@ -101,7 +101,8 @@ def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
     if fp8 and model.device.type != "cuda":
         logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)
     return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda",
-                                      stalled_after_s=settings.engine_stalled_s))
+                                      stalled_after_s=settings.engine_stalled_s,
+                                      mimi_decoder_bf16=settings.mimi_decoder == "bf16"))
 
 
 async def _startup(app: web.Application) -> None:
