@@ -57,6 +57,7 @@ class PacingRules:
     skip_on_late_align: bool = False  # an align a period or more later skips those slots' timestamps (else the
                                       # sends just leave later, once, with continuous timestamps)
     after_s: float = 0.002            # where a send lands after the frame it should find
+    primed: bool = False              # the line's resampler starts with its filter's delay in silence (see SIP_RTP)
     repace_frames: int = 25           # frames between checks of the grid's phase
     tolerance_s: float = 0.003        # an excess wait below this is left alone
 
@@ -66,9 +67,12 @@ class PacingRules:
 WEBRTC_TRACK = PacingRules(playout=PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0),
                            skip_on_late_align=True)
 # SIP's RTP sender: each frame waits one packet (the previous frame's last) plus after_s; a backlog is shed and a
-# stall drops its audio, so a phone's latency stays where it was; timestamps stay continuous across a move.
+# stall drops its audio, so a phone's latency stays where it was; timestamps stay continuous across a move. Primed:
+# else the first frame comes out of the 8/16 kHz resampler short by its filter's delay (2 ms), the packets fall on the
+# frames' edges, and each frame's last packet waits for its last 2 ms, which come with the next frame: a frame more
+# than 2 ms late (not a packet) left the caller 2 ms, then 40 ms of silence (the prebuffer, grown by the underrun).
 SIP_RTP = PacingRules(playout=PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0), hold_s=0.020,
-                      shed_backlog=True, drop_on_stall=True)
+                      shed_backlog=True, drop_on_stall=True, primed=True)
 # The telephone bridges' WebSockets (Twilio, Telnyx, Vonage, FreeSWITCH, AudioSocket): the platform plays what comes as
 # it comes, with little buffering of its own, so the playout holds the slack (40 ms to begin with) and every frame
 # is played.
@@ -176,7 +180,7 @@ class Pacer:
         """A new line rate (a SIP re-INVITE's codec): a fresh resampler and playout; the next frame re-aligns."""
         self.rate = rate
         self.chunk = round(rate * self.period_s)
-        self.resampler = Resampler(MODEL_RATE, rate)
+        self.resampler = Resampler(MODEL_RATE, rate, primed=self.rules.primed)
         self.playout = PlayoutBuffer(rate, self.rules.playout)
         self.marks: deque[tuple[int, str]] = deque()     # (playout position, name)
         self._pending: deque[tuple[int, float]] = deque()  # frames not sent yet: (first sample's position, written at)

@@ -129,6 +129,19 @@ async def test_a_frame_is_timed_from_its_own_first_sample_at_any_line_rate(rate:
     assert set(ms(pacer.waits)) == {22.0} and pacer.grid.moves == 1
 
 
+@pytest.mark.parametrize("rate", [8000, 16000])
+async def test_a_sip_frame_up_to_a_packet_late_goes_out_with_no_silence(rate: int):
+    """The SIP sender holds one packet: a frame 3 to 21 ms late still comes before the send that needs it (the line's
+    resampler is primed, so the packets do not wait for the next frame's first 2 ms, which made 3 ms an underrun)."""
+    for late in (0.003, 0.012, 0.021):
+        clock = Clock()
+        pacer = Pacer(rate, SIP_RTP, clock=clock)
+        sends = await drive(pacer, clock, ticks(0.085, 40, shift={20: late, 21: -late}), until=3.3)
+        assert pacer.playout.stats().underruns == 0 and pacer.grid.moves == 1
+        assert [t for t, _, first in sends if first == 0.0 and t > 0.1] == []      # the silence before frame 0 only
+        assert ms(pacer.waits)[20] == pytest.approx(22.0 - late * 1000)
+
+
 async def test_the_webrtc_track_holds_the_prebuffer_and_the_grid_comes_forward_to_it():
     clock = Clock()
     pacer = Pacer(24000, WEBRTC_TRACK, clock=clock)
