@@ -84,6 +84,16 @@ def test_sip_latency_bench_prints_the_sip_paths_added_latency() -> None:
     assert line["added_p50_ms"] == round(line["inbound_p50_ms"] + line["outbound_p50_ms"] + line["resampler_ms"], 2)
 
 
+def test_jitter_phase_bench_prints_the_added_latency_at_each_read_phase() -> None:
+    lines = bench_lines("bench.jitter_phase", "--seeds", "1", "--phases-ms", "0", "50", "--seconds", "6",
+                        tiny_flag=False)
+    phases = [line for line in lines if line["bench"] == "jitter_phase"]
+    assert [line["phase_ms"] for line in phases] == [0.0, 50.0]
+    assert all(0.0 < line["added_p50_ms"] <= line["added_p95_ms"] and line["link_jitter_p95_ms"] > 0 for line in phases)
+    (summary,) = [line for line in lines if line["bench"] == "jitter_phase_summary"]
+    assert summary["added_p50_ms_min"] == min(line["added_p50_ms"] for line in phases)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal under test is the no-GPU one")
 def test_engine_bench_without_a_gpu_says_so_in_one_line() -> None:
     done = subprocess.run([sys.executable, "-m", "bench.engine_bench"], cwd=ROOT, capture_output=True, text=True,
