@@ -302,24 +302,33 @@ async def test_rtp_goes_where_the_callers_packets_come_from(sip_server: StartSer
 
 
 async def test_a_frame_a_few_ms_late_reaches_the_caller_without_a_gap(sip_server: StartServer, caller: Any) -> None:
-    """One engine tick 12 ms late (a tick listener holds the engine thread past the next tick's time): its frame is
+    """One engine tick held 12 ms late (a tick listener holds the engine thread past the next tick's time): its frame is
     within the packet the sender holds (22 ms), and the caller hears no silence. Unprimed, the 8 kHz resampler gave the
     first frame 2 ms short, so each frame's last packet waited for the next frame: a frame 2 ms late left the caller
-    40 ms of silence (one missing frame per SIP call in bench.e2e). 12 ms sits between the two with room for the
-    tiny engine's own jitter on a busy CPU."""
+    40 ms of silence (one missing frame per SIP call in bench.e2e). The frame's own lateness is measured (its hand-out
+    against the median of the others'), and a try where a busy machine decided the frames' lateness instead of the
+    hold (a frame later than a packet: a real gap, not the one under test) is made again on a later tick."""
     srv = await sip_server()
+    hold_s, slack_s = 0.012, 0.020
     armed = threading.Event()
-    late_at: list[float] = []
+    held: list[int] = []                       # the index of the tick the hold made late, per try
+    handed: list[tuple[float, float]] = []     # per tick: (hand-out time, its lateness against its deadline)
+    deadline_of_this: list[float] = []
 
     def hold_one_tick(record: TickRecord, next_tick_at: float) -> None:
-        if armed.is_set() and not late_at:
-            time.sleep(max(0.0, next_tick_at + 0.012 - time.monotonic()))
-            late_at.append(time.monotonic())
+        now = time.monotonic()
+        if deadline_of_this:
+            handed.append((now, now - deadline_of_this[0]))
+        deadline_of_this[:] = [next_tick_at]
+        if armed.is_set():
+            armed.clear()
+            time.sleep(max(0.0, next_tick_at + hold_s - time.monotonic()))
+            held.append(len(handed))           # the next tick's frame is the late one
 
     srv.ctx.engine.add_tick_listener(hold_one_tick)
     client = await caller(srv)
     d, rtp, remote, _ = await connect(client)
-    talking = asyncio.ensure_future(rtp.stream(PCMU, 0, speech_like(6.0, rate=8000), remote))
+    talking = asyncio.ensure_future(rtp.stream(PCMU, 0, speech_like(12.0, rate=8000), remote))
 
     def silent(payload: bytes) -> bool:
         return payload.count(0xFF) == len(payload)          # μ-law 0.0
@@ -328,15 +337,31 @@ async def test_a_frame_a_few_ms_late_reaches_the_caller_without_a_gap(sip_server
     while not any(not silent(p.payload) for _, p in rtp.received):
         assert time.monotonic() < deadline, "no audio from the model"
         await asyncio.sleep(0.01)
-    armed.set()
-    while not late_at or time.monotonic() < late_at[0] + 0.3:
-        assert time.monotonic() < deadline + 5, "the engine did not tick"
-        await asyncio.sleep(0.02)
+    start = min(at for at, p in rtp.received if not silent(p.payload))
+    checked = 0
+    for _ in range(3):
+        await asyncio.sleep(0.5)
+        tries = len(held)
+        armed.set()
+        while len(held) == tries or len(handed) <= held[-1] + 4:     # the late frame and four after it
+            assert time.monotonic() < deadline + 20, "the engine did not tick"
+            await asyncio.sleep(0.02)
+        typical = float(np.median([late for _, late in handed]))
+        late_at, late = handed[held[-1]]
+        end = late_at + 0.15
+        if max(lt - typical for at, lt in handed if start - 0.1 <= at <= end) > slack_s or late - typical < 0.005:
+            start = time.monotonic()           # this machine, not the hold, decided how late the frames were
+            continue
+        # From the first audio through the late frame and the sends after it, every frame within a packet of its
+        # time: no silence (unprimed, the first frame later than 2 ms, natural or held, left two silent packets).
+        stretch = [p for at, p in rtp.received if start <= at <= end]
+        assert len(stretch) >= 5
+        assert not [p.sequence_number for p in stretch if silent(p.payload)]
+        checked += 1
+        break
     talking.cancel()
-    # The late frame and the sends after it (unprimed: the silent ones came 20-50 ms after the late tick began).
-    around = [p for at, p in rtp.received if late_at[0] <= at <= late_at[0] + 0.15]
-    assert len(around) >= 5
-    assert not [p.sequence_number for p in around if silent(p.payload)]
+    if not checked:
+        pytest.skip("on every try this machine made a frame later than a packet, or the hold's frame not late")
     assert (await client.bye(d)).code == 200
     rtp.close()
 
