@@ -85,6 +85,8 @@ _ENV_PREFIX = "PERSONAPLEX_"
 KV_CACHE_CHOICES = ("bf16", "fp8")
 MIMI_DECODER_CHOICES = ("bf16", "float32")
 RECORD_POLICIES = ("all", "opt-in", "opt-out")
+# The settings that take one of a few words, each refused in one line when it takes another.
+CHOICES = {"kv_cache": KV_CACHE_CHOICES, "mimi_decoder": MIMI_DECODER_CHOICES, "record_policy": RECORD_POLICIES}
 
 
 @dataclass(frozen=True)
@@ -275,11 +277,9 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         if bound is not None and not bound.admits(getattr(s, name)):
             raise SystemExit(f"{_names(name)} must be {bound}, got {value:g}" if isinstance(value, float) else
                              f"{_names(name)} must be {bound}, got {value}")
-    if s.kv_cache not in KV_CACHE_CHOICES:
-        raise SystemExit(f"{_names('kv_cache')} must be one of {', '.join(KV_CACHE_CHOICES)}, got {s.kv_cache!r}")
-    if s.mimi_decoder not in MIMI_DECODER_CHOICES:
-        raise SystemExit(f"{_names('mimi_decoder')} must be one of {', '.join(MIMI_DECODER_CHOICES)}, "
-                         f"got {s.mimi_decoder!r}")
+    for name, choices in CHOICES.items():
+        if getattr(s, name) not in choices:
+            raise SystemExit(f"{_names(name)} must be one of {', '.join(choices)}, got {getattr(s, name)!r}")
     try:
         rtp_port_range(s.rtp_ports)
     except ValueError as e:
@@ -311,9 +311,6 @@ def _names(name: str) -> str:
 
 def _check_calls(s: Settings) -> None:
     """Recording, webhook and admin flags, each refused in one line."""
-    if s.record_policy not in RECORD_POLICIES:
-        raise SystemExit(f"--record-policy / PERSONAPLEX_RECORD_POLICY must be one of {', '.join(RECORD_POLICIES)}, "
-                         f"got {s.record_policy!r}")
     for flag, folder in (("--record-dir", s.record_dir), ("--spool-dir", s.spool_dir)):
         if folder is not None and folder.exists() and not folder.is_dir():
             raise SystemExit(f"{flag} {folder}: not a folder")
