@@ -148,8 +148,9 @@ async def test_a_worker_killed_mid_call_leaves_a_playable_recording_and_call_end
             async def listed() -> list[dict[str, Any]]:
                 async with http.get(url + "/v1/calls", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
                     return (await r.json())["data"]
-            for _ in range(4):                         # new connections land on either worker: each lists it
-                [call] = await listed()
+            for _ in range(4):   # new connections land on either worker: each lists it, once it has heard (from the
+                # engine's stats, a moment after start) that the other worker exists to ask
+                [call] = await eventually(listed, 10, "the call in the live list")
             assert call["caller"]["call_sid"] == "CA-kill"
             await eventually(lambda: len(twilio.received) >= 150, 30, "three seconds of the model's audio")
             report = await health(http, url)
