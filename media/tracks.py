@@ -22,6 +22,7 @@ import contextlib
 import fractions
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -96,6 +97,7 @@ class PtsSink(Protocol):
 class InboundStats:
     frames: int = 0               # packets decoded
     fec_frames: int = 0           # lost packets rebuilt from their successor's in-band FEC
+    fec_superseded: int = 0       # rebuilt, then the original came after all (reordered, not lost): not in fec_frames
     lost_frames: int = 0          # gaps in pts, in packets, when seen (a late packet may fill one afterwards)
     late_frames: int = 0          # arrived behind a newer packet (reordered)
     bad_frames: int = 0           # undecodable, or refused by the sink: dropped and counted
@@ -130,6 +132,7 @@ class InboundAudio:
         self._mapper = ReorderingTimestampMapper()
         self._next: int | None = None                       # RTP time the next in-order packet should carry
         self._seq: int | None = None                        # the newest sequence number seen
+        self._rebuilt: deque[int] = deque(maxlen=64)        # RTP times rebuilt from FEC, recent ones
         self.stats = InboundStats()
         _swap(receiver, "_RTCRtpReceiver__jitter_buffer", JitterBuffer, self)
 
@@ -162,9 +165,14 @@ class InboundAudio:
                 st.lost_frames += (t - self._next) // (2 * samples)
             elif t < self._next:
                 st.late_frames += 1
+                if t in self._rebuilt:          # the "lost" packet was only reordered: FEC recovered no loss
+                    self._rebuilt.remove(t)
+                    st.fec_frames -= 1
+                    st.fec_superseded += 1
         self._next = max(self._next or 0, t + 2 * samples)
         if rebuilt is not None and rebuilt.size:
             st.fec_frames += 1
+            self._rebuilt.append(t - 2 * rebuilt.size)
             self._push(t // 2 - rebuilt.size, rebuilt, now)
         self._push(t // 2, audio, now)
         return False, None

@@ -72,9 +72,9 @@ class Arrivals:
         return [n for n, _, _ in self.got]
 
 
-async def pair(track, **impair):
+async def pair(track, **options):
     sink = Arrivals()
-    a, b, rx, encoder, tap, inbound = await connect_pair(track, sink=sink, **impair)
+    a, b, rx, encoder, tap, inbound = await connect_pair(track, sink=sink, **options)
     return a, b, rx, encoder, tap, inbound, sink
 
 
@@ -131,6 +131,24 @@ async def test_a_reordered_packet_lands_at_its_own_pts():
         assert sorted(got) == [frame_of(tap, i) for i in range(60)]  # nothing lost, nothing mapped 2**32 away
         assert got.index(frame_of(tap, 30)) > got.index(frame_of(tap, 31))
         assert inbound.stats.late_frames == 1
+    finally:
+        await close(a, b)
+
+
+async def test_fec_counts_only_losses_it_rebuilt_not_a_reordered_packet_it_stood_in_for():
+    """A packet held back 70 ms looks lost when its successor comes: FEC fills its place then. When the original
+    comes after all, that rebuild recovered no loss: fec_frames counts only the real loss (packet 20), so a caller's
+    loss minus fec_frames is what the buffer had to conceal. (libopus adds FEC to a steady tone's first ~30 packets
+    only: its voice detector then calls it no speech.)"""
+    track = OutboundAudioTrack(ArraySource(tone(3.0)))
+    a, b, _, _, tap, inbound, sink = await pair(track, encoder=ContainedOpusEncoder(expected_loss_pct=10),
+                                                drop=lambda i: i == 20, delay_s=lambda i: 0.07 if i == 10 else 0.0)
+    try:
+        await until_handled(tap, 40)
+        await asyncio.sleep(0.1)
+        st = inbound.stats
+        assert tap.delayed == [10] and st.late_frames == 1
+        assert (st.fec_frames, st.fec_superseded) == (1, 1)
     finally:
         await close(a, b)
 

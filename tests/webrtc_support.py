@@ -88,7 +88,7 @@ class PacketTap:
         return (self.timestamps[index] - self.timestamps[0]) % (1 << 32)
 
 
-async def connect_pair(sender_track, *, sink=None, drop=None, delay_s=None, timeout_s: float = 15.0):
+async def connect_pair(sender_track, *, sink=None, drop=None, delay_s=None, timeout_s: float = 15.0, encoder=None):
     """Two in-process aiortc peers on loopback: `sender_track` (with our contained encoder) -> a receiver whose
     RTP entry is tapped from the first packet on. With a `sink`, the receiver's audio goes through `InboundAudio`
     into it; without, through aiortc's own jitter buffer and decoder to the remote track.
@@ -107,7 +107,7 @@ async def connect_pair(sender_track, *, sink=None, drop=None, delay_s=None, time
     sending = a.addTransceiver(sender_track, direction="sendonly")
     opus = [c for c in RTCRtpSender.getCapabilities("audio").codecs if c.mimeType.lower() == "audio/opus"]
     sending.setCodecPreferences(opus)
-    encoder = ContainedOpusEncoder()
+    encoder = encoder or ContainedOpusEncoder()
     install_contained_encoder(sending.sender, encoder)
     await a.setLocalDescription(await a.createOffer())
     await b.setRemoteDescription(a.localDescription)
