@@ -161,12 +161,11 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
 async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
-    config = EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv,
-                          mimi_encoder_bf16=args.mimi_encoder_bf16, mimi_decoder_bf16=args.mimi_decoder_bf16)
-    engine = Engine(model, config)
+    mimi = {"mimi_encoder_bf16": args.mimi_encoder_bf16, "mimi_decoder_bf16": args.mimi_decoder_bf16,
+            "mimi_compiled": args.mimi_compiled}
+    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, **mimi))
     engine.start()
     kv = "fp8" if args.fp8_kv else "bf16"
-    mimi = {"mimi_encoder_bf16": args.mimi_encoder_bf16, "mimi_decoder_bf16": args.mimi_decoder_bf16}
     print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **mimi,
                       "graph_capture_s": round(time.perf_counter() - started, 1), **gpu_memory_gb()}), flush=True)
     loads = args.loads or [(sessions, context) for context in args.contexts for sessions in args.sessions]
@@ -213,6 +212,8 @@ def main() -> None:
                         default=EngineConfig.mimi_encoder_bf16, help="Mimi's streaming encoder in bf16 (CUDA)")
     parser.add_argument("--mimi-decoder-bf16", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.mimi_decoder_bf16, help="Mimi's streaming decoder in bf16 (CUDA)")
+    parser.add_argument("--mimi-compiled", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.mimi_compiled, help="Mimi's streaming steps compiled by Inductor (CUDA)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():

@@ -18,7 +18,8 @@ KV writes, embeddings, the text head and sampling), the depformer, Mimi decode, 
 - `kernels`: launches per step, and `kernel_ms` their summed device time (eager profile), so `ms - kernel_ms` is
   what the part spends between kernels.
 "roofline_kernels" lines list each part's top kernels; "roofline_tick" sums a load. `--mimi-variants` also times Mimi
-alone at each load's batch in float32, decoder bf16 and both bf16 ("mimi_variant" lines).
+alone at each load's batch in float32, decoder bf16 and both bf16, each eager and compiled (`Mimi.compiled`)
+("mimi_variant" lines); `--mimi-compiled` runs the engine's Mimi compiled.
 `--tiny` runs the tiny checkpoint on the CPU (wall clock, no profile), to try the script.
 """
 
@@ -287,12 +288,13 @@ def mimi_variant(mimi: Mimi, name: str, rows: int, device: torch.device, steps: 
 
 
 def mimi_variants(model_mimi: Mimi, rows: int, device: torch.device, steps: int, top_kernels: int) -> list[dict]:
-    """Mimi alone in float32, with its decoder in bf16, and all in bf16."""
+    """Mimi alone in float32, with its decoder in bf16, all in bf16, and (compiled) each of those compiled."""
     bf16, fp32 = torch.bfloat16, torch.float32
     lines = []
     for name, encoder, decoder in (("float32", fp32, fp32), ("decoder_bf16", fp32, bf16), ("bf16", bf16, bf16)):
-        lines.append(mimi_variant(model_mimi.with_precision(encoder, decoder), name, rows, device, steps,
-                                  top_kernels))
+        mimi = model_mimi.with_precision(encoder, decoder)
+        lines.append(mimi_variant(mimi, name, rows, device, steps, top_kernels))
+        lines.append(mimi_variant(mimi.compiled(), f"{name}_compiled", rows, device, steps, top_kernels))
         torch.cuda.empty_cache()
     return lines
 
@@ -307,7 +309,9 @@ def main() -> None:
                         default=EngineConfig.mimi_encoder_bf16)
     parser.add_argument("--mimi-decoder-bf16", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.mimi_decoder_bf16)
-    parser.add_argument("--mimi-variants", action="store_true", help="also time Mimi alone in three precisions")
+    parser.add_argument("--mimi-compiled", action=argparse.BooleanOptionalAction, default=EngineConfig.mimi_compiled)
+    parser.add_argument("--mimi-variants", action="store_true",
+                        help="also time Mimi alone in three precisions, eager and compiled")
     parser.add_argument("--engine-json", help="engine_bench JSON lines whose host p50 to take for each load")
     parser.add_argument("--peak-tbs", type=float, default=4.8, help="memory bandwidth, TB/s (H200 datasheet)")
     parser.add_argument("--peak-bf16-tflops", type=float, default=790.0, help="bf16 products (measured on the H200)")
@@ -331,11 +335,13 @@ def main() -> None:
             for line in mimi_variants(model.mimi, rows, model.device, args.steps, args.top):
                 print(json.dumps(line), flush=True)
     config = EngineConfig(max_sessions=max(s for s, _ in args.loads), fp8_kv=args.fp8_kv,
-                          mimi_encoder_bf16=args.mimi_encoder_bf16, mimi_decoder_bf16=args.mimi_decoder_bf16)
+                          mimi_encoder_bf16=args.mimi_encoder_bf16, mimi_decoder_bf16=args.mimi_decoder_bf16,
+                          mimi_compiled=args.mimi_compiled)
     engine = Engine(model, config)
     print(json.dumps({"bench": "roofline_start", "fp8_kv": args.fp8_kv, "mimi_encoder_bf16": args.mimi_encoder_bf16,
-                      "mimi_decoder_bf16": args.mimi_decoder_bf16, "peak_tbs": args.peak_tbs,
-                      "peak_bf16_tflops": args.peak_bf16_tflops, "peak_tf32_tflops": args.peak_tf32_tflops}),
+                      "mimi_decoder_bf16": args.mimi_decoder_bf16, "mimi_compiled": args.mimi_compiled,
+                      "peak_tbs": args.peak_tbs, "peak_bf16_tflops": args.peak_bf16_tflops,
+                      "peak_tf32_tflops": args.peak_tf32_tflops}),
           flush=True)
     row_flops = mimi_row_flops(engine.runner.mimi, engine.device)
     for sessions, context in args.loads:

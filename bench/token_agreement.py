@@ -52,8 +52,10 @@ class SpeechLike:
 
 
 CANDIDATES = {"decoder_bf16": {"mimi_decoder_bf16": True}, "encoder_bf16": {"mimi_encoder_bf16": True},
-              "bf16": {"mimi_encoder_bf16": True, "mimi_decoder_bf16": True}}
-REFERENCE = {"mimi_encoder_bf16": False, "mimi_decoder_bf16": False}
+              "bf16": {"mimi_encoder_bf16": True, "mimi_decoder_bf16": True},
+              "compiled": {"mimi_compiled": True},
+              "decoder_bf16_compiled": {"mimi_decoder_bf16": True, "mimi_compiled": True}}
+REFERENCE = {"mimi_encoder_bf16": False, "mimi_decoder_bf16": False, "mimi_compiled": False}
 STREAMS = {"text": slice(0, 1), "agent": slice(1, 9), "user_codes": slice(9, 17)}
 
 

@@ -35,7 +35,7 @@ def stream_window(buf: Tensor, x: Tensor, first: Tensor | None = None) -> Tensor
 
     Rows where `first` [B] (bool) is set start fresh with replicate padding: their past is x's first sample.
     """
-    if not use_kernel(x.device):
+    if not use_kernel(x.device) or torch.compiler.is_compiling():
         return stream_window_reference(buf, x, first)
     B, C, L = x.shape
     context = buf.shape[-1]
@@ -74,7 +74,7 @@ def overlap_add(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) ->
     to its start; `tail` then holds the part that overruns this call (without the bias, which the next call adds).
     """
     b, c, t, k = taps.shape
-    if not use_kernel(taps.device):
+    if not use_kernel(taps.device) or torch.compiler.is_compiling():
         return overlap_add_reference(taps, tail, bias, stride)
     overlap = k - stride
     assert t * stride >= overlap and tail.is_contiguous() and tail.shape[-1] == overlap

@@ -118,6 +118,9 @@ class EngineConfig:
     # from float32's, about a mu-law line's own noise (docs/fidelity.md). CPU runs stay float32.
     mimi_encoder_bf16: bool = False
     mimi_decoder_bf16: bool = True
+    # On CUDA, Mimi's two streaming steps compiled whole by Inductor (`Mimi.compiled`): the glue between its
+    # products fused into generated kernels. Not bit-exact (Inductor orders some sums its own way).
+    mimi_compiled: bool = False
 
 
 @dataclass

@@ -104,13 +104,15 @@ class Runner:
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def _streaming_mimi(self) -> Mimi:
-        """The codec the steps stream through: the model's, or on CUDA a copy with a side in bf16 (EngineConfig)."""
+        """The codec the steps stream through: the model's, or on CUDA a copy with a side in bf16 and perhaps its
+        steps compiled (EngineConfig)."""
         mimi = self.model.mimi
         if self.device.type != "cuda":
             return mimi
         bf16 = torch.bfloat16
-        return mimi.with_precision(bf16 if self.config.mimi_encoder_bf16 else mimi.encoder_dtype,
+        mimi = mimi.with_precision(bf16 if self.config.mimi_encoder_bf16 else mimi.encoder_dtype,
                                    bf16 if self.config.mimi_decoder_bf16 else mimi.decoder_dtype)
+        return mimi.compiled() if self.config.mimi_compiled else mimi
 
     def _pool_pages(self, page: int) -> int:
         """The pool's pages: the configured count, else what the free device memory holds beside kv_free_gib
