@@ -57,7 +57,7 @@ def simulate(
         if kind == 0:
             run.buffer.push(pts, signal[pts : pts + PACKET], now=t)
         else:
-            run.frames.append(run.buffer.read_frame())
+            run.frames.append(run.buffer.read_frame(now=t))
             run.stats.append(run.buffer.stats())
     return run
 
@@ -240,8 +240,10 @@ def test_underrun_raises_the_margin_and_it_decays() -> None:
     run = simulate(sig, arrivals, 3.0)
     before = run.buffer.stats()
     frames = 0
-    while run.buffer.read_frame() is not None:  # the sender goes quiet: the buffer runs dry
+    t = 3.0
+    while run.buffer.read_frame(now=t) is not None:  # the sender goes quiet: the buffer runs dry
         frames += 1
+        t += TICK
     assert frames <= 2
     after = run.buffer.stats()
     assert after.underruns == before.underruns + 1
@@ -290,7 +292,7 @@ def test_engine_stall_is_capped_then_cut_back() -> None:
     s = jb.stats()
     assert s.depth_ms == pytest.approx(500.0)
     assert s.overrun_drops_ms == pytest.approx(300.0)
-    frame = jb.read_frame()
+    frame = jb.read_frame(now=0.81)
     assert frame is not None
     after = jb.stats()
     assert after.depth_ms + 80 == pytest.approx(after.target_ms, abs=10)
@@ -312,7 +314,9 @@ def test_a_packet_lost_while_a_stalled_engine_lets_the_buffer_fill_stays_on_the_
     timeline_ms = (after + PACKET) * 1000 / RATE
     assert s.frames_out * 80 + s.overrun_drops_ms + s.depth_ms == pytest.approx(timeline_ms)
     assert s.overrun_drops_ms == pytest.approx(20.0)
-    while jb.read_frame() is not None:  # the reads cut the level back to the target: shed, and counted
+    read_at = 0.6
+    while jb.read_frame(now=read_at) is not None:  # the reads cut the level back to the target: shed, and counted
+        read_at += TICK
         s = jb.stats()
         assert s.frames_out * 80 + s.overrun_drops_ms + s.depth_ms == pytest.approx(timeline_ms)
     assert s.frames_out > 0
@@ -330,7 +334,7 @@ def test_append_stream_without_pts() -> None:
         pos += n
         t += n / RATE
         while t >= PHASE + TICK * len(frames):
-            frames.append(jb.read_frame())
+            frames.append(jb.read_frame(now=t))
     out = np.concatenate([f for f in frames if f is not None])
     np.testing.assert_array_equal(out, sig[: out.size])
     assert jb.stats().concealed_ms == 0.0
