@@ -5,7 +5,7 @@ where they belong and lost ones leave a gap that is read out as silence (conceal
 shortened by loss (a forward pts jump longer than the buffer is taken as a discontinuity and spliced out
 instead). WebRTC passes the sender's pts; WebSocket and telephony appends pass `pts=None` ("right after
 the last pushed sample"). `push` runs on the asyncio thread and `read_frame` on the engine thread; a lock guards
-the ring, and the splicing work of a read happens outside it.
+the ring, and the splicing work of a read happens outside it. Both take `now` from one clock (`time.monotonic()`).
 
 Realtime sessions (the default) are read every 80 ms whatever arrived. Why these numbers (spec/webrtc.md s.5):
 - The engine takes 80 ms at once while the network delivers ~20 ms at a time, so the level is a sawtooth. The
@@ -19,29 +19,41 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   episode and lifts the margin for well under a second. The delay base may creep up 15 ms per second, so a
   sender clock up to 1.5 % slow reads as drift, not jitter. Clamped to 10..160 ms: on a clean link a frame is
   read within a few ms of its last sample's arrival.
+- What a read keeps is judged in time, on the packet that completes each frame, not on the level: the level also
+  counts packets that happened to come early, so where the reads fell on the packet grid decided the latency (on
+  the far link, bench.jitter_phase: 20-75 ms added, the worst phases at the link's jitter p95 + 20). The buffer
+  marks where each push ends and knows, from the delay base, when each packet was due by the fastest path. A
+  read may move the frame's end (cut) only up to the end of the newest buffered packet that was due `margin +
+  cover` ago: that distance is the excess. Ends move packet to packet, so at any read phase every frame's last
+  packet gets that slack within a packet (far link: 40-60 ms added, fewer underruns). The cover: the margin
+  leaves the slowest 5 % of packets out, so on a jittery link the read keeps the margin's excess over its floor
+  again, up to a packet (20 ms); and while a gap was read out within the last 10 s (the link loses packets), a
+  whole packet, so a frame whose last packet is lost is completed by the next one instead of running dry. On a
+  steady link there is no cover: a frame goes 10-30 ms after its last packet came.
 - Underrun (a primed read finds less than a frame): `read_frame` returns None (the engine feeds silence and
   counts it), the read position stays, so nothing the client sent is lost; the buffer re-primes and its margin
   rises by 20 ms, falling back by 20 ms per 5 s without an underrun. When no margin would have helped, the step
   is taken back as the buffer re-primes: the audio due when it ran dry never came while later audio did (lost: it
   is concealed), or the dry spell was longer than the largest margin (a stalled link).
 - A stalled link delivers what it held at once: when the buffer re-primes more than a frame above its target it
-  catches up: silence goes as in the gentle path below but judged on the current level, and after two reads
+  catches up: silence goes as in the gentle path below but judged on the current excess, and after two reads
   with no silence to cut, sound goes in two pitch cuts a read (see acceleration below; at most 25 ms per 80 ms
-  read, ~30 % fast) until the level is back at the target: a 400 ms stall drains in under 2 s with no hard cut.
-- Latency is bounded from above two ways, both dropping whole 10 ms windows joined by a 5 ms raised-cosine
-  crossfade. Gently: when the lowest level over the last 5 reads (400 ms, a whole cycle of 20/40/80/100 ms
-  packets) exceeds the target by a window or more, up to 80 ms per read of windows the client sent as silence
-  (below -50 dBFS, crossfade region included; never concealed gaps) are dropped, so clock drift and post-stall
-  backlogs drain without cutting speech or shortening the timeline for loss.
-  Hard: above `target + 160 ms` (two frames of headroom), unless catching up, the level is cut back to the
-  target at once, the quietest windows first (an engine that stopped reading while audio kept coming). A push
-  beyond the 500 ms hard cap drops the oldest audio at once.
+  read, ~30 % fast) until the excess is under a window: a 400 ms stall drains in under 2 s with no hard cut.
+- Latency is bounded from above by cutting the excess, in whole 10 ms windows joined by a 5 ms raised-cosine
+  crossfade. Gently: when the lowest excess over the last 5 reads (400 ms, a whole cycle of 20/40/80/100 ms
+  packets) is a window or more, up to 80 ms per read of windows the client sent as silence (below -50 dBFS,
+  crossfade region included; never concealed gaps) are dropped, so clock drift and post-stall backlogs drain
+  without cutting speech or shortening the timeline for loss.
+  Hard: an excess above 160 ms (two frames of headroom), unless catching up, is cut at once, the quietest
+  windows first (an engine that stopped reading while audio kept coming, or a first read long after the first
+  audio). A push beyond the 500 ms hard cap drops the oldest audio at once.
 - Continuous sound never offers silence (a talker who starts before the first frame, background noise above
-  -50 dBFS), so a backlog built while the session started would stay for the whole call. When the level has
-  been a window or more above the target for a second and a read finds no silence to cut, that read accelerates
-  instead (as a phone's jitter buffer does): one pitch-synchronous cut, 2.5 to 12.5 ms long, where the audio
-  after the cut best continues the audio before it, so voiced sound keeps its period across the crossfade. At
-  most one cut per 80 ms read, so speech runs at most ~15 % fast while the backlog drains.
+  -50 dBFS), so a backlog built while the session started would stay for the whole call. When there has been an
+  excess for a second and a read finds no silence to cut, that read accelerates instead (as a phone's jitter
+  buffer does): one pitch-synchronous cut, 2.5 to 12.5 ms long and never longer than the excess (so a frame's
+  end lands on a packet's end; an excess under a window, which no silence window fits, goes this way too), where
+  the audio after the cut best continues the audio before it, so voiced sound keeps its period across the
+  crossfade. At most one cut per 80 ms read, so speech runs at most ~15 % fast while the backlog drains.
 - `trace()` keeps each realtime read's time and the latency it added (the depth it left: how long the newest
   sample of the frame it handed out had waited), None for a read that handed out nothing; stats count the most
   sound one read cut and the hard cuts.
@@ -81,6 +93,8 @@ class JitterConfig:
     jitter_quantile: float = 0.95
     jitter_memory_s: float = 5.0
     drift_tolerance: float = 0.015
+    cover_ms: float = 20.0      # the most slack kept beyond the margin: one packet (see the module docstring)
+    loss_memory_s: float = 10.0  # how long a gap read out keeps the whole cover
     headroom_ms: float = 160.0
     hard_cap_ms: float = 500.0
     level_window_reads: int = 5
@@ -133,6 +147,8 @@ class JitterBuffer:
         if self._capacity < 2 * self._frame:
             raise ValueError("the buffer must hold at least two frames")
         self._headroom = round(cfg.headroom_ms * per_ms)
+        self._cover = round(cfg.cover_ms * per_ms)
+        self._loss_memory_reads = max(1, round(cfg.loss_memory_s * cfg.sample_rate / self._frame))
         self._soft_drop = round(cfg.soft_drop_ms * per_ms)
         self._silence_energy = 10 ** (cfg.silence_dbfs / 10) * (self._window + self._fade)
         self._quiet_reads = max(1, round(cfg.quiet_period_s * cfg.sample_rate / self._frame))
@@ -147,10 +163,12 @@ class JitterBuffer:
         self._fade_out = (1.0 - ramp).astype(np.float32)
         self._forget = 1.0 - 0.02 / cfg.jitter_memory_s  # per 20 ms of audio observed
         self._hist = np.zeros(math.ceil(cfg.hard_cap_ms / _BIN_MS), dtype=np.float64)
+        self._measured: float | None = None  # the histogram's quantile, while it stands
 
         self._lock = threading.Lock()
         self._data = np.zeros(self._capacity, dtype=np.float32)
         self._have = np.zeros(self._capacity, dtype=bool)
+        self._edge = np.zeros(self._capacity, dtype=bool)  # the last sample of a push: where a packet ends
         self._read: int | None = None  # timeline position of the next sample out; None until audio arrives
         self._end = 0  # one past the furthest sample pushed
         self._next = 0  # one past the last push: where a pts=None append goes
@@ -160,10 +178,11 @@ class JitterBuffer:
         self._boost_ms = 0.0
         self._reads_since_underrun = 0
         self._excess_reads = 0
+        self._reads_since_loss = self._loss_memory_reads  # reads since one handed out a gap (none yet)
         self._dry_reads = 0  # reads that found the buffer dry since the last underrun
         self._dry_from = 0  # the timeline's end when it ran dry
         self._catch_up = False  # draining what a stalled link delivered at once (see _reprimed)
-        self._levels: deque[int] = deque(maxlen=cfg.level_window_reads)
+        self._excesses: deque[int] = deque(maxlen=cfg.level_window_reads)
         self._base: float | None = None  # smallest (arrival time - pts time of a packet's end) seen, drifting up
         self._last_arrival = 0.0
         self._observed_s = 0.0
@@ -219,6 +238,7 @@ class JitterBuffer:
             if x.size == 0:
                 return
             fresh = self._write(pos, x)
+            self._edge[(end - 1) % self._capacity] = True
             self._pushed += x.size
             self._end = max(self._end, end)
             self._next = end
@@ -226,7 +246,9 @@ class JitterBuffer:
                 self._observe_arrival(pos, end, now)
 
     def read_frame(self, now: float | None = None) -> np.ndarray | None:
-        """The next 1920 samples for this tick, or None when not primed or underrun (the engine feeds silence)."""
+        """The next 1920 samples for this tick, or None when not primed or underrun (the engine feeds silence). `now`
+        must come from the clock the pushes' `now` came from (both default to `time.monotonic()`)."""
+        now = time.monotonic() if now is None else now
         with self._lock:
             if self._read is None:
                 return None
@@ -245,7 +267,7 @@ class JitterBuffer:
                     self._underrun()
                     self._record(now, None)
                     return None
-                data, have = self._plan_cuts(level, target, cuts)
+                data, have = self._plan_cuts(target, cuts, now)
             else:
                 if level < self._frame:
                     return None
@@ -257,7 +279,9 @@ class JitterBuffer:
             self._release(self._read, span)
             self._read += span
             self._dropped += span - self._frame
-            self._concealed += int(np.count_nonzero(~have[:span] & keep))
+            gap = int(np.count_nonzero(~have[:span] & keep))
+            self._concealed += gap
+            self._reads_since_loss = 0 if gap else self._reads_since_loss + 1
             self._frames_out += 1
             if cuts:
                 sound = sum(self._windows_of_sound(data[a:b]) for a, b in cuts)
@@ -295,10 +319,11 @@ class JitterBuffer:
         with self._lock:
             self._data[:] = 0.0
             self._have[:] = False
+            self._edge[:] = False
             self._read = None
             self._end = self._next = self._shift = 0
             self._primed = self._ever_primed = self._catch_up = False
-            self._levels.clear()
+            self._excesses.clear()
             self._base = None
 
     def stats(self) -> JitterStats:
@@ -338,6 +363,7 @@ class JitterBuffer:
             return
         weight = (end - start) / (0.02 * rate)
         self._hist *= self._forget**weight
+        self._measured = None
         self._observed_s += (end - start) / rate
         if gap < 0.25 * (end - start) / rate:
             # Part of a burst: a queue releasing what it held (a stalled link, a bunch behind one slow packet) is
@@ -346,12 +372,18 @@ class JitterBuffer:
             return
         self._hist[int(delay * 1000.0 / _BIN_MS)] += weight
 
+    def _measured_ms(self) -> float:
+        """The arrival delay's quantile in the histogram, 0 before any arrival (kept until the histogram changes)."""
+        if self._measured is None:
+            cdf = np.cumsum(self._hist)
+            self._measured = (0.0 if cdf[-1] <= 0.0 else
+                              (int(np.searchsorted(cdf, self.config.jitter_quantile * cdf[-1])) + 1) * _BIN_MS)
+        return self._measured
+
     def _jitter_ms(self) -> float:
-        total = self._hist.sum()
-        if total <= 0.0:
+        measured = self._measured_ms()
+        if measured == 0.0:
             return self.config.prime_margin_ms
-        cdf = np.cumsum(self._hist)
-        measured = (int(np.searchsorted(cdf, self.config.jitter_quantile * total)) + 1) * _BIN_MS
         # Trust a low measurement only after a second of arrivals; start with the priming margin.
         return measured if self._observed_s >= 1.0 else max(measured, self.config.prime_margin_ms)
 
@@ -359,6 +391,24 @@ class JitterBuffer:
         cfg = self.config
         margin = min(max(self._jitter_ms() + self._boost_ms, cfg.min_margin_ms), cfg.max_margin_ms)
         return self._frame + round(margin * cfg.sample_rate / 1000.0)
+
+    def _cover_samples(self) -> int:
+        """The slack kept beyond the margin: a whole packet while a gap was read out within the loss memory, else the
+        measured jitter's excess over the floor margin, up to a packet (see the module docstring)."""
+        if self._reads_since_loss < self._loss_memory_reads:
+            return self._cover
+        spread_ms = self._measured_ms() - self.config.min_margin_ms
+        return min(self._cover, max(0, round(spread_ms * self.config.sample_rate / 1000.0)))
+
+    def _excess(self, now: float, target: int) -> int:
+        """How far this read may move the frame's end, in samples: to the end of the newest buffered packet that was
+        due (by the fastest path seen, the delay base) a margin and a cover ago; 0 when none is."""
+        if self._base is None or self._read is None:
+            return 0
+        frame_end = self._read + self._frame
+        due = math.floor((now - self._base) * self.config.sample_rate) - (target - self._frame) - self._cover_samples()
+        ends = np.flatnonzero(self._edges(frame_end, min(due, self._end) - frame_end))
+        return int(ends[-1]) + 1 if ends.size else 0
 
     def _underrun(self) -> None:
         self._underruns += 1
@@ -368,7 +418,7 @@ class JitterBuffer:
         self._dry_reads = 0
         assert self._read is not None
         self._dry_from = self._end
-        self._levels.clear()
+        self._excesses.clear()
 
     def _reprimed(self, level: int, target: int) -> None:
         """Enough audio to play again. The underrun's margin step is taken back when no margin would have helped:
@@ -397,58 +447,63 @@ class JitterBuffer:
         sizes = np.minimum(w, cut.size - np.arange(n) * w)
         return int(sizes[energy >= 10 ** (self.config.silence_dbfs / 10) * sizes].sum())
 
-    def _plan_cuts(self, level: int, target: int, cuts: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    def _plan_cuts(self, target: int, cuts: list[tuple[int, int]], now: float) -> tuple[np.ndarray, np.ndarray]:
         """Pick the sample ranges of the span read now to cut (sorted, disjoint); returns the span's data and mask."""
         self._reads_since_underrun += 1
         if self._reads_since_underrun >= self._quiet_reads and self._boost_ms > 0.0:
             self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)
             self._reads_since_underrun = 0
-        self._levels.append(level + self._dropped)
-        catch_up = self._catch_up = self._catch_up and level - target >= self._window
-        hard = level > target + self._headroom and not catch_up
+        excess = self._excess(now, target)
+        self._excesses.append(excess + self._dropped)
+        catch_up = self._catch_up = self._catch_up and excess >= self._window
+        hard = excess > self._headroom and not catch_up
         if hard:
             self._hard_cuts += 1
-            budget = level - target
+            budget = excess
         elif catch_up:
-            budget = min(level - target, self._soft_drop)
-        elif len(self._levels) == self._levels.maxlen:
-            budget = min(min(self._levels) - self._dropped - target, self._soft_drop)
+            budget = min(excess, self._soft_drop)
+        elif len(self._excesses) == self._excesses.maxlen:
+            budget = min(min(self._excesses) - self._dropped, self._soft_drop)
         else:
             budget = 0
-        self._excess_reads = self._excess_reads + 1 if budget >= self._window else 0
+        # Less than a window can only go by acceleration: what keeps a frame's end on a packet's end.
+        self._excess_reads = self._excess_reads + 1 if budget >= self._accelerate_min else 0
         n = max(0, budget // self._window)
         data, have = self._copy(self._read, self._frame + n * self._window)
-        if n == 0:
+        if budget < self._accelerate_min:
             return data, have
-        # Window i covers [i*W, (i+1)*W) plus the crossfade region just before it (blocks 2i-1..2i+1 of
-        # W/2 samples); window 0 is never cut, its crossfade region was already played.
-        blocks = np.square(data, dtype=np.float64).reshape(-1, self._fade).sum(axis=1)
-        energy = blocks[1:-2:2] + blocks[2:-1:2] + blocks[3::2]
         windows: list[int] = []
-        if hard:
-            windows = sorted(int(i) + 1 for i in np.argsort(energy, kind="stable")[:n])
-        else:
-            # Gently, cut only silence the client actually sent: concealed gaps keep the timeline.
-            present = have.reshape(-1, self._fade).all(axis=1)
-            whole = present[1:-2:2] & present[2:-1:2] & present[3::2]
-            for i in np.flatnonzero((energy < self._silence_energy) & whole) + 1:
-                if len(windows) == n or i > self._frame // self._window + len(windows):
-                    break
-                windows.append(int(i))
+        if n:
+            # Window i covers [i*W, (i+1)*W) plus the crossfade region just before it (blocks 2i-1..2i+1 of
+            # W/2 samples); window 0 is never cut, its crossfade region was already played.
+            blocks = np.square(data, dtype=np.float64).reshape(-1, self._fade).sum(axis=1)
+            energy = blocks[1:-2:2] + blocks[2:-1:2] + blocks[3::2]
+            if hard:
+                windows = sorted(int(i) + 1 for i in np.argsort(energy, kind="stable")[:n])
+            else:
+                # Gently, cut only silence the client actually sent: concealed gaps keep the timeline.
+                present = have.reshape(-1, self._fade).all(axis=1)
+                whole = present[1:-2:2] & present[2:-1:2] & present[3::2]
+                for i in np.flatnonzero((energy < self._silence_energy) & whole) + 1:
+                    if len(windows) == n or i > self._frame // self._window + len(windows):
+                        break
+                    windows.append(int(i))
+        if not hard:
             # Catching up after a stall, sound is cut after two reads without silence to cut, not a second, and in
             # two cuts a read (one per half frame: each joins its own stretch of sound) while the backlog holds them.
             wait = self._accelerate_reads
             if catch_up and wait != math.inf:
                 wait = _CATCH_UP_WAIT_READS
             if not windows and self._excess_reads >= wait:
+                longest = min(self._accelerate_max, budget)      # never past the packet end the excess reaches
                 k = 2 if catch_up and budget >= 2 * self._accelerate_max else 1
-                data, have = self._copy(self._read, self._frame + k * self._accelerate_max)
+                data, have = self._copy(self._read, self._frame + k * longest)
                 if have.all():
                     half = self._frame // k
-                    cuts.append(self._pitch_cut(data, 0, half))
+                    cuts.append(self._pitch_cut(data, 0, half, longest))
                     start = max(half, cuts[-1][1])            # the second starts past the first's end
                     if k == 2 and start + 2 * self._fade <= self._frame:
-                        cuts.append(self._pitch_cut(data, start, self._frame))
+                        cuts.append(self._pitch_cut(data, start, self._frame, longest))
                 return data, have
         for i in windows:
             if cuts and cuts[-1][1] == i * self._window:
@@ -457,12 +512,12 @@ class JitterBuffer:
                 cuts.append((i * self._window, (i + 1) * self._window))
         return data, have
 
-    def _pitch_cut(self, data: np.ndarray, first: int, last: int) -> tuple[int, int]:
-        """The cut [a, a + L) whose crossfade joins the most alike audio: the crossfade blends the `fade` samples
-        before `a` with the `fade` samples before `a + L`, so the best L is the one (near a pitch period, or a
-        multiple) where those two stretches correlate most. A few positions from `first` + fade to before `last` are
-        tried, quarter frames apart (at least the first)."""
-        f, lo, hi = self._fade, self._accelerate_min, self._accelerate_max
+    def _pitch_cut(self, data: np.ndarray, first: int, last: int, longest: int) -> tuple[int, int]:
+        """The cut [a, a + L), L at most `longest`, whose crossfade joins the most alike audio: the crossfade blends
+        the `fade` samples before `a` with the `fade` samples before `a + L`, so the best L is the one (near a pitch
+        period, or a multiple) where those two stretches correlate most. A few positions from `first` + fade to before
+        `last` are tried, quarter frames apart (at least the first)."""
+        f, lo, hi = self._fade, self._accelerate_min, longest
         best, cut = -np.inf, (first + f, first + f + lo)
         for a in range(first + f, max(first + f + 1, min(last, self._frame - f + 1)), self._frame // 4):
             before = data[a - f : a]
@@ -508,10 +563,18 @@ class JitterBuffer:
             have[dst] = self._have[ring]
         return data, have
 
+    def _edges(self, pos: int, n: int) -> np.ndarray:
+        """Which of the `n` samples from `pos` end a push (none when `n` <= 0)."""
+        out = np.zeros(max(0, n), dtype=bool)
+        for ring, dst in self._slices(pos, out.size):
+            out[dst] = self._edge[ring]
+        return out
+
     def _release(self, pos: int, n: int) -> None:
         for ring, _ in self._slices(pos, n):
             self._data[ring] = 0.0
             self._have[ring] = False
+            self._edge[ring] = False
 
     def _splice(self, data: np.ndarray, cuts: list[tuple[int, int]]) -> np.ndarray:
         """Cut the given sample ranges out of `data`, crossfading across each cut."""

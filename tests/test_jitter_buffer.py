@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from bench import jitter_phase
 from bench.impair import FAR, Link, LinkModel
 from bench.impair_report import input_report
 from media.jitter import FRAME, BufferFull, JitterBuffer, JitterConfig, JitterStats
@@ -494,3 +495,25 @@ def test_a_20ms_player_catches_up_after_a_stall_with_disjoint_cuts() -> None:
     assert all(f.shape == (PACKET,) for f in out) and s.overrun_drops_ms > 100, s
     assert s.hard_cuts == 0 and s.sound_cut_max_ms <= 25.0, s
     assert np.abs(np.diff(np.concatenate(out))).max() <= 1.05 * np.abs(np.diff(sig)).max()
+
+
+@pytest.mark.parametrize("seed", [1, 5])
+def test_a_far_link_adds_the_same_latency_at_every_read_phase(seed: int) -> None:
+    """The engine's reads fall anywhere on the caller's 20 ms packet grid. Judged on the level (which counts the
+    packets that came early), the phase decided the added latency: 20 to 75 ms on the far link, the worst phases
+    at the link's jitter p95 + 20. Judged in time, on the packet that completes each frame, every phase gets the
+    same slack, within a packet: the added latency stays well inside the bound, with no more underruns."""
+    for i in range(16):
+        line = jitter_phase.run("far", seed, 0.005 * i, 30.0)
+        assert line["added_p50_ms"] <= line["link_jitter_p95_ms"] + 10.0, line
+        assert line["underruns"] <= 1, line
+
+
+def test_a_steady_link_is_read_as_its_packets_arrive_at_every_read_phase() -> None:
+    """On a link without jitter or loss the read keeps no cover beyond the floor margin: at any phase the newest
+    audio left after a read is at most the packet that came after the frame (plus what a pitch cut could not
+    align), and no read finds the buffer dry."""
+    for i in range(16):
+        line = jitter_phase.run("clean", 0, 0.005 * i, 10.0)
+        assert line["added_p50_ms"] <= PACKET * 1000 / RATE + JitterConfig().accelerate_min_ms, line
+        assert line["underruns"] == 0, line
