@@ -58,7 +58,7 @@ def jitter_op() -> Callable[[], object]:
             state["now"] += 0.02
             jb.push(state["pts"], packet, now=state["now"])
             state["pts"] += 480
-        return jb.read_frame()
+        return jb.read_frame(now=state["now"])
 
     for _ in range(3):  # prime it, so the measured ticks read frames
         tick()
