@@ -517,3 +517,22 @@ def test_a_steady_link_is_read_as_its_packets_arrive_at_every_read_phase() -> No
         line = jitter_phase.run("clean", 0, 0.005 * i, 10.0)
         assert line["added_p50_ms"] <= PACKET * 1000 / RATE + JitterConfig().accelerate_min_ms, line
         assert line["underruns"] == 0, line
+
+
+@pytest.mark.parametrize("phase", [0.0, 0.03, 0.06])
+def test_pieces_longer_than_a_frame_are_read_without_running_dry(phase: float) -> None:
+    """A WebSocket client that appends 250 ms at a time: a read that ends on a piece must leave the next reads enough
+    to last until the next piece comes, so the buffer keeps a piece's excess over a frame beyond the margin. Only
+    the first piece's end, before the buffer knows the pieces' length, may find it dry."""
+    piece = round(0.25 * RATE)
+    sig = noise(RATE * 11, seed=26)
+    jb = JitterBuffer()
+    events = [(0.25 * (i + 1) + 0.001, 0, i) for i in range(40)] + [(phase + TICK * k, 1, 0) for k in range(125)]
+    for t, kind, i in sorted(events):
+        if kind == 0:
+            jb.push(None, sig[i * piece : (i + 1) * piece], now=t)
+        else:
+            jb.read_frame(now=t)
+    s = jb.stats()
+    assert s.underruns <= 1 and s.concealed_ms == 0.0, s
+    assert s.frames_out >= 115, s
