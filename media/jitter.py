@@ -40,7 +40,8 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
 - A stalled link delivers what it held at once: when the buffer re-primes more than a frame above its target it
   catches up: silence goes as in the gentle path below but judged on the current excess, and after two reads
   with no silence to cut, sound goes in two pitch cuts a read (see acceleration below; at most 25 ms per 80 ms
-  read, ~30 % fast) until the excess is under a window: a 400 ms stall drains in under 2 s with no hard cut.
+  read, ~30 % fast) until the level is back within a window of the target (a lost stretch just read has no packet
+  end to cut to: the excess comes back a read later): a 400 ms stall drains in under 2 s with no hard cut.
 - Latency is bounded from above by cutting the excess, in whole 10 ms windows joined by a 5 ms raised-cosine
   crossfade. Gently: when the lowest excess over the last 5 reads (400 ms, a whole cycle of 20/40/80/100 ms
   packets) is a window or more, up to 80 ms per read of windows the client sent as silence (below -50 dBFS,
@@ -271,7 +272,7 @@ class JitterBuffer:
                     self._underrun()
                     self._record(now, None)
                     return None
-                data, have = self._plan_cuts(target, cuts, now)
+                data, have = self._plan_cuts(level, target, cuts, now)
             else:
                 if level < self._frame:
                     return None
@@ -452,7 +453,8 @@ class JitterBuffer:
         sizes = np.minimum(w, cut.size - np.arange(n) * w)
         return int(sizes[energy >= 10 ** (self.config.silence_dbfs / 10) * sizes].sum())
 
-    def _plan_cuts(self, target: int, cuts: list[tuple[int, int]], now: float) -> tuple[np.ndarray, np.ndarray]:
+    def _plan_cuts(self, level: int, target: int, cuts: list[tuple[int, int]],
+                   now: float) -> tuple[np.ndarray, np.ndarray]:
         """Pick the sample ranges of the span read now to cut (sorted, disjoint); returns the span's data and mask."""
         self._reads_since_underrun += 1
         if self._reads_since_underrun >= self._quiet_reads and self._boost_ms > 0.0:
@@ -460,7 +462,7 @@ class JitterBuffer:
             self._reads_since_underrun = 0
         excess = self._excess(now, target)
         self._excesses.append(excess + self._dropped)
-        catch_up = self._catch_up = self._catch_up and excess >= self._window
+        catch_up = self._catch_up = self._catch_up and level - target >= self._window
         hard = excess > self._headroom and not catch_up
         if hard:
             self._hard_cuts += 1
