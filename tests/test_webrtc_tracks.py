@@ -94,8 +94,14 @@ async def test_each_packet_lands_as_it_arrives_and_a_loss_is_exactly_one_missing
     try:
         await until_handled(tap, 130)
         got = sink.frames()
-        assert set(range(max(got) + 1)) - set(got) == {frame_of(tap, i) for i in (40, 41, 90)}
-        assert got == sorted(got) and inbound.stats.lost_frames == 3
+        missing = set(range(max(got) + 1)) - set(got)
+        dropped = {frame_of(tap, i) for i in (40, 41, 90)}
+        # Frames the track's clock jumped over while the call was set up (a busy loop) were never sent: a pts gap,
+        # which the receiver counts with the losses.
+        skipped = missing - dropped
+        assert dropped <= missing and len(skipped) == round(track.stats.skipped_ms / 20)
+        assert not skipped & {frame_of(tap, i) for i in range(tap.handled)}
+        assert got == sorted(got) and inbound.stats.lost_frames == 3 + len(skipped)
         # written into the sink while its own packet is handled (the stock buffer waits for 4 more: prefetch=4)
         assert all(handled - 1 == tap.index_of(n * 960) for n, handled, _ in sink.got)
     finally:
