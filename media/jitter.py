@@ -440,8 +440,8 @@ class JitterBuffer:
             self._catch_up = level - target >= self._frame   # a burst, not the packet that ended a short dry spell
         self._primed = self._ever_primed = True
 
-    def _record(self, now: float | None, added_ms: float | None) -> None:
-        self._trace.append(ReadRecord(time.monotonic() if now is None else now, added_ms))
+    def _record(self, now: float, added_ms: float | None) -> None:
+        self._trace.append(ReadRecord(now, added_ms))
 
     # -- overrun (caller holds the lock) --
 
@@ -562,20 +562,19 @@ class JitterBuffer:
             self._have[ring] = True
         return fresh
 
+    def _gather(self, ring: np.ndarray, pos: int, n: int) -> np.ndarray:
+        """`n` samples (none when `n` <= 0) of one of the ring's arrays from timeline position `pos`."""
+        out = np.empty(max(0, n), dtype=ring.dtype)
+        for src, dst in self._slices(pos, out.size):
+            out[dst] = ring[src]
+        return out
+
     def _copy(self, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        data = np.empty(n, dtype=np.float32)
-        have = np.empty(n, dtype=bool)
-        for ring, dst in self._slices(pos, n):
-            data[dst] = self._data[ring]
-            have[dst] = self._have[ring]
-        return data, have
+        return self._gather(self._data, pos, n), self._gather(self._have, pos, n)
 
     def _edges(self, pos: int, n: int) -> np.ndarray:
         """Which of the `n` samples from `pos` end a push (none when `n` <= 0)."""
-        out = np.zeros(max(0, n), dtype=bool)
-        for ring, dst in self._slices(pos, out.size):
-            out[dst] = self._edge[ring]
-        return out
+        return self._gather(self._edge, pos, n)
 
     def _release(self, pos: int, n: int) -> None:
         for ring, _ in self._slices(pos, n):
