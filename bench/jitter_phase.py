@@ -24,6 +24,7 @@ import json
 import numpy as np
 
 from bench.impair import PRESETS, Link, LinkModel
+from bench.impair_report import stall_recovery
 from media.jitter import JitterBuffer
 
 PACKET_S = 0.02
@@ -31,6 +32,7 @@ PACKET_SAMPLES = 480   # 20 ms at the model's 24 kHz
 TICK_S = 0.08
 FIRST_READ_S = 0.5
 SETTLE_S = 2.5
+RECOVERY_BOUND_S = 2.0  # the issue's: back within 20 ms of the pre-stall latency this soon after each stall
 
 
 def run(link_name: str, seed: int, phase_s: float, seconds: float) -> dict:
@@ -54,11 +56,23 @@ def run(link_name: str, seed: int, phase_s: float, seconds: float) -> dict:
             buffer.read_frame(now=at)
     added = [r.added_ms for r in buffer.trace() if r.added_ms is not None and r.at > SETTLE_S]
     stats = buffer.stats()
-    return {"bench": "jitter_phase", "link": link_name, "seed": seed, "phase_ms": round(phase_s * 1000.0, 1),
+    line = {"bench": "jitter_phase", "link": link_name, "seed": seed, "phase_ms": round(phase_s * 1000.0, 1),
             "added_p50_ms": round(float(np.percentile(added, 50)), 1),
             "added_p95_ms": round(float(np.percentile(added, 95)), 1),
             "jitter_estimate_ms": round(stats.jitter_ms, 1), "target_ms": round(stats.target_ms, 1),
             "link_jitter_p95_ms": round(link.stats.jitter_ms(), 1), "underruns": stats.underruns}
+    # The first packet leaves at 0 on the link's clock and the reads share it, so the trace's origin is 0.
+    stalls = stall_recovery(buffer.trace(), link.stall_starts(seconds - RECOVERY_BOUND_S - 1.0),
+                            link.link.stall_ms / 1000.0, 0.0)
+    if stalls:
+        line["stalls_back_s"] = [s["back_after_s"] for s in stalls]
+    return line
+
+
+def recovered(line: dict) -> tuple[int, int]:
+    """Stalls of a run, and those after which the added latency was back within the bound's time."""
+    backs = line.get("stalls_back_s", [])
+    return len(backs), sum(b is not None and b <= RECOVERY_BOUND_S for b in backs)
 
 
 def main() -> None:
@@ -85,8 +99,10 @@ def main() -> None:
                           "underruns": sum(line["underruns"] for line in lines)}))
         every += lines
     worst = max(every, key=lambda line: line["added_p50_ms"] - line["link_jitter_p95_ms"])
+    stalls, back = (sum(counts) for counts in zip(*(recovered(line) for line in every)))
     print(json.dumps({"bench": "jitter_phase_total", "link": args.link, "runs": len(every),
                       "underruns": sum(line["underruns"] for line in every),
+                      "stalls": stalls, "stalls_back_within_2s": back,
                       "worst": {key: worst[key] for key in ("seed", "phase_ms", "added_p50_ms", "link_jitter_p95_ms")},
                       "worst_p50_over_p95_ms": round(worst["added_p50_ms"] - worst["link_jitter_p95_ms"], 1)}))
 

@@ -511,12 +511,26 @@ def test_a_far_link_adds_the_same_latency_at_every_read_phase(seed: int) -> None
 
 def test_a_steady_link_is_read_as_its_packets_arrive_at_every_read_phase() -> None:
     """On a link without jitter or loss the read keeps no cover beyond the floor margin: at any phase the newest
-    audio left after a read is at most the packet that came after the frame (plus what a pitch cut could not
-    align), and no read finds the buffer dry."""
+    audio left after a read is at most the packet that came after the frame, and no read finds the buffer dry. The
+    startup backlog goes by pitch cuts, which must leave the frames' ends on packet ends: a cut that stopped short
+    of one by less than the shortest cut could never be cut, and kept up to a packet more for the whole call
+    (22.1 ms at the worst phase before)."""
     for i in range(16):
         line = jitter_phase.run("clean", 0, 0.005 * i, 10.0)
-        assert line["added_p50_ms"] <= PACKET * 1000 / RATE + JitterConfig().accelerate_min_ms, line
+        assert line["added_p50_ms"] <= PACKET * 1000 / RATE, line
         assert line["underruns"] == 0, line
+
+
+@pytest.mark.parametrize("seed", [0, 3, 4])
+def test_a_stalled_link_drains_within_two_seconds_at_every_read_phase(seed: int) -> None:
+    """Continuous sound (noise: no silence to drop) behind 400 ms stalls every 20 s, the engine's reads at 8 phases
+    of the packet grid: after every stall the added latency is back within 20 ms of its value before it in 2 s.
+    Before, the catch-up's pitch cuts took the best-joining length however short (on noise, ~7.5 ms on average, so
+    ~19 % fast where 30 % is allowed) and could end a frame just short of a packet end, keeping a packet more after
+    the catch-up: 7 of these 48 stalls took longer, one 42 s."""
+    for i in range(8):
+        line = jitter_phase.run("stalls", seed, 0.01 * i, 45.0)
+        assert jitter_phase.recovered(line) == (2, 2), line
 
 
 @pytest.mark.parametrize("phase", [0.0, 0.03, 0.06])
