@@ -1,0 +1,102 @@
+"""The per-door table of an impaired load run (`bench.impair_run`'s JSON files), as docs/benchmarks.md prints it.
+
+    python3 -m bench.impair_table docs/bench/h200_impaired_{far,clean,stalls,bursty}.jsonl
+
+Each file is one `bench.e2e` run; its name after the last `_` (far, clean, stalls, bursty) names the run. Rows: each
+door under each link: the all-clean run, the clean callers beside the far ones, and the impaired callers of every
+impaired run. Columns: sessions; RTF min at the client; missing frames max; client output lateness p99 ms
+(median / max over sessions); the server input buffer's added latency p50 ms (median / max; WebRTC from the call's
+own stats, SIP's where the call's end came back, the native dialect from its `session.link`; the Realtime and Twilio
+doors report none to a load client); the link's uplink jitter p95 ms (median / max); sessions whose added p50 is
+over that jitter + 20 ms (the issue's bound); concealed / lost ms summed over the sessions that report both; input
+underruns max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per
+run: ticks, late ticks, tick p50 / p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DOORS = {"webrtc": "WebRTC", "realtime": "Realtime", "twilio": "Twilio", "sip": "SIP", "duplex": "native"}
+BOUND_MS = 20.0
+
+
+def _input(session: dict[str, Any]) -> dict[str, float] | None:
+    """The server input buffer's figures for one session, where its door reports them."""
+    if server := session.get("server"):
+        return {"added_p50": server["input_added_ms"]["p50"], "underruns": server["input_underruns"],
+                "concealed": server["concealed_ms"], "cut": server["sound_cut_max_ms"], "hard": server["hard_cuts"]}
+    if (sip := session.get("sip_server")) and sip.get("input"):
+        got = sip["input"]
+        return {"added_p50": (got["added_ms"] or {}).get("p50") or 0.0, "underruns": got["underruns"],
+                "concealed": got["concealed_ms"], "cut": got["sound_cut_max_ms"], "hard": got["hard_cuts"]}
+    if link := session.get("server_link"):
+        got = link["input"]
+        return {"added_p50": got["added_ms"]["p50"], "underruns": got["underruns"], "concealed": got["concealed_ms"],
+                "cut": got["sound_cut_max_ms"], "hard": got["hard_cuts"]}
+    return None
+
+
+def _pair(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "-"
+    return f"{np.median(values):.{digits}f} / {max(values):.{digits}f}"
+
+
+def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
+    inputs = [(s, got) for s in sessions if (got := _input(s)) is not None]
+    jitter = {s["name"]: s["impairment"]["up"]["jitter_p95_ms"] for s in sessions if s.get("impairment")}
+    lost = [(s, got) for s, got in inputs if s.get("impairment", {}).get("rtp_lost_ms") is not None]
+    over = [s for s, got in inputs if s["name"] in jitter and got["added_p50"] > jitter[s["name"]] + BOUND_MS]
+    cells = [
+        DOORS[door], label, str(len(sessions)), f"{min(s['rtf'] for s in sessions):.4f}",
+        str(max(s["missing_frames"] for s in sessions)),
+        _pair([s["output_lateness_ms"]["p99"] for s in sessions]),
+        _pair([got["added_p50"] for _, got in inputs], 0),
+        _pair(list(jitter.values()), 0),
+        f"{len(over)} of {len([1 for s, _ in inputs if s['name'] in jitter])}" if jitter and inputs else "-",
+        (f"{sum(got['concealed'] for _, got in lost):.0f} / {sum(s['impairment']['rtp_lost_ms'] for s, _ in lost):.0f}"
+         if lost else "-"),
+        str(max(got["underruns"] for _, got in inputs)) if inputs else "-",
+        f"{max(got['cut'] for _, got in inputs):.1f} / {sum(got['hard'] for _, got in inputs)}" if inputs else "-",
+        f"{np.median([s['first_audio_ms'] for s in sessions if s.get('first_audio_ms') is not None]):.0f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", type=Path, nargs="+")
+    args = parser.parse_args()
+    runs = {path.stem.rsplit("_", 1)[-1]: json.loads(path.read_text().splitlines()[-1]) for path in args.files}
+    print("| door | link | n | RTF min | missing | lateness p99 | added p50 | jitter p95 | over | concealed / lost "
+          "| underruns | cut / hard | first audio |")
+    print("|" + "---|" * 13)
+    for door in DOORS:
+        for name, run in runs.items():
+            mine = [s for s in run["per_session"] if s["door"] == door]
+            if name == "far":
+                groups = [("clean, beside far", [s for s in mine if s["link"] is None]),
+                          ("far", [s for s in mine if s["link"] is not None])]
+            elif name == "clean":
+                groups = [("all clean", mine)]
+            else:
+                groups = [(name, [s for s in mine if s["link"] is not None])]
+            for label, sessions in groups:
+                if sessions:
+                    print(row(door, label, sessions))
+    for name, run in runs.items():
+        server = run["server"]
+        print(json.dumps({"run": name, "sessions": len(run["per_session"]), "ticks": server["ticks"],
+                          "late_ticks": server["late_ticks"], "tick_p50_ms": server["tick_run_ms"]["p50_ms"],
+                          "tick_p99_ms": server["tick_run_ms"]["p99_ms"], "refused": run["summary"]["refused"],
+                          "failed": run["summary"]["failed"], "errors": run["summary"]["errors"]}))
+
+
+if __name__ == "__main__":
+    main()
