@@ -122,6 +122,7 @@ class Tick(msgspec.Struct, tag=True):
     outputs: list[Output]
     counters: list[Counters]
     late_frames: int = 0  # this worker's input frames that reached the engine after their tick, since the last Tick
+    late_by_s: float = 0.0  # how far after its tick the latest of those came (0: none late)
 
 
 class Failed(msgspec.Struct, tag=True):

@@ -6,8 +6,9 @@ tick (`input_lead_s` ahead of the engine's deadline) one `Frames` message carrie
 session of this worker whose previous frame the engine has taken; a session that has none ready sends nothing and
 the engine counts an underrun, as it would in one process. A frame that reaches the engine after its tick costs that
 tick silence and puts the session's input one frame behind (its jitter buffer keeps the frame it could not send
-until a silence drains it), so the lead adapts: the engine reports late frames with each tick, and the lead grows by
-LEAD_STEP_S at once on any and shrinks by a tenth of that after LEAD_CALM_TICKS ticks without one. Input-clocked
+until a silence drains it), so the lead adapts: the engine reports late frames with each tick, and how late the
+latest came; the lead grows at once by that and LEAD_STEP_S more, and shrinks by a tenth of the step after
+LEAD_CALM_TICKS ticks without one. Input-clocked
 sessions send as soon as frames are ready, up to `OFFLINE_CREDIT` ahead of the engine. Outputs arrive batched per
 tick and are handed to each slot's callback on this loop.
 
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 OFFLINE_CREDIT = 4      # input-clocked frames sent ahead of the engine's consumption
 OFFLINE_POLL_S = 0.01   # how often input-clocked sources are checked for new frames
 TICK_S = 0.08
-LEAD_STEP_S = 0.002     # input lead growth on a late frame
+LEAD_STEP_S = 0.002     # input lead growth on a late frame, beyond how late it was
 LEAD_MAX_S = 0.040
 LEAD_CALM_TICKS = 250   # 20 s without a late frame: the lead may shrink (never below the configured one)
 ERRORS = {cls.code: cls for cls in (ResourceExhausted, InvalidSessionParams)}
@@ -348,14 +349,17 @@ class RemoteEngine:
                 slot.deliver(FrameOutput(index=out.index, audio=np.frombuffer(out.audio, dtype=np.float32),
                                          text=out.text, tokens=np.frombuffer(out.tokens, dtype=np.int64)))
         if tick.next_tick_at:
-            self._adapt_lead(tick.late_frames)
+            self._adapt_lead(tick.late_frames, tick.late_by_s)
             self._schedule_pump(tick.next_tick_at)
         else:
             self._send_offline()
 
-    def _adapt_lead(self, late_frames: int) -> None:
+    def _adapt_lead(self, late_frames: int, late_by_s: float) -> None:
         if late_frames:
-            self.input_lead_s = min(self.input_lead_s + LEAD_STEP_S, LEAD_MAX_S)
+            # At once as far as the frames were late, and a step more: a worker whose loop lagged 20 ms behind an
+            # 8 ms lead was late on ~7 ticks while it grew 2 ms a time, and each late tick put every session of the
+            # worker one frame behind (H200 impaired run, worker 0: 491 late frames).
+            self.input_lead_s = min(self.input_lead_s + late_by_s + LEAD_STEP_S, LEAD_MAX_S)
             self._calm_ticks = 0
             return
         self._calm_ticks += 1

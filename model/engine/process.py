@@ -92,6 +92,7 @@ class WorkerLink:
         self.closed = False
         self.late_frames = 0  # input frames that came after the tick they were meant for (in all)
         self._late_reported = 0
+        self._late_by = 0.0  # the most a Frames message came after its deadline since the last Tick
 
     # ---- asyncio thread ---------------------------------------------------------------------------------------
 
@@ -130,8 +131,10 @@ class WorkerLink:
     def dispatch(self, message: object) -> None:
         if isinstance(message, Frames):
             # The tick reads its inputs as it starts, at its deadline: frames that come later wait for the next.
-            if message.deadline and time.monotonic() > message.deadline:
+            late_by = time.monotonic() - message.deadline if message.deadline else 0.0
+            if late_by > 0.0:
                 self.late_frames += len(message.sids)
+                self._late_by = max(self._late_by, late_by)
             sessions = self.sessions
             for sid, audio in zip(message.sids, message.audio):
                 session = sessions.get(sid)
@@ -226,8 +229,9 @@ class WorkerLink:
         counters = [Counters(sid, *self._counts(s)) for sid, s in list(self.sessions.items()) if not s.offline]
         total = self.late_frames
         late, self._late_reported = total - self._late_reported, total
+        late_by, self._late_by = self._late_by, 0.0
         if outputs or counters:
-            self.host.post(self, encode(Tick(next_tick_at, outputs, counters, late)))
+            self.host.post(self, encode(Tick(next_tick_at, outputs, counters, late, late_by)))
 
 
 class EngineHost:
