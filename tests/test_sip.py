@@ -493,6 +493,12 @@ async def test_with_worker_processes_worker_0_alone_holds_the_sip_door(tiny_chec
         d, rtp, remote, _ = await connect(client)
         await rtp.stream(PCMU, 0, speech_like(0.4, rate=8000), remote)
         assert len(rtp.received) >= 10
+        # Each on a new connection, which the kernel gives to either worker: both list worker 0's call (a load
+        # client that asked worker 1 got an empty list: at 144 calls over 8 workers, 1 of 14 SIP calls' stats).
+        for _ in range(12):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http, \
+                    http.get(url + "/v1/sip/calls") as r:
+                assert r.status == 200 and [c["call_id"] for c in (await r.json())["data"]] == [d.call_id]
         assert (await client.bye(d)).code == 200
         rtp.close()
         client.close()

@@ -39,7 +39,7 @@ from app.shell.auth import key_ok
 from app.shell.context import CONTEXT
 from app.shell.metrics import Metrics
 from app.shell.settings import Settings
-from app.shell.worker_routing import call_owner, forward, new_call_id, worker_socket
+from app.shell.worker_routing import call_owner, forward, new_call_id, on_private_socket, worker_socket
 
 if TYPE_CHECKING:
     from app.sessions.conversation import Conversation
@@ -250,11 +250,6 @@ def _admin_refusal(request: web.Request) -> web.Response | None:
     return None
 
 
-def _on_private_socket(request: web.Request) -> bool:
-    """A request another worker forwarded (it came on this worker's Unix socket): answer for this worker only."""
-    return isinstance(request.transport.get_extra_info("sockname"), str) if request.transport else False
-
-
 async def list_calls(request: web.Request) -> web.Response:
     refused = _admin_refusal(request)
     if refused is not None:
@@ -262,7 +257,7 @@ async def list_calls(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     calls = [call.describe() for call in ctx.calls.calls.values()]
     engine = ctx.engine
-    if not _on_private_socket(request) and hasattr(engine, "workers"):
+    if not on_private_socket(request) and hasattr(engine, "workers"):
         for number in sorted(int(n) for n in engine.workers if int(n) != engine.worker):
             calls += await _calls_of(request, worker_socket(engine.folder, number))
     calls.sort(key=lambda c: c["started_at"])
@@ -292,7 +287,7 @@ async def _act(request: web.Request, act: Callable[[LiveCall], Awaitable[None]])
     if call is None:
         owner, engine = call_owner(call_id), ctx.engine
         if owner is not None and hasattr(engine, "workers") and owner != engine.worker and \
-                not _on_private_socket(request):
+                not on_private_socket(request):
             return await forward(request, worker_socket(engine.folder, owner))
         return web.json_response(http_error_body("bad_event", f"no live call {call_id!r}"), status=404)
     await act(call)

@@ -37,6 +37,11 @@ def worker_socket(folder: str | Path, worker: int) -> str:
     return str(Path(folder) / f"worker-{worker}.sock")
 
 
+def on_private_socket(request: web.Request) -> bool:
+    """A request another worker forwarded (it came on this worker's Unix socket): answer for this worker only."""
+    return isinstance(request.transport.get_extra_info("sockname"), str) if request.transport else False
+
+
 async def forward(request: web.Request, socket_path: str) -> web.Response:
     """Send `request` to the worker listening on `socket_path`; its answer, or 404 when that worker is gone."""
     headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}

@@ -2,10 +2,11 @@
 
 `setup_sip(app)` adds it to the aiohttp app: the SIP server starts after the engine (in a multi-process server, in
 worker 0 only: see app/doors/sip/uas.py) and stops with the app; `GET /v1/sip/calls` lists the live calls and their
-media stats (API key as for /v1/models). Modules: uas (the server: what comes in and where it goes), transport (UDP and
-TCP, where replies go), transactions (retransmissions), invite (a new call's signalling), dialogs (in-dialog requests,
-session timers, the end), sdp (offer/answer), digest (auth), call (one call's RTP and conversation), client (a SIP phone
-for tests and benchmarks); media/rtp.py has the codecs and the RTP receive side.
+media stats (API key as for /v1/models; another worker forwards it to worker 0). Modules: uas (the server: what comes
+in and where it goes), transport (UDP and TCP, where replies go), transactions (retransmissions), invite (a new
+call's signalling), dialogs (in-dialog requests, session timers, the end), sdp (offer/answer), digest (auth), call
+(one call's RTP and conversation), client (a SIP phone for tests and benchmarks); media/rtp.py has the codecs and the
+RTP receive side.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from app.doors.sip.uas import SipServer
 from app.sessions.errors import http_error_body
 from app.shell.auth import key_ok
 from app.shell.context import CONTEXT
+from app.shell.worker_routing import forward, on_private_socket, worker_socket
 from model.engine.pool import EnginePool
 
 SIP = web.AppKey("personaplex_sip", SipServer)
@@ -42,6 +44,10 @@ def setup_sip(app: web.Application) -> None:
 
 async def calls(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
+    engine = ctx.engine
+    if isinstance(engine, EnginePool) and engine.worker != 0 and not on_private_socket(request):
+        # The kernel hands this request to any worker of the port; the calls live in worker 0, with the door.
+        return await forward(request, worker_socket(engine.folder, 0))
     if not key_ok(request, ctx.settings.api_keys):
         body, status = http_error_body("unauthorized", "a valid API key is required"), 401
     else:
