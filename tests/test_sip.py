@@ -481,16 +481,30 @@ async def test_sip_over_tcp(sip_server: StartServer) -> None:
 
 
 async def test_with_worker_processes_worker_0_alone_holds_the_sip_door(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    from tests.process_support import start_tiny, stop, wait_ready
+    """Worker 0 runs the SIP door, and nothing else: every WebSocket session lands on the other worker (before, the
+    kernel gave worker 0 its share of the port too, and at full load it fell behind first)."""
+    from tests.process_support import DuplexCaller, health, start_tiny, stop, wait_ready
+    from tests.server_support import eventually
     port, base = free_port(), free_port(pair=True)
     proc, url = await start_tiny(tiny_checkpoint, tmp_path, "--workers", "2", "--drain-timeout-s", "0",
-                                 "--sip-port", str(port), "--rtp-ports", f"{base}-{base + 20}")
+                                 "--max-sessions", "8", "--sip-port", str(port), "--rtp-ports", f"{base}-{base + 20}")
+    callers: list[DuplexCaller] = []
     try:
         async with aiohttp.ClientSession() as http:
             await wait_ready(http, url, workers=2)
         client = SipClient(("127.0.0.1", port))
         await client.open()
         d, rtp, remote, _ = await connect(client)
+        for _ in range(6):              # new connections: the kernel spreads them over the workers on the port
+            callers.append(DuplexCaller(url))
+            await callers[-1].open()
+
+        async def sessions() -> dict[int, int]:
+            async with aiohttp.ClientSession() as http:
+                report = await health(http, url)
+            found = {p["worker"]: p["sessions"] for p in report["processes"] if p["role"] == "worker"}
+            return found if sum(found.values()) == 7 else {}
+        assert await eventually(sessions, 10.0, "the sessions counted by worker") == {0: 1, 1: 6}
         await rtp.stream(PCMU, 0, speech_like(0.4, rate=8000), remote)
         assert len(rtp.received) >= 10
         # Each on a new connection, which the kernel gives to either worker: both list worker 0's call (a load
@@ -503,5 +517,7 @@ async def test_with_worker_processes_worker_0_alone_holds_the_sip_door(tiny_chec
         rtp.close()
         client.close()
     finally:
+        for caller in callers:
+            await caller.close()
         out = await stop(proc)
     assert out.count("SIP on 127.0.0.1") == 1, out[-3000:]

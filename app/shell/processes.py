@@ -4,7 +4,8 @@
 starts the engine processes (one per `--gpus` device, else one on `--device`: model, engine, and the channel's Unix
 socket, model/engine/process.py) and the workers (each an aiohttp server on its own SO_REUSEPORT socket of that
 port: the kernel spreads new connections over them; each holds its own sockets, WebRTC peers, codecs, jitter buffers
-and playout, and reaches every engine through model/engine/pool.py, which places each new session). Then it watches
+and playout, and reaches every engine through model/engine/pool.py, which places each new session; with the SIP door
+and two workers or more, worker 0 holds the door alone and not the port: `sip_alone`). Then it watches
 them: a worker that dies is started again (its sessions' slots were freed by the engines when its channels closed);
 an engine process that dies is reported by every worker's /health, its sessions (only its own) end with
 `engine_stopped`, the workers keep placing sessions on the other engines, and it is started again.
@@ -134,7 +135,7 @@ def worker_main(settings: Settings, paths: list[str], devices: list[str], worker
     _child_setup(settings, f"worker {worker}")
     from app.shell.server import serve
 
-    sock = port_socket(settings.host, settings.port, listen=True)
+    sock = None if sip_alone(settings, worker) else port_socket(settings.host, settings.port, listen=True)
 
     async def drain_when_told(ctx: Any) -> None:
         while not drain.is_set():
@@ -147,6 +148,13 @@ def worker_main(settings: Settings, paths: list[str], devices: list[str], worker
                                                          worker=worker, until=drain_when_told)))
 
     asyncio.run(main())
+
+
+def sip_alone(settings: Settings, worker: int) -> bool:
+    """Whether this worker serves the SIP door and nothing else: worker 0 holds the door (one UDP port: every call's
+    signalling and RTP), and with its share of the shared HTTP port besides it ran at twice the others' CPU at full
+    load (144 calls over 8 workers, a fifth of them SIP) and fell behind first. Then the others share the port."""
+    return worker == 0 and bool(settings.sip_port) and settings.sip_own_worker and settings.workers >= 2
 
 
 def _loopback(host: str) -> str:
@@ -199,8 +207,9 @@ class Supervisor:
             self._start_engine(n)
         for n in range(len(self.workers)):
             self._start_worker(n)
-        logger.info("listening on http://%s:%d (%d worker processes; engine processes %s)", self.settings.host,
-                    self.port, len(self.workers), ", ".join(f"{e.pid} on {d}" for e, d in zip(
+        alone = " (worker 0: the SIP door alone)" if sip_alone(self.settings, 0) else ""
+        logger.info("listening on http://%s:%d (%d worker processes%s; engine processes %s)", self.settings.host,
+                    self.port, len(self.workers), alone, ", ".join(f"{e.pid} on {d}" for e, d in zip(
                         self.engines, self.devices, strict=True) if e is not None))
         if self.settings.agent_port:
             self._start_agent()

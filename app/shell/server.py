@@ -359,7 +359,8 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None,
                 until: Callable[[ServerContext], Awaitable[None]] | None = None) -> None:
     """Run until `until(ctx)` returns (by default: until cancelled), then close every session and stop. In one
     process by default (with the agent-check port, when set); a worker process gets the listening socket it
-    shares with the other workers and the engine processes' channels and devices (`engines`)."""
+    shares with the other workers and the engine processes' channels and devices (`engines`), or, the SIP door's
+    own worker (app/shell/processes.sip_alone), no socket: it answers only on its private one."""
     engine = None
     if engines:   # each engine's device as used (`auto` is resolved the way its engine process resolves it)
         paths, devices = engines
@@ -368,8 +369,10 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None,
     runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s,
                             access_log_class=RedactingAccessLogger)
     await runner.setup()
-    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    site = None
+    if sock is not None or engine is None:
+        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
     if engine is not None:  # where the other workers forward requests for this one's calls (worker_routing.py)
         await web.UnixSite(runner, worker_socket(engine.folder, worker)).start()
         freeze_startup_objects()  # one process alone: the engine's start freezes it (model/engine/core.py)
@@ -378,7 +381,7 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None,
     if engine is None and settings.agent_port:
         agent = await serve_agent(settings.host, settings.agent_port, lambda: ready_report(ctx))
         logger.info("agent-check on %s:%d", settings.host, settings.agent_port)
-    if engine is None:
+    if engine is None and site is not None:
         for bound in site._server.sockets if site._server else ():  # type: ignore[union-attr]
             host, port = bound.getsockname()[:2]
             logger.info("listening on http://%s:%d (%s; %d sessions)", host, port, ctx.model_id,

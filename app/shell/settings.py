@@ -71,6 +71,7 @@ class Settings:
     sip_password: str = ""
     sip_realm: str = "personaplex"
     sip_x_headers: bool = False           # callers may set persona/voice with X-Persona / X-Voice
+    sip_own_worker: bool = True           # with workers >= 2: worker 0 serves the SIP door alone (app/shell/processes)
     record_dir: Path | None = None        # call recordings (app/calls/recording.py); None: off
     record_policy: str = "all"            # all, opt-in, opt-out: which calls are recorded (app.calls.recording.wanted)
     spool_dir: Path | None = None         # undelivered webhooks and live-call markers; None: cache_dir/spool-<port>
@@ -234,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sip-realm", help=f"digest realm (default {d.sip_realm})")
     p.add_argument("--sip-x-headers", action="store_true", default=None,
                    help="let callers choose persona and voice with X-Persona / X-Voice headers")
+    p.add_argument("--sip-own-worker", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --sip-port and --workers >= 2, worker 0 serves the SIP door alone and takes no HTTP or "
+                        "WebSocket sessions: every SIP call's media runs in the door's worker, which with its share "
+                        "of the port besides was the one to fall behind at full load (default on)")
     p.add_argument("--record-dir",
                    help="record calls here: per call a stereo Ogg Opus file (caller left, agent right), "
                         "transcript.jsonl and call.json, under DIR/<UTC date>/<call id>/ (default: off)")
