@@ -25,6 +25,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import itertools
 import json
 import math
 import shutil
@@ -549,9 +550,9 @@ class WebRTCClient(DoorClient):
 class SipClientDoor(DoorClient):
     """A SIP call (app/doors/sip/client.py): INVITE offering PCMU, 20 ms RTP on the clock; the server's RTP is recorded
     with each packet's arrival, played out on the server's clock (μ-law silence where the model's frame was not
-    there). `relay` (a bench.impair.UdpRelay) puts the media behind a link: the SDP names its far side. Before
-    hanging up, the call's own counters come from `GET /v1/sip/calls` (the SIP door lives in worker 0: asked until
-    that worker answers)."""
+    there). `relay` (a bench.impair.UdpRelay) puts the media behind a link: the SDP names its far side. While the
+    model's last audio drains the phone sends silence, as a phone does until it hangs up. Before hanging up, the
+    call's own counters come from `GET /v1/sip/calls` (any worker forwards it to worker 0, the SIP door's)."""
 
     door = "sip"
     send_period_s = TWILIO_CHUNK / TWILIO_RATE
@@ -602,7 +603,13 @@ class SipClientDoor(DoorClient):
         self.rtp.send_packet(0, piece, self.to, TWILIO_CHUNK, marker=self.sent_s == 0)
 
     async def wait_output(self, drain_s: float, timeout_s: float = 0.0, max_missing: int = 0) -> None:
-        await asyncio.sleep(drain_s)
+        # A phone sends RTP until it hangs up: silence here, so the server's input runs on to the call's end. Before,
+        # the input stopped with the speech and every call counted the drain's reads as underruns (11-13 a call).
+        talking = asyncio.ensure_future(self._send_silence())
+        try:
+            await asyncio.sleep(drain_s)
+        finally:
+            talking.cancel()
         received = sorted(self.rtp.received if self.rtp else [], key=lambda r: r[0])
         ts0 = received[0][1].timestamp if received else 0
         for at, packet in received:
@@ -612,6 +619,13 @@ class SipClientDoor(DoorClient):
         self.frames_at_end = self.frames_out
         self.missing_at_end = self.missing_now()
         self.stats = await self.server_stats()
+
+    async def _send_silence(self) -> None:
+        silence = bytes([ULAW_SILENCE]) * TWILIO_CHUNK
+        start = time.monotonic()
+        for k in itertools.count(1):
+            await self.send_piece(silence)
+            await asyncio.sleep(max(0.0, start + k * self.send_period_s - time.monotonic()))
 
     async def server_stats(self, tries: int = 40) -> dict[str, Any] | None:
         async with aiohttp.ClientSession() as http:

@@ -58,15 +58,17 @@ def best_match(piece: np.ndarray, received: np.ndarray, rate: int) -> tuple[floa
     return at / rate, float(np.dot(a, b) / np.sqrt(np.dot(a, a) * np.dot(b, b)))
 
 
-def assert_same_sound(recorded_24k: np.ndarray, received: np.ndarray, rate: int, band_rate: int) -> None:
+def assert_same_sound(recorded_24k: np.ndarray, received: np.ndarray, rate: int, band_rate: int,
+                      filled_s: float = 0.0) -> None:
     """`received` (at `rate`) is `recorded_24k`, later by a lag that holds (within a client's jitter-buffer
-    adjustments): each half of the recording is found in it, compared at `band_rate`, the band both kept."""
+    adjustments, and the `filled_s` of silence a line sent where the engine fell behind real time, which moves
+    what follows): each half of the recording is found in it, compared at `band_rate`, the band both kept."""
     a = Resampler(24000, band_rate).process(recorded_24k.astype(np.float32))
     b = Resampler(rate, band_rate).process(received.astype(np.float32)) if rate != band_rate else received
     half = a.size // 2
     (lag1, similar1), (at2, similar2) = best_match(a[:half], b, band_rate), best_match(a[half:], b, band_rate)
     lag2 = at2 - half / band_rate
-    assert 0 <= lag1 < 1.5 and abs(lag2 - lag1) <= 0.1, (lag1, lag2)
+    assert 0 <= lag1 < 1.5 and abs(lag2 - lag1) <= 0.1 + filled_s, (lag1, lag2, filled_s)
     assert similar1 > 0.4 and similar2 > 0.4, (similar1, similar2)
 
 
@@ -134,7 +136,10 @@ async def test_a_sip_call_is_recorded(start_server, tmp_path):
     assert "sip:caller@127.0.0.1" in facts["caller"]["from"] and "sip:agent@" in facts["caller"]["to"]
     agent = check_file(folder, facts)
     heard, rate, _ = read_wav(result.heard)
-    assert_same_sound(agent, heard, rate, 8000)
+    # The line sends a packet every 20 ms whatever comes: where the engine fell behind real time (a loaded machine:
+    # 46 frames in a 4 s call) it sent silence, and the model's later audio reached the phone that much later.
+    filled_s = max(0.0, facts["stats"]["packets_sent"] * 0.02 - facts["stats"]["frames_out"] * 0.08)
+    assert_same_sound(agent, heard, rate, 8000, filled_s)
 
 
 async def test_a_webrtc_call_is_recorded(start_server, speech_24k, tmp_path):
