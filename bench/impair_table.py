@@ -10,7 +10,8 @@ own stats, SIP's where the call's end came back, the native dialect from its `se
 doors report none to a load client); the link's uplink jitter p95 ms (median / max); sessions whose added p50 is
 over that jitter + 20 ms (the issue's bound); concealed / lost ms summed over the sessions that report both; input
 underruns max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per
-run: ticks, late ticks, tick p50 / p99.
+run: ticks, late ticks, tick p50 / p99; and one per worker process: its CPU, loop lag and the input frames it sent
+the engine late (the counters are the server's totals since its start), which is where a busy worker shows.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def main() -> None:
                           "late_ticks": server["late_ticks"], "tick_p50_ms": server["tick_run_ms"]["p50_ms"],
                           "tick_p99_ms": server["tick_run_ms"]["p99_ms"], "refused": run["summary"]["refused"],
                           "failed": run["summary"]["failed"], "errors": run["summary"]["errors"]}))
+        for process in server["processes"]:
+            if process["role"] == "worker":
+                lag = process.get("loop_lag_ms", {})
+                print(json.dumps({"run": name, "worker": process["worker"], "cpu_pct": process.get("cpu_pct"),
+                                  "loop_lag_p99_ms": lag.get("p99"), "loop_lag_max_ms": lag.get("max"),
+                                  "input_late_frames": process.get("input_late_frames")}))
 
 
 if __name__ == "__main__":
