@@ -32,15 +32,12 @@ def _input(session: dict[str, Any]) -> dict[str, float] | None:
     if server := session.get("server"):
         return {"added_p50": server["input_added_ms"]["p50"], "underruns": server["input_underruns"],
                 "concealed": server["concealed_ms"], "cut": server["sound_cut_max_ms"], "hard": server["hard_cuts"]}
-    if (sip := session.get("sip_server")) and sip.get("input"):
-        got = sip["input"]
-        return {"added_p50": (got["added_ms"] or {}).get("p50") or 0.0, "underruns": got["underruns"],
-                "concealed": got["concealed_ms"], "cut": got["sound_cut_max_ms"], "hard": got["hard_cuts"]}
-    if link := session.get("server_link"):
-        got = link["input"]
-        return {"added_p50": got["added_ms"]["p50"], "underruns": got["underruns"], "concealed": got["concealed_ms"],
-                "cut": got["sound_cut_max_ms"], "hard": got["hard_cuts"]}
-    return None
+    # The SIP door's call stats and the native dialect's session.link carry the buffer's own stats, field for field.
+    got = (session.get("sip_server") or {}).get("input") or (session.get("server_link") or {}).get("input")
+    if got is None:
+        return None
+    return {"added_p50": (got["added_ms"] or {}).get("p50") or 0.0, "underruns": got["underruns"],
+            "concealed": got["concealed_ms"], "cut": got["sound_cut_max_ms"], "hard": got["hard_cuts"]}
 
 
 def _pair(values: list[float], digits: int = 1) -> str:
