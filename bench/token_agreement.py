@@ -4,9 +4,10 @@
 
 Engines over one model (full 7B shape, random bf16 weights): the reference (Mimi in float32, as the reference
 computes it) and one per candidate: `decoder_bf16` (Mimi's streaming decoder in bf16), `encoder_bf16`, `bf16`
-(both). All step `--rows` fresh greedy rows through `--frames` frames of the same speech-like input (a voiced,
-pitch-gliding signal with pauses and noise, different for every row), and every emitted frame's 17 tokens (text,
-8 agent codes, 8 user codes: the Mimi encoder's) are compared. One JSON line per candidate, "token_agreement":
+(both), `fp8_weights` (the temporal products with e4m3 weights, `LM.with_fp8_weights`). All step `--rows` fresh
+greedy rows through `--frames` frames of the same speech-like input (a voiced, pitch-gliding signal with pauses and
+noise, different for every row), and every emitted frame's 17 tokens (text, 8 agent codes, 8 user codes: the Mimi
+encoder's) are compared. One JSON line per candidate, "token_agreement":
 frames compared and equal (all 17 tokens), per stream (text, agent, user codes), rows that ever diverged and their
 first divergent frame, and the audio: the candidate's decoded audio against the reference's, as an SNR in dB per
 row over the frames before that row's first divergence (where both decoded the same codes).
@@ -54,8 +55,10 @@ class SpeechLike:
 CANDIDATES = {"decoder_bf16": {"mimi_decoder_bf16": True}, "encoder_bf16": {"mimi_encoder_bf16": True},
               "bf16": {"mimi_encoder_bf16": True, "mimi_decoder_bf16": True},
               "compiled": {"mimi_compiled": True},
-              "decoder_bf16_compiled": {"mimi_decoder_bf16": True, "mimi_compiled": True}}
-REFERENCE = {"mimi_encoder_bf16": False, "mimi_decoder_bf16": False, "mimi_compiled": False}
+              "decoder_bf16_compiled": {"mimi_decoder_bf16": True, "mimi_compiled": True},
+              "fp8_weights": {"fp8_weights": True}, "decoder_bf16_fp8_weights": {"mimi_decoder_bf16": True,
+                                                                                 "fp8_weights": True}}
+REFERENCE = {"mimi_encoder_bf16": False, "mimi_decoder_bf16": False, "mimi_compiled": False, "fp8_weights": False}
 STREAMS = {"text": slice(0, 1), "agent": slice(1, 9), "user_codes": slice(9, 17)}
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.lm import LMState
+from model.lm import LM, LMState
 from model.loading import PersonaPlex
 from model.mimi import Mimi, MimiState
 from model.sampling import RowSampling
@@ -97,10 +97,11 @@ class BatchStep:
     session), and (on CUDA, given a pool) one graph per part of the step."""
 
     def __init__(self, model: PersonaPlex, buffers: BatchBuffers, const: StepConstants, rows: slice,
-                 graph_pool=None, warmups: int = 2, mimi: Mimi | None = None):
-        """`mimi`: the codec the step streams through (the engine's, perhaps of another precision), by default the
-        model's."""
-        self.lm, self.mimi = model.lm, model.mimi if mimi is None else mimi
+                 graph_pool=None, warmups: int = 2, mimi: Mimi | None = None, lm: LM | None = None):
+        """`mimi`, `lm`: the codec and language model the step runs (the engine's, perhaps of another precision),
+        by default the model's."""
+        self.lm = model.lm if lm is None else lm
+        self.mimi = model.mimi if mimi is None else mimi
         self.lm_state: LMState = buffers.lm_state.rows(rows)
         self.mimi_state: MimiState = buffers.mimi_state.rows(rows)
         self.text_s = buffers.text_sampling.rows(rows)

@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from model.attention import KVStore, decode_attention, depformer_attention, rope_and_store
 from model.config import LMConfig
 from model.fused import fusable
+from model.precision import Fp8Linear, sibling
 from model.rope import apply_rope, rope_rotation
 
 # Prefill lengths vary with every persona; cuDNN would build a new plan for each (hundreds of ms), so it is left out.
@@ -71,8 +72,8 @@ class GatedFFN(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.linear_in = nn.Linear(dim, 2 * hidden, bias=False)
-        self.linear_out = nn.Linear(hidden, dim, bias=False)
+        self.linear_in: nn.Module = nn.Linear(dim, 2 * hidden, bias=False)
+        self.linear_out: nn.Module = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear_out(silu_gate(self.linear_in(x)))
@@ -83,12 +84,17 @@ class TemporalAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.in_proj_weight = nn.Parameter(torch.empty(3 * cfg.dim, cfg.dim))
-        self.out_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.out_proj: nn.Module = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.in_proj_fp8: Fp8Linear | None = None  # the product in fp8 (LM.with_fp8_weights), else in_proj_weight's
         nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def project(self, x: Tensor) -> Tensor:
+        """x [..., dim] -> q, k and v side by side [..., 3 * dim]."""
+        return F.linear(x, self.in_proj_weight) if self.in_proj_fp8 is None else self.in_proj_fp8(x)
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, dim] -> q, k, v each [B, H, T, head_dim]."""
-        q, k, v = F.linear(x, self.in_proj_weight).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)
+        q, k, v = self.project(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)
         return q, k, v
 
 
@@ -200,6 +206,25 @@ class LM(nn.Module):
         self.depformer_text_emb = nn.Embedding(cfg.text_card + 1, cfg.depformer_dim)
         self.depformer = Depformer(cfg, steps)
         self.linears = nn.ModuleList(nn.Linear(cfg.depformer_dim, cfg.card, bias=False) for _ in range(steps))
+
+    def with_fp8_weights(self) -> LM:
+        """This model with the temporal transformer's products (q/k/v, output, and the FFN's two) in e4m3 with a
+        scale per output channel, the inputs quantized per row: half the bytes of the largest weights and the fp8
+        tensor-core rate. Everything else is shared with this model, whose own weights stay as they are (its
+        prompt prefill runs on them). Not exact: `bench.token_agreement --candidates fp8_weights` measures how
+        far greedy tokens move."""
+        other = sibling(self)
+        other.transformer = sibling(self.transformer)
+        other.transformer.layers = nn.ModuleList()
+        for layer in self.transformer.layers:
+            fp8 = sibling(layer)
+            fp8.self_attn, fp8.gating = sibling(layer.self_attn), sibling(layer.gating)
+            fp8.self_attn.in_proj_fp8 = Fp8Linear(layer.self_attn.in_proj_weight)
+            fp8.self_attn.out_proj = Fp8Linear.of(layer.self_attn.out_proj)
+            fp8.gating.linear_in = Fp8Linear.of(layer.gating.linear_in)
+            fp8.gating.linear_out = Fp8Linear.of(layer.gating.linear_out)
+            other.transformer.layers.append(fp8)
+        return other
 
     def delays(self, device: torch.device) -> Tensor:
         """Per-row delays [17] on `device` (not a buffer, so meta-device construction needs no re-init)."""
@@ -315,7 +340,7 @@ class LM(nn.Module):
         h = x.unsqueeze(1)
         normed = layers[0].norm1(h)
         for i, layer in enumerate(layers):
-            projected = F.linear(normed, layer.self_attn.in_proj_weight).view(B, -1)
+            projected = layer.self_attn.project(normed).view(B, -1)
             q = rope_and_store(state.kv, i, projected, rotation, slot.view(B), active)
             o = decode_attention(q, state.kv, i, n_valid)
             h, normed = add_rms_norm(h, layer.self_attn.out_proj(o.flatten(1)).unsqueeze(1), layer.norm2.alpha,

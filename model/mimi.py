@@ -33,6 +33,7 @@ from model.mimi_modules import (
     SeanetEncoder,
     SplitResidualVQ,
 )
+from model.precision import sibling
 
 
 @dataclass
@@ -152,7 +153,7 @@ class Mimi(nn.Module):
         kilobytes a row)."""
         if encoder == self.encoder_dtype and decoder == self.decoder_dtype:
             return self
-        other = self._sibling()
+        other = sibling(self)
         for dtype, names in ((encoder, ("encoder", "encoder_transformer", "downsample")),
                              (decoder, ("upsample", "decoder_transformer", "decoder"))):
             for name in names:
@@ -190,12 +191,6 @@ class Mimi(nn.Module):
         x = self.decoder_transformer.step(x.transpose(1, 2), dec.kv).transpose(1, 2)
         return self.decoder.step(x, buffers)[:, 0].float()
 
-    def _sibling(self) -> Mimi:
-        """A shallow copy whose submodule table is its own (a plain shallow copy would share it)."""
-        other = copy.copy(self)
-        other._modules = dict(self._modules)
-        return other
-
     def compiled(self) -> Mimi:
         """This codec with its two streaming steps compiled whole by Inductor (any batch: one dynamic graph each).
 
@@ -204,7 +199,7 @@ class Mimi(nn.Module):
         generated kernel, which the engine's CUDA graphs replay. The streaming-state kernels of
         model/stream_kernels.py give way to their torch reference there, which Inductor fuses with their neighbours.
         """
-        other = self._sibling()
+        other = sibling(self)
         other._encode_step = torch.compile(self._encode_step, dynamic=True, fullgraph=True)
         other._decode_step = torch.compile(self._decode_step, dynamic=True, fullgraph=True)
         return other

@@ -29,6 +29,7 @@ from model.engine import (
 )
 from model.engine.core import ENGINE_SWITCH_INTERVAL_S
 from model.loading import load_model
+from model.precision import Fp8Linear
 from model.tiny import write_tiny_checkpoint
 
 GREEDY = SamplingParams(greedy=True)
@@ -130,6 +131,22 @@ def test_a_cpu_engine_streams_through_the_float32_codec_whatever_the_bf16_flags(
     assert engine.runner.mimi is tiny_model.mimi
     state = engine.runner.mimi_state
     assert all(t.dtype == torch.float32 for t in (*state.encoder.convs, state.decoder.kv.keys))
+
+
+async def test_an_engine_with_fp8_weights_runs_its_prompts_and_steps_on_them_and_leaves_the_model_alone(
+        make_engine, tiny_model):
+    """EngineConfig.fp8_weights: the engine's steps and its prompt prefill run a sibling of the model with e4m3
+    temporal products; the loaded model's own weights stay what they were, so an engine without the flag beside
+    it still gives the float path's tokens."""
+    exact_before = await run_session(make_engine(), PARAMS, speechlike(12, 3), 10)
+    fp8 = make_engine(fp8_weights=True)
+    assert isinstance(fp8.runner.lm.transformer.layers[0].gating.linear_in, Fp8Linear)
+    assert fp8.runner.scratch.lm is fp8.runner.lm and fp8.runner.lm is not tiny_model.lm
+    assert type(tiny_model.lm.transformer.layers[0].gating.linear_in) is torch.nn.Linear
+    _, outputs = await run_session(fp8, PARAMS, speechlike(12, 3), 10)
+    assert len(outputs) == 10 and all(np.isfinite(o.audio).all() for o in outputs)
+    exact_after = await run_session(make_engine(), PARAMS, speechlike(12, 3), 10)
+    assert same(exact_before[1], exact_after[1])
 
 
 def test_batch_sizes_past_the_table_step_by_32_rows_so_few_graphs_are_captured():

@@ -16,6 +16,7 @@ from test_engine import GREEDY, Collector, QueueSource, speechlike
 from model import fused
 from model.engine import Engine, EngineConfig, SamplingParams, SessionParams
 from model.loading import load_model
+from model.precision import Fp8Linear
 from model.tiny import write_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
@@ -107,7 +108,22 @@ def test_compiled_mimi_streams_as_the_eager_one_and_runs_under_graphs(cuda_model
 def test_fused_and_fp8_engines_run(cuda_model):
     fused = asyncio.run(session_tokens(cuda_model, EngineConfig(max_sessions=2, fuse_kernels=True), 8))
     fp8 = asyncio.run(session_tokens(cuda_model, EngineConfig(max_sessions=2, fp8_kv=True), 8))
-    assert len(fused) == len(fp8) == 8
+    weights = asyncio.run(session_tokens(cuda_model, EngineConfig(max_sessions=2, fp8_kv=True, fp8_weights=True), 8))
+    assert len(fused) == len(fp8) == len(weights) == 8
+
+
+def test_fp8_linear_tracks_the_exact_product_at_every_batch_size():
+    """torch._scaled_mm with a scale per row of the input and per output channel, for the batch sizes the engine
+    steps (one row, odd buckets) and the 7B's shapes; within e4m3's rounding of the bf16 product."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((4096, 4096), (2 * 11264, 4096), (4096, 11264)):
+        weight = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
+        linear = Fp8Linear(weight)
+        for rows in (1, 7, 250):
+            x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            exact = (x.float() @ weight.float().t())
+            error = (linear(x).float() - exact).norm() / exact.norm()
+            assert linear(x).dtype == torch.bfloat16 and float(error) < 0.05
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs")

@@ -277,6 +277,46 @@ def test_fp8_kv_cache_tracks_the_exact_cache():
     assert int(fp8.kv.k[:, 0].view(torch.uint8).count_nonzero()) == 0
 
 
+def test_fp8_weights_track_the_exact_products_and_leave_the_model_alone():
+    """`LM.with_fp8_weights`: a sibling whose temporal products are e4m3 (half the bytes), whose hidden states stay
+    within a few percent of the exact ones, whose prefill equals its own frame-by-frame steps (inputs are quantized
+    per row, so a chunk's row rounds as that row alone does), and which shares every other weight; the model
+    it came from computes exactly what it did."""
+    lm = make_lm(11)
+    user = random_user(12, 2, 6)
+    columns = [torch.cat([torch.full((2, 1), 3), user[t], user[t]], dim=1) for t in range(user.shape[0])]
+
+    def hidden_states(model: LM) -> list[torch.Tensor]:
+        state, out = model.init_state(2), []
+        with torch.no_grad():
+            for column in columns:
+                out.append(model.temporal_step(model.embed_column(column), state))
+                state.pos += 1
+        return out
+
+    before = hidden_states(lm)
+    fp8 = lm.with_fp8_weights()
+    assert torch.equal(torch.stack(hidden_states(lm)), torch.stack(before))
+    assert type(lm.transformer.layers[0].gating.linear_in) is torch.nn.Linear
+    layer = fp8.transformer.layers[0]
+    for linear in (layer.self_attn.in_proj_fp8, layer.self_attn.out_proj, layer.gating.linear_in,
+                   layer.gating.linear_out):
+        assert linear.weight.dtype == torch.float8_e4m3fn and linear.scale.dtype == torch.float32
+    assert layer.norm1 is lm.transformer.layers[0].norm1 and fp8.emb is lm.emb and fp8.depformer is lm.depformer
+    for exact, approx in zip(before, hidden_states(fp8), strict=True):
+        assert float((approx - exact).norm() / exact.norm()) < 0.06
+
+    stepped, prefilled = fp8.init_state(1), fp8.init_state(1)
+    x = torch.stack([fp8.embed_column(column[:1])[0] for column in columns])
+    with torch.no_grad():
+        steps = []
+        for t in range(x.shape[0]):
+            steps.append(fp8.temporal_step(x[t : t + 1], stepped)[0])
+            stepped.pos += 1
+        chunk = fp8.prefill(x, prefilled, 0)
+    torch.testing.assert_close(chunk, torch.stack(steps), atol=1e-4, rtol=1e-4)
+
+
 def test_fused_residual_norm_compiles_to_what_eager_computes():
     """The GPU compiles `add_rms_norm` with Inductor (model/fused.py): it must trace whole, for any batch, and equal
     the residual add followed by the norm."""

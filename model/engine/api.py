@@ -121,6 +121,12 @@ class EngineConfig:
     # On CUDA, Mimi's two streaming steps compiled whole by Inductor (`Mimi.compiled`): the glue between its
     # products fused into generated kernels. Not bit-exact (Inductor orders some sums its own way).
     mimi_compiled: bool = False
+    # The temporal transformer's products with e4m3 weights (a scale per output channel) and inputs quantized per
+    # row (`LM.with_fp8_weights`): half the bytes of the weights a tick reads, at the fp8 tensor-core rate (CUDA
+    # compute capability 8.9+; on the CPU it runs, slowly, for tests). Greedy tokens move
+    # (`bench.token_agreement --candidates fp8_weights`, docs/fidelity.md), so it is a flag. The fp8 copy is kept
+    # beside the model's own weights (6.7 GB more for the 7B), which the page pool then leaves out.
+    fp8_weights: bool = False
 
 
 @dataclass

@@ -22,7 +22,7 @@ from model.config import FRAME_SAMPLES, SAMPLE_RATE
 from model.engine.api import EngineConfig, ResourceExhausted
 from model.engine.pages import PagePool
 from model.engine.prompt_cache import CachedPrompt
-from model.lm import LMState
+from model.lm import LM, LMState
 from model.loading import PersonaPlex
 from model.mimi import Mimi
 from model.prompt_prefill import PromptPrefill
@@ -68,7 +68,7 @@ class Runner:
                 fused.enable()
             else:
                 log.warning("Triton is not installed: running without fused kernels (slower ticks)")
-        lm = model.lm
+        lm = self.lm = self._stepping_lm()
         self.scratch = PromptPrefill(lm, self.device, config.fp8_kv)
         model.text_piece(0)  # builds the token-text table now, not in the first tick
         self.mimi = self._streaming_mimi()
@@ -103,6 +103,15 @@ class Runner:
         self.step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
 
+    def _stepping_lm(self) -> LM:
+        """The language model the steps and prompts run through: the model's, or a sibling with its temporal
+        products in fp8 (EngineConfig.fp8_weights)."""
+        if not self.config.fp8_weights:
+            return self.model.lm
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise RuntimeError("fp8_weights needs fp8 tensor cores (compute capability 8.9 or later)")
+        return self.model.lm.with_fp8_weights()
+
     def _streaming_mimi(self) -> Mimi:
         """The codec the steps stream through: the model's, or on CUDA a copy with a side in bf16 and perhaps its
         steps compiled (EngineConfig)."""
@@ -117,12 +126,12 @@ class Runner:
     def _pool_pages(self, page: int) -> int:
         """The pool's pages: the configured count, else what the free device memory holds beside kv_free_gib
         (CUDA), else every row's full window."""
-        config, cfg = self.config, self.model.lm.cfg
+        config, cfg = self.config, self.lm.cfg
         if config.kv_pages is not None:
             return config.kv_pages
         if self.device.type != "cuda":
             return self.rows * (cfg.context // page)
-        element = 1 if config.fp8_kv else self.model.lm.text_linear.weight.element_size()
+        element = 1 if config.fp8_kv else self.lm.text_linear.weight.element_size()
         per_frame = 2 * cfg.num_layers * cfg.num_heads * (cfg.head_dim * element + (4 if config.fp8_kv else 0))
         free, _ = torch.cuda.mem_get_info(self.device)
         pages = int((free - config.kv_free_gib * 2**30) // (per_frame * page)) - 1
@@ -166,7 +175,7 @@ class Runner:
         """Compile the fused helpers for the shapes of a session's start now, not in the first open (seconds, seen
         as 2.1 s of engine work in the first cold open on the H200): prefill chunks, and a .wav voice's one-shot
         Mimi encode (two lengths, so the compiled code is the one for any length)."""
-        lm = self.model.lm
+        lm = self.lm
         with torch.no_grad():
             for frames in (self.config.prefill_chunk, 2):
                 x = torch.zeros(frames, lm.cfg.dim, device=self.device, dtype=lm.text_linear.weight.dtype)
@@ -252,7 +261,7 @@ class Runner:
         if step is None:
             pool = self.graph_pool if self.graphs else None
             step = self._steps[n] = BatchStep(self.model, self.buffers(), self.const, slice(0, n), graph_pool=pool,
-                                              mimi=self.mimi)
+                                              mimi=self.mimi, lm=self.lm)
         return step
 
     def _spare(self) -> BatchStep:
@@ -261,7 +270,7 @@ class Runner:
             pool = self.graph_pool if self.graphs else None
             row = self.spare_row
             self._spare_step = BatchStep(self.model, self.buffers(), self.const, slice(row, row + 1), graph_pool=pool,
-                                         mimi=self.mimi)
+                                         mimi=self.mimi, lm=self.lm)
         return self._spare_step
 
     def _on_spare_row(self, row: int, step: Callable[[BatchStep], tuple[Tensor, Tensor, Tensor]]
@@ -304,7 +313,7 @@ class Runner:
     def reset_lm_row(self, row: int) -> None:
         self.pages.release(row)
         self.pages.flush()
-        self.model.lm.reset_row(self.lm_state, row, used=0)
+        self.lm.reset_row(self.lm_state, row, used=0)
 
     def reset_mimi_row(self, row: int, decoder: bool = True) -> None:
         state = self.mimi_state.rows(slice(row, row + 1))
@@ -348,7 +357,7 @@ class Runner:
     def prefill_on_scratch(self, plan: PromptPlan) -> CachedPrompt:
         """The whole prompt on the scratch row (replayed CUDA graphs, model/prompt_prefill.py); its effect."""
         self.scratch.run(plan.embeddings)
-        finish_prompt(self.model.lm, self.scratch.state, 0, plan)
+        finish_prompt(self.lm, self.scratch.state, 0, plan)
         return self._prompt_of(self.scratch.state, 0)
 
     @torch.no_grad()
@@ -356,23 +365,23 @@ class Runner:
         """Prefill `chunk` after what the row holds (a fresh row's prompt, or a prompt added to a live context)."""
         self._take_pages(row, chunk.shape[0])
         pages = self.pages
-        self.model.lm.prefill(chunk, self.lm_state, row, origin=int(pages.origin[row]), ring=int(pages.window[row]))
+        self.lm.prefill(chunk, self.lm_state, row, origin=int(pages.origin[row]), ring=int(pages.window[row]))
 
     @torch.no_grad()
     def continuation(self, row: int, persona: list[int], pending: bool) -> PromptPlan:
         """A prompt for a live row, from its ring and call counter as they are (prompts.plan_continuation)."""
         state = self.lm_state
-        return plan_continuation(self.model.lm, state.ring[row], int(state.offset[row]), persona, pending)
+        return plan_continuation(self.lm, state.ring[row], int(state.offset[row]), persona, pending)
 
     @torch.no_grad()
     def end_prompt(self, plan: PromptPlan, row: int) -> None:
         """After a continuation's last chunk: the row's ring, call counter and forced tokens."""
-        finish_prompt(self.model.lm, self.lm_state, row, plan)
+        finish_prompt(self.lm, self.lm_state, row, plan)
 
     @torch.no_grad()
     def finish_prompt(self, plan: PromptPlan, row: int) -> CachedPrompt:
         """After the last chunk on `row`: the prompt's last frames, and its effect."""
-        finish_prompt(self.model.lm, self.lm_state, row, plan)
+        finish_prompt(self.lm, self.lm_state, row, plan)
         return self._prompt_of(self.lm_state, row)
 
     @torch.no_grad()
