@@ -227,12 +227,13 @@ async def main_async(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     config = EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, kv_pages=args.kv_pages,
                           kv_page_frames=args.page_frames, kv_floor_frames=args.floor_frames,
-                          kv_free_gib=args.kv_free_gib)
+                          kv_free_gib=args.kv_free_gib, fp8_weights=args.fp8_weights)
     engine = Engine(model, config)
     engine.start()
     memory = gpu_memory_gb()
     print(json.dumps({"bench": "call_mix_start", "max_sessions": args.max_sessions,
-                      "kv": "fp8" if args.fp8_kv else "bf16", "pool_pages": engine.stats().kv_pages,
+                      "kv": "fp8" if args.fp8_kv else "bf16", "fp8_weights": args.fp8_weights,
+                      "pool_pages": engine.stats().kv_pages,
                       "page_frames": engine.lm_state.kv.page, "start_s": round(time.perf_counter() - started, 1),
                       **memory, **memory_parts_gb(engine)}), flush=True)
     try:
@@ -260,6 +261,7 @@ def main() -> None:
     parser.add_argument("--floor-frames", type=int, default=EngineConfig.kv_floor_frames,
                         help="the smallest context window a shrink leaves")
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
+    parser.add_argument("--fp8-weights", action="store_true", help="e4m3 temporal products (LM.with_fp8_weights)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
