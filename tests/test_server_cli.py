@@ -49,14 +49,6 @@ def test_mimi_decoder_precision_is_a_choice_and_reaches_the_engine(tiny_checkpoi
         parse_settings([], {"PERSONAPLEX_MIMI_DECODER": "fp16"})
 
 
-def test_fp8_weights_are_asked_by_flag_or_environment_and_kept_off_a_cpu_engine(tiny_checkpoint, caplog):
-    assert parse_settings([], {}).fp8_weights is False
-    assert parse_settings(["--fp8-weights"], {}).fp8_weights is True
-    assert parse_settings([], {"PERSONAPLEX_FP8_WEIGHTS": "1"}).fp8_weights is True
-    engine = build_engine(parse_settings(["--fp8-weights"], {}), load_model(str(tiny_checkpoint), device="cpu"))
-    assert engine.config.fp8_weights is False and "--fp8-weights needs a GPU" in caplog.text
-
-
 async def test_no_gpu_falls_back_to_tiny_loudly_and_exits_on_sigterm(tiny_checkpoint, tmp_path):
     if torch.cuda.is_available():
         return  # the fallback under test is the no-GPU one

@@ -97,16 +97,12 @@ def load_for(settings: Settings) -> tuple[PersonaPlex, str]:
 
 def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
     """The engine for `model` as the settings ask (not started)."""
-    gpu = model.device.type == "cuda"
     fp8 = settings.kv_cache == "fp8"
-    if fp8 and not gpu:
+    if fp8 and model.device.type != "cuda":
         logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)
-    if settings.fp8_weights and not gpu:
-        logger.warning("--fp8-weights needs a GPU; keeping the weights in %s", model.dtype)
-    return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and gpu,
+    return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda",
                                       stalled_after_s=settings.engine_stalled_s,
-                                      mimi_decoder_bf16=settings.mimi_decoder == "bf16",
-                                      fp8_weights=settings.fp8_weights and gpu))
+                                      mimi_decoder_bf16=settings.mimi_decoder == "bf16"))
 
 
 async def _startup(app: web.Application) -> None:

@@ -39,7 +39,6 @@ class Settings:
     strict_model: bool = False            # True: a model that fails to load is fatal instead of falling back to tiny
     kv_cache: str = "bf16"                # "fp8": e4m3 KV cache, half the memory per session (about 2x sessions)
     mimi_decoder: str = "bf16"            # on a GPU, the streaming decoder's precision ("float32": as the reference)
-    fp8_weights: bool = False             # on a GPU, the temporal products with e4m3 weights (faster, tokens move)
     stun_url: str = ""                    # WebRTC ICE: none by default (host candidates: localhost and LAN)
     turn_url: str = ""
     turn_username: str = ""
@@ -167,10 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"precision of Mimi's streaming decoder on a GPU: bf16 is ~1 ms a tick faster at 250 "
                         f"sessions with every token unchanged and the audio 37.7 dB from float32's "
                         f"(docs/fidelity.md); the CPU is always float32 (default {d.mimi_decoder})")
-    p.add_argument("--fp8-weights", action="store_true", default=None,
-                   help="on a GPU with fp8 tensor cores (H100, H200, L4, L40S), the temporal transformer's products "
-                        "with e4m3 weights: fewer bytes and faster products a tick, not bit-exact, greedy tokens "
-                        "move (docs/fidelity.md)")
     p.add_argument("--stun-url", help="STUN server for WebRTC, e.g. stun:stun.example.org:3478 (default: none)")
     p.add_argument("--turn-url", help="TURN server for WebRTC, e.g. turn:turn.example.org:3478?transport=udp")
     p.add_argument("--turn-username", help="user name for the TURN server (with --turn-url)")
