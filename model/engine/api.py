@@ -123,9 +123,11 @@ class EngineConfig:
     mimi_compiled: bool = False
     # The temporal transformer's products with e4m3 weights (a scale per output channel) and inputs quantized per
     # row (`LM.with_fp8_weights`): half the bytes of the weights a tick reads, at the fp8 tensor-core rate (CUDA
-    # compute capability 8.9+; on the CPU it runs, slowly, for tests). Greedy tokens move
-    # (`bench.token_agreement --candidates fp8_weights`, docs/fidelity.md), so it is a flag. The fp8 copy is kept
-    # beside the model's own weights (6.7 GB more for the 7B), which the page pool then leaves out.
+    # compute capability 8.9+; on the CPU it runs, slowly, for tests). Greedy tokens move (docs/fidelity.md), and
+    # on the H200 torch._scaled_mm's per-row kernel reads a product of few rows at half bf16's bandwidth: a tick
+    # gains 0.6-1.3 ms at 250 rows and loses 0.2-1.0 ms at 1 and 160 (docs/benchmarks.md). A bench flag, to
+    # measure a skinny-product kernel with. The fp8 copy is kept beside the model's own weights (6.7 GB more for
+    # the 7B), which the page pool then leaves out.
     fp8_weights: bool = False
 
 
