@@ -313,6 +313,12 @@ class WebSocketDoor(DoorClient):
         pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
         return [pcm[i:i + 2 * FRAME] for i in range(0, len(pcm) - 2 * FRAME + 1, 2 * FRAME)]
 
+    def report(self) -> dict[str, Any]:
+        out = super().report()
+        if self.closed is not None and self.closed.get("stats"):
+            out["server_closed"] = self.closed["stats"]      # the whole call's counters and input link
+        return out
+
     async def close(self) -> None:
         if self.ws is None:
             return
@@ -423,15 +429,37 @@ class DuplexClient(WebSocketDoor):
 
 class TwilioClient(WebSocketDoor):
     """`WS /v1/twilio`: `connected` + `start` (μ-law 8 kHz), 20 ms `media` in; 20 ms `media` out on the server's
-    clock (silence where the model's frame was not there)."""
+    clock (silence where the model's frame was not there). Twilio's protocol has no stats event: with `admin_key`
+    set, the call's own figures (its input link among them) come from `GET /v1/calls` before it stops."""
 
     door = "twilio"
     send_period_s = TWILIO_CHUNK / TWILIO_RATE
     clocked_output = True
+    admin_key: ClassVar[str | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stream_sid = f"MZ{uuid.uuid4().hex}"
+        self.call_stats: dict[str, Any] | None = None
+
+    async def wait_output(self, drain_s: float, timeout_s: float = 0.0, max_missing: int = 0) -> None:
+        await super().wait_output(drain_s, timeout_s, max_missing)
+        if self.admin_key is None:
+            return
+        headers = {"Authorization": f"Bearer {self.admin_key}"}
+        try:
+            async with aiohttp.ClientSession() as http, http.get(self.base_url + "/v1/calls", headers=headers) as res:
+                calls = (await res.json()).get("data", [])
+        except (aiohttp.ClientError, ValueError):
+            return
+        mine = [c for c in calls if (c.get("caller") or {}).get("stream_sid") == self.stream_sid]
+        self.call_stats = mine[0]["stats"] if mine else None
+
+    def report(self) -> dict[str, Any]:
+        out = super().report()
+        if self.call_stats is not None:
+            out["call_stats"] = self.call_stats
+        return out
 
     async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:
         ws = await self.connect(http, "/v1/twilio")

@@ -48,7 +48,17 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
-from bench.doors import DOORS, RATE, DoorClient, SipClientDoor, WebRTCClient, client_session, quantiles, speech
+from bench.doors import (
+    DOORS,
+    RATE,
+    DoorClient,
+    SipClientDoor,
+    TwilioClient,
+    WebRTCClient,
+    client_session,
+    quantiles,
+    speech,
+)
 from bench.impair import Link, LinkModel, PeerImpairment, TcpRelay, UdpRelay, impair_peer
 from bench.impair_report import adaptive_player, fixed_delay_player
 from bench.server_probe import server_report, server_snapshot
@@ -78,6 +88,7 @@ class ProcJob:
     drain_s: float
     seed: int = 0
     sip_port: int | None = None
+    admin_key: str | None = None
     pieces: dict[int, list[bytes]] = field(default_factory=dict)  # per session, made before the start
 
     def session_audio(self, p: Planned) -> np.ndarray:
@@ -246,6 +257,7 @@ def proc_main(conn: Connection, job: ProcJob) -> None:
     """A client process: prepare its sessions' audio, say it is ready, take the common start time, run its
     sessions, send back the reports."""
     SipClientDoor.sip_port = job.sip_port
+    TwilioClient.admin_key = job.admin_key
     job.prepare()
     conn.send("ready")
     t0 = conn.recv()
@@ -356,7 +368,8 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         mine = [p for p in sessions if p.proc == k]
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=proc_main, args=(child, ProcJob(args.url, headers, mine, audio, args.seconds,
-                                                                   args.drain_s, args.impair_seed, args.sip_port)),
+                                                                   args.drain_s, args.impair_seed, args.sip_port,
+                                                                   args.admin_key)),
                            daemon=True)
         proc.start()
         procs.append(proc)
@@ -444,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-settle-s", type=float, default=1.0, help="wait after all are live before the extra open")
     p.add_argument("--drain-s", type=float, default=1.0, help="after the last send, before counting what came")
     p.add_argument("--api-key")
+    p.add_argument("--admin-key", help="the server's --admin-key: Twilio calls read their own stats from /v1/calls")
     p.add_argument("--impair", type=_link, help="put a share of each door's sessions behind this link (bench.impair: "
                    "a preset such as far, bursty, stalls, or fields: delay_ms=75,jitter_ms=30,loss=0.01)")
     p.add_argument("--impaired-share", type=float, default=0.5,

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 STARTUP_S = 300.0
+ADMIN_KEY = "impair-run-admin"   # the Twilio calls read their own stats from /v1/calls (a local server, loopback)
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
@@ -59,7 +60,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "app", "--model", args.model, "--host", "127.0.0.1", "--port", str(args.port),
            "--max-sessions", str(args.max_sessions), "--workers", str(args.workers), "--max-connections-per-ip", "0",
-           "--sip-port", str(args.sip_port), "--rtp-ports", "30000-31999",
+           "--sip-port", str(args.sip_port), "--rtp-ports", "30000-31999", "--admin-key", ADMIN_KEY,
            "--log-level", "WARNING"] + (["--kv-cache", args.kv_cache] if args.kv_cache else [])
     log = (args.out / "server.log").open("wb")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -86,7 +87,7 @@ def main() -> int:
             t0 = time.monotonic()
             res = subprocess.run([sys.executable, "-m", "bench.e2e", "--url", url, "--mix", mix, "--procs",
                                   str(min(args.procs, int(extra[1]))), "--impair-seed", "30", "--out", str(out),
-                                  "--sip-port", str(args.sip_port),
+                                  "--sip-port", str(args.sip_port), "--admin-key", ADMIN_KEY,
                                   *extra], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             done[name] = round(time.monotonic() - t0, 1)
             if res.returncode:

@@ -6,8 +6,9 @@ Each file is one `bench.e2e` run; its name after the last `_` (far, clean, stall
 door under each link: the all-clean run, the clean callers beside the far ones, and the impaired callers of every
 impaired run. Columns: sessions; RTF min at the client; missing frames max; client output lateness p99 ms
 (median / max over sessions); the server input buffer's added latency p50 ms (median / max; WebRTC from the call's
-own stats, SIP's where the call's end came back, the native dialect from its `session.link`; the Realtime and Twilio
-doors report none to a load client); the link's uplink jitter p95 ms (median / max); sessions whose added p50 is
+own stats, SIP's where the call's end came back, the Realtime and native dialects from `session.closed` (the whole
+call; runs before it from the native dialect's last `session.link`), Twilio from `GET /v1/calls` (none in runs before
+it)); the link's uplink jitter p95 ms (median / max); sessions whose added p50 is
 over that jitter + 20 ms (the issue's bound); concealed / lost ms summed over the sessions that report both; input
 underruns max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per
 run: ticks, late ticks, tick p50 / p99; and one per worker process: its CPU, loop lag and the input frames it sent
@@ -27,13 +28,20 @@ DOORS = {"webrtc": "WebRTC", "realtime": "Realtime", "twilio": "Twilio", "sip": 
 BOUND_MS = 20.0
 
 
-def _input(session: dict[str, Any]) -> dict[str, float] | None:
+def input_figures(session: dict[str, Any]) -> dict[str, float] | None:
     """The server input buffer's figures for one session, where its door reports them."""
     if server := session.get("server"):
         return {"added_p50": server["input_added_ms"]["p50"], "underruns": server["input_underruns"],
                 "concealed": server["concealed_ms"], "cut": server["sound_cut_max_ms"], "hard": server["hard_cuts"]}
-    # The SIP door's call stats and the native dialect's session.link carry the buffer's own stats, field for field.
-    got = (session.get("sip_server") or {}).get("input") or (session.get("server_link") or {}).get("input")
+    if (closed := session.get("server_closed") or {}).get("input_added_ms_p50") is not None:
+        # The Realtime and native dialects' session.closed: the whole call's figures.
+        return {"added_p50": closed["input_added_ms_p50"], "underruns": closed["underruns"],
+                "concealed": closed["concealed_ms"], "cut": closed["input_sound_cut_max_ms"],
+                "hard": closed["input_hard_cuts"]}
+    # The SIP door's call stats, a Twilio call's live stats (GET /v1/calls) and the native dialect's session.link
+    # carry the buffer's own stats, field for field.
+    got = ((session.get("sip_server") or {}).get("input") or (session.get("call_stats") or {}).get("input")
+           or (session.get("server_link") or {}).get("input"))
     if got is None:
         return None
     return {"added_p50": (got["added_ms"] or {}).get("p50") or 0.0, "underruns": got["underruns"],
@@ -47,7 +55,7 @@ def _pair(values: list[float], digits: int = 1) -> str:
 
 
 def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
-    inputs = [(s, got) for s in sessions if (got := _input(s)) is not None]
+    inputs = [(s, got) for s in sessions if (got := input_figures(s)) is not None]
     jitter = {s["name"]: s["impairment"]["up"]["jitter_p95_ms"] for s in sessions if s.get("impairment")}
     lost = [(s, got) for s, got in inputs if s.get("impairment", {}).get("rtp_lost_ms") is not None]
     over = [s for s, got in inputs if s["name"] in jitter and got["added_p50"] > jitter[s["name"]] + BOUND_MS]

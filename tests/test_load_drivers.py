@@ -11,6 +11,8 @@ from pathlib import Path
 
 from webrtc_support import ensure_ice_host_address
 
+from bench.impair_table import input_figures
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,11 +47,11 @@ async def test_realtime_check_opens_more_than_100_sessions(start_server):
 
 async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     ensure_ice_host_address()
-    server = await start_server(max_sessions=5)
+    server = await start_server(max_sessions=5, admin_key="e2e-admin")
     out = tmp_path / "e2e.jsonl"
     report = await run_driver("bench.e2e", "--url", server.url, "--sessions", "4", "--seconds", "3", "--procs", "2",
                               "--mix", "realtime=1,webrtc=1,twilio=1,duplex=1", "--extra-open",
-                              "--server-pids", str(os.getpid()), "--out", str(out))
+                              "--server-pids", str(os.getpid()), "--out", str(out), "--admin-key", "e2e-admin")
     assert json.loads(out.read_text().splitlines()[-1]) == report
     assert report["summary"]["live"] == 4 and report["summary"]["no_audio"] == 0, report["summary"]
     sessions = report["per_session"]
@@ -60,6 +62,14 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
         assert s["output_lateness_ms"]["p99"] >= s["output_lateness_ms"]["p50"] >= 0, s
     webrtc = next(s for s in sessions if s["door"] == "webrtc")
     assert webrtc["server"]["input_added_ms"]["p50"] is not None
+    # Every door's input buffer figures reach the load client: the dialects' session.closed (the whole call), a
+    # Twilio call's own stats from the admin API, as bench.impair_table reads them.
+    for door in ("realtime", "duplex"):
+        closed = next(s for s in sessions if s["door"] == door)["server_closed"]
+        assert closed["input_added_ms_p50"] >= 0 and closed["input_hard_cuts"] == 0, closed
+    twilio = next(s for s in sessions if s["door"] == "twilio")["call_stats"]
+    assert twilio["input"]["added_ms"]["p50"] >= 0 and twilio["input"]["target_ms"] >= 80, twilio
+    assert all(input_figures(s) is not None for s in sessions)
     assert webrtc["server"]["output_added_ms"]["p50"] is not None
     for door, summary in report["doors"].items():
         assert summary["live"] == 1 and summary["first_audio_ms"]["p99"] > 0, (door, summary)

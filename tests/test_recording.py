@@ -112,6 +112,10 @@ async def test_a_twilio_call_is_recorded(start_server, speech_24k, tmp_path):
     assert facts["caller"]["call_sid"] == "CA7" and facts["caller"]["custom_parameters"]["order"] == "42"
     assert facts["agent"]["persona"] == "You answer the phone for a bakery."
     assert facts["stats"]["heard_s"] > 0 and facts["ended_at"] > facts["started_at"]
+    # The caller's link as the input buffer saw it, live and in call.json: a clean loopback line, nothing lost.
+    for link in (listed["stats"]["input"], facts["stats"]["input"]):
+        assert link["added_ms"]["p50"] >= 0 and link["jitter_ms"] >= 0 and link["target_ms"] >= 80
+        assert link["concealed_ms"] == 0 and link["hard_cuts"] == 0
     agent = check_file(folder, facts)
     assert_same_sound(agent, ULAW.decode(b"".join(twilio.received)), 8000, 8000)
     caller_channel = decode(folder / "audio.ogg")[0][0]         # the left channel is what the model heard

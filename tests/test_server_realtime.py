@@ -457,3 +457,6 @@ async def test_link_report_and_closing_stats(server, speech_24k):
         stats = closed["stats"]
         assert stats["frames_sent"] >= 1 and stats["input_ms"] == pytest.approx(10 * 80, abs=1)
         assert {"epoch", "backpressure_refusals", "concealed_ms", "frames_in", "frames_out"} <= set(stats)
+        # The whole call's input link: a loopback socket, nothing concealed or cut, a frame read after it came.
+        assert stats["input_added_ms_p95"] >= stats["input_added_ms_p50"] >= 0 and stats["input_target_ms"] >= 80
+        assert stats["input_hard_cuts"] == 0 and stats["input_jitter_ms"] >= 0

@@ -35,6 +35,7 @@ from aiohttp import web
 from app.calls.recording import FACTS, Recording, RecordingWriter, iso, wanted
 from app.calls.webhooks import Webhooks
 from app.sessions.errors import http_error_body
+from app.sessions.link import input_report
 from app.shell.auth import key_ok
 from app.shell.context import CONTEXT
 from app.shell.metrics import Metrics
@@ -82,7 +83,10 @@ class LiveCall:
         return {"persona": params.persona, "voice": params.voice}
 
     def stats(self) -> dict[str, Any]:
-        return {**self.conversation.counters(), **self.owner.call_details()}
+        """The engine's counters, the door's own figures, and `input`: the caller's link as the input buffer saw it
+        over the call so far (arrival jitter, target, the latency it added, concealment, underruns, cuts)."""
+        link = input_report(self.conversation, time.time() - self.started_at)
+        return {**self.conversation.counters(), **self.owner.call_details(), **({"input": link} if link else {})}
 
     def describe(self) -> dict[str, Any]:
         """The call as `GET /v1/calls` and the webhooks show it."""

@@ -62,7 +62,13 @@ def closed_stats(conv: Conversation | None, frames_sent: int) -> dict[str, Any]:
                              "backpressure_refusals": conv.backpressure_refusals}
     if conv.input is not None:
         j = conv.input.stats()
-        stats |= {"input_ms": round(j.pushed_ms, 1), "concealed_ms": round(j.concealed_ms, 1)}
+        stats |= {"input_ms": round(j.pushed_ms, 1), "concealed_ms": round(j.concealed_ms, 1),
+                  "input_jitter_ms": round(j.jitter_ms, 1), "input_target_ms": round(j.target_ms, 1),
+                  "input_sound_cut_max_ms": round(j.sound_cut_max_ms, 1), "input_hard_cuts": j.hard_cuts}
+        # The latency the input buffer added over the whole call (as far as its trace reaches: 5.5 minutes).
+        added = conv.input.added_ms(conv.input.config.trace_reads)
+        if added is not None:
+            stats |= {"input_added_ms_p50": round(added[0], 1), "input_added_ms_p95": round(added[1], 1)}
     return stats
 
 
