@@ -689,6 +689,7 @@ def peer_report(st: dict[str, Any]) -> dict[str, Any]:
     return {
         "call_id": st.get("call_id"),
         "input_added_ms": st["latency_ms"]["input_added"],
+        "input_buffered_ms": st["latency_ms"].get("input_buffered"),
         "output_added_ms": st["latency_ms"]["output_added"],
         "input_underruns": jb.get("underruns"),
         "output_underruns": out.get("underruns"),

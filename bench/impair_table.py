@@ -31,7 +31,10 @@ BOUND_MS = 20.0
 def input_figures(session: dict[str, Any]) -> dict[str, float] | None:
     """The server input buffer's figures for one session, where its door reports them."""
     if server := session.get("server"):
-        return {"added_p50": server["input_added_ms"]["p50"], "underruns": server["input_underruns"],
+        # WebRTC: the buffer's own hold where the run has it, as every other door reports it; runs before it have
+        # only the wait until the tick began, which also counts the worker's input lead and the answer's way back.
+        held = server.get("input_buffered_ms") or server["input_added_ms"]
+        return {"added_p50": held["p50"], "underruns": server["input_underruns"],
                 "concealed": server["concealed_ms"], "cut": server["sound_cut_max_ms"], "hard": server["hard_cuts"]}
     if (closed := session.get("server_closed") or {}).get("input_added_ms_p50") is not None:
         # The Realtime and native dialects' session.closed: the whole call's figures.

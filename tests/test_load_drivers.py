@@ -62,6 +62,7 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
         assert s["output_lateness_ms"]["p99"] >= s["output_lateness_ms"]["p50"] >= 0, s
     webrtc = next(s for s in sessions if s["door"] == "webrtc")
     assert webrtc["server"]["input_added_ms"]["p50"] is not None
+    assert webrtc["server"]["input_buffered_ms"]["p95"] >= webrtc["server"]["input_buffered_ms"]["p50"] >= 0
     # Every door's input buffer figures reach the load client: the dialects' session.closed (the whole call), a
     # Twilio call's own stats from the admin API, as bench.impair_table reads them.
     for door in ("realtime", "duplex"):

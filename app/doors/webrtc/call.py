@@ -350,7 +350,9 @@ class Call:
         return st.frames_out * FRAME + round(st.overrun_drops_ms * RATE / 1000)
 
     def _time_input_wait(self, st: JitterStats, now: float) -> None:
-        """How long the newest sample of the frame the engine just read had waited in the jitter buffer."""
+        """How long the newest sample of the frame the engine just answered had waited until the tick that took it
+        began: the jitter buffer's hold, and the worker's input lead (a frame goes to the engine that much before
+        its tick) and the answer's way back, as far as the tick's usual length does not cover it."""
         if self._origin is None:
             return
         newest = self._origin + self._consumed(st) - 1
@@ -389,6 +391,8 @@ class Call:
                                "jitter_ms": round(s.jitter * 1000.0 / 48000, 2)}
         engine = self.ctx.engine.stats() if self.ctx.engine is not None else None
         track = self.track.stats
+        # What the jitter buffer itself held after each read (as the other doors report it), over the whole call.
+        held = conv.input.added_ms(conv.input.config.trace_reads) if conv is not None and conv.input else None
         return {
             "type": "session.stats",
             "call_id": self.call_id,
@@ -400,6 +404,8 @@ class Call:
             "inbound": asdict(self.inbound.stats) if self.inbound is not None else None,
             "rtp": rtp,
             "latency_ms": {"input_added": _summary(self.input_waits_ms),
+                           "input_buffered": None if held is None else {"p50": round(held[0], 1),
+                                                                        "p95": round(held[1], 1)},
                            "output_added": _summary([w * 1000.0 for w in self.pacer.waits][-RECENT_FRAMES:])},
             "engine": None if engine is None else {"tick_ms_p50": engine.tick_ms_p50, "tick_ms_p99": engine.tick_ms_p99,
                                                    "late_ticks": engine.late_ticks, "batch": engine.batch},
