@@ -210,9 +210,8 @@ class LM(nn.Module):
     def with_fp8_weights(self) -> LM:
         """This model with the temporal transformer's products (q/k/v, output, and the FFN's two) in e4m3 with a
         scale per output channel, the inputs quantized per row: half the bytes of the largest weights and the fp8
-        tensor-core rate. Everything else is shared with this model, whose own weights stay as they are (its
-        prompt prefill runs on them). Not exact: `bench.token_agreement --candidates fp8_weights` measures how
-        far greedy tokens move."""
+        tensor-core rate. Everything else is shared with this model, whose own weights stay as they are. Not
+        exact: `bench.token_agreement --candidates fp8_weights` measures how far greedy tokens move."""
         other = sibling(self)
         other.transformer = sibling(self.transformer)
         other.transformer.layers = nn.ModuleList()
