@@ -38,18 +38,20 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   is taken back as the buffer re-primes: the audio due when it ran dry never came while later audio did (lost: it
   is concealed), or the dry spell was longer than the largest margin (a stalled link).
 - A stalled link delivers what it held at once: when the buffer re-primes more than a frame above its target it
-  catches up: silence goes as in the gentle path below but judged on the current excess, and after two reads
-  with no silence to cut, sound goes in two pitch cuts a read (see acceleration below; at most 25 ms per 80 ms
-  read, ~30 % fast) until the level is back within a window of the target (a lost stretch just read has no packet
-  end to cut to: the excess comes back a read later): a 400 ms stall drains in under 2 s with no hard cut.
+  catches up (so does a first read that finds audio long waiting: a call's media flows from the answer and its
+  first tick comes later, and a hard cut there took the talker's first 280-380 ms of sound): silence goes as in
+  the gentle path below but judged on the current excess, and after two reads with no silence to cut, sound goes
+  in two pitch cuts a read (see acceleration below; at most 25 ms per 80 ms read, ~30 % fast) until the level is
+  back within a window of the target (a lost stretch just read has no packet end to cut to: the excess comes back
+  a read later): a 400 ms stall drains in under 2 s with no hard cut.
 - Latency is bounded from above by cutting the excess, in whole 10 ms windows joined by a 5 ms raised-cosine
   crossfade. Gently: when the lowest excess over the last 5 reads (400 ms, a whole cycle of 20/40/80/100 ms
   packets) is a window or more, up to 80 ms per read of windows the client sent as silence (below -50 dBFS,
   crossfade region included; never concealed gaps) are dropped, so clock drift and post-stall backlogs drain
   without cutting speech or shortening the timeline for loss.
   Hard: an excess above 160 ms (two frames of headroom), unless catching up, is cut at once, the quietest
-  windows first (an engine that stopped reading while audio kept coming, or a first read long after the first
-  audio). A push beyond the 500 ms hard cap drops the oldest audio at once.
+  windows first (an engine that stopped reading while audio kept coming). A push beyond the 500 ms hard cap drops
+  the oldest audio at once.
 - Continuous sound never offers silence (a talker who starts before the first frame, background noise above
   -50 dBFS), so a backlog built while the session started would stay for the whole call. When there has been an
   excess for a second and a read finds no silence to cut, that read accelerates instead (as a phone's jitter
@@ -442,7 +444,9 @@ class JitterBuffer:
             lost = not self._copy(self._dry_from, 1)[1][0]
             if long_dry or lost:
                 self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)
-            self._catch_up = level - target >= self._frame   # a burst, not the packet that ended a short dry spell
+        # A burst (not the packet that ended a short dry spell), or the first read long after the first audio (a
+        # call's media flows from the answer, its first tick comes later): caught up, not cut.
+        self._catch_up = level - target >= self._frame
         self._primed = self._ever_primed = True
 
     def _record(self, now: float, added_ms: float | None) -> None:
