@@ -434,11 +434,11 @@ class JitterBuffer:
         self._excesses.clear()
 
     def _reprimed(self, level: int, target: int) -> None:
-        """Enough audio to play again. The underrun's margin step is taken back when no margin would have helped:
-        the audio that was due when the buffer ran dry never came while later audio did (it was lost: it is
-        concealed, and waiting longer would not have brought it), or the dry spell was longer than the largest
-        margin (a stalled link). What a stalled link then delivered at once drains by catching up (`_plan_cuts`)
-        rather than by a hard cut of sound."""
+        """Enough audio to play (the first time, or again). The underrun's margin step is taken back when no margin
+        would have helped: the audio that was due when the buffer ran dry never came while later audio did (it was
+        lost: it is concealed, and waiting longer would not have brought it), or the dry spell was longer than the
+        largest margin (a stalled link). What a stalled link then delivered at once, like what came long before a first
+        read, drains by catching up (`_plan_cuts`) rather than by a hard cut of sound."""
         if self._ever_primed:
             long_dry = self._dry_reads * self._frame > self.config.max_margin_ms * self.config.sample_rate / 1000.0
             lost = not self._copy(self._dry_from, 1)[1][0]
