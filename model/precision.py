@@ -14,10 +14,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from model.fused import fusable
+from model.attention import quantize
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
 M = TypeVar("M", bound=nn.Module)
 
 
@@ -29,20 +27,13 @@ def sibling(module: M) -> M:
     return other
 
 
-@fusable
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scale [M, 1]) with x ~= values * scale, each row's max at e4m3's max."""
-    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).to(FP8), scale
-
-
 class Fp8Linear(nn.Module):
     """y = x W^T, bias-free, with W [N, K] held in e4m3 and a float32 scale per output channel; y in the dtype the
     weight had."""
 
     def __init__(self, weight: Tensor):
         super().__init__()
-        values, scale = quantize_rows(weight.detach())
+        values, scale = quantize(weight.detach())   # each output channel's max at e4m3's max, as the fp8 KV does
         self.register_buffer("weight", values)
         self.register_buffer("scale", scale.view(1, -1).contiguous())
         self.out_dtype = weight.dtype
@@ -54,7 +45,8 @@ class Fp8Linear(nn.Module):
         return cls(linear.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        values, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        values, scale = quantize(x.reshape(-1, x.shape[-1]))
         # CUDA's per-row scaled product writes bf16 only; a float32 model (the tiny one in tests) casts after it.
-        y = torch._scaled_mm(values, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=torch.bfloat16)
+        y = torch._scaled_mm(values, self.weight.t(), scale_a=scale.unsqueeze(-1), scale_b=self.scale,
+                             out_dtype=torch.bfloat16)
         return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype)
