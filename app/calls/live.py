@@ -85,7 +85,7 @@ class LiveCall:
     def stats(self) -> dict[str, Any]:
         """The engine's counters, the door's own figures, and `input`: the caller's link as the input buffer saw it
         over the call so far (arrival jitter, target, the latency it added, concealment, underruns, cuts)."""
-        link = input_report(self.conversation, time.time() - self.started_at)
+        link = input_report(self.conversation)
         return {**self.conversation.counters(), **self.owner.call_details(), **({"input": link} if link else {})}
 
     def describe(self) -> dict[str, Any]:

@@ -30,13 +30,15 @@ def link_report_s(value: object, param: str) -> float:
     return float(value)
 
 
-def input_report(conv: Conversation, period_s: float) -> dict[str, Any] | None:
-    """The input side of the link (the added latency over the last `period_s`), or None before there is a buffer."""
+def input_report(conv: Conversation, period_s: float | None = None) -> dict[str, Any] | None:
+    """The input side of the link (the added latency over the last `period_s`, by default the whole call as far as
+    the buffer's trace reaches: 5.5 minutes), or None before there is a buffer."""
     jb = conv.input
     if jb is None:
         return None
     st = jb.stats()
-    added = jb.added_ms(max(1, round(period_s * SAMPLE_RATE / FRAME)))
+    reads = jb.config.trace_reads if period_s is None else max(1, round(period_s * SAMPLE_RATE / FRAME))
+    added = jb.added_ms(reads)
     return {"jitter_ms": round(st.jitter_ms, 1), "target_ms": round(st.target_ms, 1), "depth_ms": round(st.depth_ms, 1),
             "added_ms": None if added is None else {"p50": round(added[0], 1), "p95": round(added[1], 1)},
             "underruns": st.underruns, "concealed_ms": round(st.concealed_ms, 1), "late_drops": st.late_drops,
@@ -60,15 +62,13 @@ def closed_stats(conv: Conversation | None, frames_sent: int) -> dict[str, Any]:
         return {}
     stats: dict[str, Any] = {**conv.counters(), "frames_sent": frames_sent, "epoch": conv.epoch,
                              "backpressure_refusals": conv.backpressure_refusals}
-    if conv.input is not None:
-        j = conv.input.stats()
-        stats |= {"input_ms": round(j.pushed_ms, 1), "concealed_ms": round(j.concealed_ms, 1),
-                  "input_jitter_ms": round(j.jitter_ms, 1), "input_target_ms": round(j.target_ms, 1),
-                  "input_sound_cut_max_ms": round(j.sound_cut_max_ms, 1), "input_hard_cuts": j.hard_cuts}
-        # The latency the input buffer added over the whole call (as far as its trace reaches: 5.5 minutes).
-        added = conv.input.added_ms(conv.input.config.trace_reads)
-        if added is not None:
-            stats |= {"input_added_ms_p50": round(added[0], 1), "input_added_ms_p95": round(added[1], 1)}
+    link = input_report(conv)
+    if link is not None:
+        stats |= {"input_ms": round(conv.input.stats().pushed_ms, 1), "concealed_ms": link["concealed_ms"],
+                  "input_jitter_ms": link["jitter_ms"], "input_target_ms": link["target_ms"],
+                  "input_sound_cut_max_ms": link["sound_cut_max_ms"], "input_hard_cuts": link["hard_cuts"]}
+        if link["added_ms"] is not None:
+            stats |= {"input_added_ms_p50": link["added_ms"]["p50"], "input_added_ms_p95": link["added_ms"]["p95"]}
     return stats
 
 

@@ -39,6 +39,7 @@ from app.calls.recording import asked_to_record
 from app.doors.realtime.dialect import RealtimeSession, is_beta
 from app.sessions.conversation import Conversation, State
 from app.sessions.errors import ProtocolError
+from app.sessions.link import input_report
 from app.sessions.outbox import Message
 from app.sessions.transport import CLOSE_GOING_AWAY, CLOSE_NORMAL
 from app.shell.context import CONTEXT
@@ -392,7 +393,7 @@ class Call:
         engine = self.ctx.engine.stats() if self.ctx.engine is not None else None
         track = self.track.stats
         # What the jitter buffer itself held after each read (as the other doors report it), over the whole call.
-        held = conv.input.added_ms(conv.input.config.trace_reads) if conv is not None and conv.input else None
+        link = input_report(conv) if conv is not None else None
         return {
             "type": "session.stats",
             "call_id": self.call_id,
@@ -404,8 +405,7 @@ class Call:
             "inbound": asdict(self.inbound.stats) if self.inbound is not None else None,
             "rtp": rtp,
             "latency_ms": {"input_added": _summary(self.input_waits_ms),
-                           "input_buffered": None if held is None else {"p50": round(held[0], 1),
-                                                                        "p95": round(held[1], 1)},
+                           "input_buffered": link["added_ms"] if link is not None else None,
                            "output_added": _summary([w * 1000.0 for w in self.pacer.waits][-RECENT_FRAMES:])},
             "engine": None if engine is None else {"tick_ms_p50": engine.tick_ms_p50, "tick_ms_p99": engine.tick_ms_p99,
                                                    "late_ticks": engine.late_ticks, "batch": engine.batch},
