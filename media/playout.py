@@ -150,6 +150,11 @@ class PlayoutBuffer:
                     self._prebuffer_ms = max(step, self.config.min_prebuffer_ms)
         return out
 
+    def runs_dry(self, n: int) -> bool:
+        """Whether a read of n samples now would underrun: playing, with less than n queued."""
+        with self._lock:
+            return self._playing and self._depth < n
+
     def clear(self) -> int:
         """Drop everything queued (barge-in); returns the new generation writers must use."""
         with self._lock:
