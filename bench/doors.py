@@ -155,6 +155,7 @@ class DoorClient:
         self.received = Received()
         self.model_s = 0.0                 # seconds of model audio received (no playout silence)
         self.silence_after_first_s = 0.0   # playout silence after the first model audio (paced doors)
+        self.first_silence_at: float | None = None    # when the first of it came
         self.errors: list[dict[str, Any]] = []
         self.sent_s = 0.0
         self.send_late_ms: list[float] = []
@@ -195,6 +196,8 @@ class DoorClient:
         if silent:
             if self.first_audio_at is not None:
                 self.silence_after_first_s += seconds
+                if self.first_silence_at is None:
+                    self.first_silence_at = now
             return
         if self.first_audio_at is None:
             self.first_audio_at = now
@@ -255,6 +258,8 @@ class DoorClient:
             if self.first_audio_at and began else None,
             "first_audio_after_send_ms": round((self.first_audio_at - self.first_send) * 1000, 1)
             if self.first_audio_at and self.first_send else None,
+            **({"first_silence_ms": round((self.first_silence_at - began) * 1000, 1)}
+               if self.first_silence_at and began else {}),
             "errors": len(self.errors),
             **({"first_error": self.errors[0].get("error", self.errors[0])} if self.errors else {}),
             **({"server_link": self.link_report} if self.link_report is not None else {}),
@@ -679,7 +684,7 @@ class SipClientDoor(DoorClient):
         out = super().report()
         if self.stats is not None:
             out["sip_server"] = {k: self.stats.get(k) for k in ("lost", "packets_received", "input", "stalls",
-                                                                  "shed_ms")}
+                                                                  "shed_ms", "out_underruns")}
         return out
 
 

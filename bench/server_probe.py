@@ -70,6 +70,12 @@ def metric_delta(before: Metrics, after: Metrics, name: str, label: str | None =
     return {key: n for key, n in grown.items() if n}
 
 
+def histogram_count(before: Metrics, after: Metrics, name: str, edge: float) -> float:
+    """The observations a histogram gained over the run at or below `edge` (a bucket's bound)."""
+    return sum(v - before.get(k, 0.0) for k, v in after.items()
+               if k[0] == f"{name}_bucket" and float(dict(k[1])["le"]) == edge)
+
+
 def histogram_quantiles(before: Metrics, after: Metrics, name: str, qs: tuple[float, ...]) -> dict[str, float | None]:
     """Quantiles of the observations a histogram gained over the run, interpolated inside their bucket."""
     buckets = sorted((float(dict(k[1])["le"]), v - before.get(k, 0.0))
@@ -126,6 +132,10 @@ def server_report(before: dict[str, Any], after: dict[str, Any], pids: dict[int,
         "tick_window_p50_ms": round(tick1.get("p50_ms", 0.0), 2),
         "tick_window_p99_ms": round(tick1.get("p99_ms", 0.0), 2),
         "tick_run_ms": histogram_quantiles(m0, m1, "personaplex_engine_tick_ms", (0.5, 0.99)),
+        # A tick that runs long without being late still delays every session's frame by as much: a phone door's
+        # sender, which holds a frame one packet, plays silence for it.
+        "ticks_over_ms": {f"{edge:g}": metric_delta(m0, m1, "personaplex_engine_tick_ms_count")
+                          - histogram_count(m0, m1, "personaplex_engine_tick_ms", edge) for edge in (25.0, 40.0)},
         "underruns": metric_delta(m0, m1, "personaplex_underruns_total"),
         "errors_by_code": metric_delta(m0, m1, "personaplex_errors_total", "code"),
         "rejections_by_code": metric_delta(m0, m1, "personaplex_rejections_total", "code"),

@@ -260,7 +260,8 @@ class MediaSession:
                 "packets_received": rx.packets if rx else 0, "dropped": dict(rx.dropped) if rx else {},
                 "lost": rx.lost if rx else 0, "seq_jumps": rx.seq_jumps if rx else 0,
                 "rtcp_received": self.stats.rtcp_received, "stalls": self.pacer.grid.stalls,
-                "shed_ms": self.pacer.shed_ms, "dtmf": list(self.stats.dtmf),
+                "shed_ms": self.pacer.shed_ms, "out_underruns": self.pacer.playout.stats().underruns,
+                "dtmf": list(self.stats.dtmf),
                 "conversation": self.conversation.counters(), "input": self.input_stats(), **self.latency_ms()}
 
     def input_stats(self) -> dict[str, object] | None:
