@@ -21,9 +21,8 @@ follows the frames by one set of rules:
 - where the rules give a `late_grace_s`, a send that would find the playout dry while it plays waits up to that long
   for the frame that is due, and leaves `after_s` after it lands, the grid with it: the other end gets that packet
   late, which its jitter buffer absorbs, instead of a packet of silence and a grid moved later still by the
-  playout's grown prebuffer. (At load the ticks' outputs come later as the batch grows and a busy worker delivers
-  them later: on the H200 with 144 calls opening in 2 s, every SIP call opened in the first second sent one packet
-  of silence.)
+  playout's grown prebuffer. (On the H200 with 144 calls opening in 2 s, every SIP call opened in the first second
+  sent one packet of silence: its frames came later than its hold as the load rose; with the grace, none did.)
 What differs between doors is named in `PacingRules`, each door's choice beside it (`WEBRTC_TRACK`, `SIP_RTP`,
 `PHONE_LINE`). Each frame's wait, from its write until the send that carries its first sample, is kept in `waits`:
 the output side's added latency. `mark(name)` is answered once every sample written before it has been sent;
