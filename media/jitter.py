@@ -50,11 +50,11 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   crossfade region included; never concealed gaps) are dropped, so clock drift and post-stall backlogs drain
   without cutting speech or shortening the timeline for loss.
   Reads that stopped for a few frames while the audio kept coming (a worker busy at load, whose frames reach the
-  engine late) leave an excess above 160 ms (two frames of headroom): up to 320 ms (what catching up drains in about
-  a second) it is caught up as after a stall, where a cut at once took 160-230 ms of sound from 19 of 28 SIP calls
-  in one H200 run (unless it holds a gap, which a cut at once takes first, with no sound). Hard: a larger excess,
-  unless catching up, is cut at once, the quietest windows first (an engine that stopped reading while audio kept
-  coming). A push beyond the 500 ms hard cap drops the oldest audio at once.
+  engine late) leave an excess above 160 ms (two frames of headroom): up to 320 ms (what catching up drains in about a
+  second) what costs no sound (gaps, a short jump of the sender's timeline, silence) is cut at once and the rest is
+  caught up as after a stall, where a cut at once took 160-230 ms of sound from 19 of 28 SIP calls in one H200 run.
+  Hard: a larger excess, unless catching up, is cut at once, the quietest windows first (an engine that stopped
+  reading while audio kept coming). A push beyond the 500 ms hard cap drops the oldest audio at once.
 - Continuous sound never offers silence (a talker who starts before the first frame, background noise above
   -50 dBFS), so a backlog built while the session started would stay for the whole call. When there has been an
   excess for a second and a read finds no silence to cut, that read accelerates instead (as a phone's jitter
@@ -476,14 +476,15 @@ class JitterBuffer:
             self._reads_since_underrun = 0
         excess = self._excess(now, target)
         self._excesses.append(excess + self._dropped)
-        if self._headroom < excess <= self._catch_up_max and self._copy(self._read, self._frame + excess)[1].all():
-            # Reads that stopped for a few frames: drained as a stalled link's burst. (A gap in it, a short jump of
-            # the sender's timeline, is cut at once below: it is the quietest, and no sound goes with it.)
-            self._catch_up = True
+        # Reads that stopped for a few frames: what costs no sound (gaps, a short jump of the sender's timeline, and
+        # silence) is cut at once, the rest drains as a stalled link's burst does, from the next read on.
+        quiet_only = not self._catch_up and self._headroom < excess <= self._catch_up_max
         catch_up = self._catch_up = self._catch_up and level - target >= self._window
         hard = excess > self._headroom and not catch_up
+        if quiet_only:
+            self._catch_up = True
         if hard:
-            self._hard_cuts += 1
+            self._hard_cuts += not quiet_only
             budget = excess
         elif catch_up:
             budget = min(excess, self._soft_drop)
@@ -503,13 +504,15 @@ class JitterBuffer:
             # W/2 samples); window 0 is never cut, its crossfade region was already played.
             blocks = np.square(data, dtype=np.float64).reshape(-1, self._fade).sum(axis=1)
             energy = blocks[1:-2:2] + blocks[2:-1:2] + blocks[3::2]
-            if hard:
+            if hard and not quiet_only:
                 windows = sorted(int(i) + 1 for i in np.argsort(energy, kind="stable")[:n])
             else:
-                # Gently, cut only silence the client actually sent: concealed gaps keep the timeline.
-                present = have.reshape(-1, self._fade).all(axis=1)
-                whole = present[1:-2:2] & present[2:-1:2] & present[3::2]
-                for i in np.flatnonzero((energy < self._silence_energy) & whole) + 1:
+                quiet = energy < self._silence_energy
+                if not hard:
+                    # Gently, cut only silence the client actually sent: concealed gaps keep the timeline.
+                    present = have.reshape(-1, self._fade).all(axis=1)
+                    quiet &= present[1:-2:2] & present[2:-1:2] & present[3::2]
+                for i in np.flatnonzero(quiet) + 1:
                     if len(windows) == n or i > self._frame // self._window + len(windows):
                         break
                     windows.append(int(i))
