@@ -134,7 +134,8 @@ class JitterStats:
     frames_out: int
     pushed_ms: float
     sound_cut_max_ms: float     # the most non-silent audio one read removed (acceleration's step, or a hard cut)
-    hard_cuts: int              # reads that cut the level back to the target at once
+    hard_cuts: int              # reads that cut the level back to the target at once (not counting a cut of only
+                                # gaps and silence)
 
 
 @dataclass(frozen=True)
