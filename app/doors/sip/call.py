@@ -23,13 +23,14 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
 
 from app.doors.sip.sdp import Choice
 from app.sessions.conversation import Conversation, InputPolicy
+from app.sessions.link import input_report
 from app.shell.metrics import Metrics
 from app.shell.settings import rtp_port_range
 from media.pacing import FIRST_PLAYED_FRAME, SIP_RTP, Pacer
@@ -261,14 +262,6 @@ class MediaSession:
                 "lost": rx.lost if rx else 0, "seq_jumps": rx.seq_jumps if rx else 0,
                 "rtcp_received": self.stats.rtcp_received, "stalls": self.pacer.grid.stalls,
                 "shed_ms": self.pacer.shed_ms, "out_underruns": self.pacer.playout.stats().underruns,
-                "dtmf": list(self.stats.dtmf),
-                "conversation": self.conversation.counters(), "input": self.input_stats(), **self.latency_ms()}
+                "dtmf": list(self.stats.dtmf), "conversation": self.conversation.counters(),
+                "input": input_report(self.conversation), **self.latency_ms()}
 
-    def input_stats(self) -> dict[str, object] | None:
-        """The input jitter buffer's counters and the latency it added over its recent reads (p50, p95)."""
-        jb = self.conversation.input
-        if jb is None:
-            return None
-        added = jb.added_ms(len(jb.trace()))
-        return {**{k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(jb.stats()).items()},
-                "added_ms": None if added is None else {"p50": round(added[0], 2), "p95": round(added[1], 2)}}
