@@ -7,7 +7,8 @@
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
 only the (sessions x context) pairs given. One JSON line per measurement:
-- "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory;
+- "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory, the fused
+  helpers that fell back to eager (`fused_eager`, model/fused.py);
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
 - "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick: until the
   open returned, and until the session's first frame came out.
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from bench.fullsize import bench_model, gpu_memory_gb, persona, voice_wav
+from model import fused
 from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
 
 
@@ -167,7 +169,8 @@ async def main_async(args: argparse.Namespace) -> None:
     engine.start()
     kv = "fp8" if args.fp8_kv else "bf16"
     print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **mimi,
-                      "graph_capture_s": round(time.perf_counter() - started, 1), **gpu_memory_gb()}), flush=True)
+                      "graph_capture_s": round(time.perf_counter() - started, 1), "fused_eager": fused.fallen_back(),
+                      **gpu_memory_gb()}), flush=True)
     loads = args.loads or [(sessions, context) for context in args.contexts for sessions in args.sessions]
     contexts = sorted({context for _, context in loads})
     best: dict[int, int] = {}
@@ -175,7 +178,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if sessions > args.max_sessions:
             continue
         line = await measure_ticks(engine, sessions, context, args.ticks)
-        print(json.dumps({**line, **mimi}), flush=True)
+        print(json.dumps({**line, **mimi, "fused_eager": fused.fallen_back()}), flush=True)
         if line["tick_ms_p99"] < 80.0:
             best[context] = max(best.get(context, 0), sessions)
     for context in contexts:  # 0 where no session count measured stayed real time

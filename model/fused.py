@@ -25,6 +25,14 @@ _COMPILE_FAILURES = (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.ex
 _EAGER: list[Callable] = []
 _COMPILED: dict[Callable, Callable] = {}
 
+# Graphs one helper may hold. Dynamo compiles a helper once per shape class it meets (rank, a dimension of 1, a view's
+# storage offset of 0, 1 or more, a parameter's requires_grad), and the engine meets many: the tiny model's CPU
+# warm-up with 1-8 rows and prompts already gave apply_rope 8 graphs and add_rms_norm 7, Dynamo's default limit
+# being 8. Past it a helper fell back to eager for the whole process, and the larger batches' CUDA graphs, captured
+# last, were captured with the eager chains (the H200 roofline's 250-row step ran add_rms_norm as ~4 kernels a call,
+# 152 calls a tick). Each graph is a few small kernels, so a generous limit costs nothing but compile time at start.
+RECOMPILE_LIMIT = 64
+
 
 def fusable(fn: F) -> F:
     """Mark a tensor-in, tensor-out helper (no Python-side effects) as worth compiling."""
@@ -56,7 +64,9 @@ def available() -> bool:
 
 
 def enable() -> None:
-    """Compile every fusable helper (dynamic batch); compilation happens on first use, e.g. in graph warm-up."""
+    """Compile every fusable helper (dynamic batch); compilation happens on first use, e.g. in graph warm-up.
+    Dynamo's recompile limit is process-wide: it is raised to RECOMPILE_LIMIT, never lowered."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for fn in _EAGER:
         if fn not in _COMPILED:
             _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
@@ -69,3 +79,8 @@ def disable() -> None:
 
 def enabled() -> bool:
     return bool(_COMPILED)
+
+
+def fallen_back() -> list[str]:
+    """The helpers that were compiled and now run eagerly (each logged a warning when it fell back)."""
+    return sorted(fn.__qualname__ for fn in _EAGER if _COMPILED and fn not in _COMPILED)

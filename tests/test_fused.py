@@ -41,3 +41,24 @@ def test_a_helper_past_its_recompile_limit_runs_eagerly_with_the_same_results(ca
     for row, got in enumerate(results):
         assert torch.equal(got, _cleared_row_reference(x, row))
     assert "runs eagerly from now on" in caplog.text
+
+
+@fused.fusable
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0 + 1.0
+
+
+def test_a_helper_stays_compiled_through_more_shape_classes_than_dynamos_default_limit():
+    """Dynamo compiles a helper once per rank (and per dimension of 1, view offset, ...): the engine's warm-up on
+    the tiny model gave apply_rope 8 graphs, Dynamo's default limit. Past it a helper ran eagerly for the rest of
+    the process, and the large batches' CUDA graphs, captured last, held its unfused kernels."""
+    torch._dynamo.reset()
+    fused.enable()
+    try:
+        shapes = [(3,) * rank for rank in range(1, 11)]  # 10 ranks, 10 graphs
+        results = [_scaled(torch.ones(shape)) for shape in shapes]
+        assert _scaled.__wrapped__ in fused._COMPILED
+        assert fused.fallen_back() == []
+    finally:
+        fused.disable()
+    assert all(torch.equal(got, torch.full(shape, 3.0)) for got, shape in zip(results, shapes, strict=True))
