@@ -26,11 +26,12 @@ _EAGER: list[Callable] = []
 _COMPILED: dict[Callable, Callable] = {}
 
 # Graphs one helper may hold. Dynamo compiles a helper once per shape class it meets (rank, a dimension of 1, a view's
-# storage offset of 0, 1 or more, a parameter's requires_grad), and the engine meets many: the tiny model's CPU
-# warm-up with 1-8 rows and prompts already gave apply_rope 8 graphs and add_rms_norm 7, Dynamo's default limit
-# being 8. Past it a helper fell back to eager for the whole process, and the larger batches' CUDA graphs, captured
-# last, were captured with the eager chains (the H200 roofline's 250-row step ran add_rms_norm as ~4 kernels a call,
-# 152 calls a tick). Each graph is a few small kernels, so a generous limit costs nothing but compile time at start.
+# storage offset of 0, 1 or more, a dtype, a parameter's requires_grad), and the engine meets many: the tiny model's
+# CPU warm-up with 1-8 rows and prompts gave apply_rope 8 graphs and add_rms_norm 7, Dynamo's default limit being 8.
+# Past it a helper runs eagerly for the rest of the process, and every CUDA graph captured after that holds its
+# unfused chain. The H200 engine stayed under it (bench.engine_bench: no helper fell back, tick parts unchanged with
+# 64), but bench.roofline's profile at 250 rows, after its Mimi variants in three precisions, showed add_rms_norm as
+# a separate add, norm and copies. Each graph is a few small kernels: a generous limit costs only compile time.
 RECOMPILE_LIMIT = 64
 
 

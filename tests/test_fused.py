@@ -51,7 +51,7 @@ def _scaled(x: torch.Tensor) -> torch.Tensor:
 def test_a_helper_stays_compiled_through_more_shape_classes_than_dynamos_default_limit():
     """Dynamo compiles a helper once per rank (and per dimension of 1, view offset, ...): the engine's warm-up on
     the tiny model gave apply_rope 8 graphs, Dynamo's default limit. Past it a helper ran eagerly for the rest of
-    the process, and the large batches' CUDA graphs, captured last, held its unfused kernels."""
+    the process, and every CUDA graph captured after that would hold its unfused kernels."""
     torch._dynamo.reset()
     fused.enable()
     try:
