@@ -446,6 +446,7 @@ class TwilioClient(WebSocketDoor):
         super().__init__(*args, **kwargs)
         self.stream_sid = f"MZ{uuid.uuid4().hex}"
         self.call_stats: dict[str, Any] | None = None
+        self.worker: str | None = None  # the server process that held the call: "main", or a worker's number
 
     async def wait_output(self, drain_s: float, timeout_s: float = 0.0, max_missing: int = 0) -> None:
         await super().wait_output(drain_s, timeout_s, max_missing)
@@ -458,12 +459,13 @@ class TwilioClient(WebSocketDoor):
         except (aiohttp.ClientError, ValueError):
             return
         mine = [c for c in calls if (c.get("caller") or {}).get("stream_sid") == self.stream_sid]
-        self.call_stats = mine[0]["stats"] if mine else None
+        if mine:  # the worker too: calls that go silent together say whether one process held them
+            self.call_stats, self.worker = mine[0]["stats"], mine[0].get("worker")
 
     def report(self) -> dict[str, Any]:
         out = super().report()
         if self.call_stats is not None:
-            out["call_stats"] = self.call_stats
+            out["call_stats"], out["worker"] = self.call_stats, self.worker
         return out
 
     async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:

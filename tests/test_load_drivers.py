@@ -68,8 +68,10 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     for door in ("realtime", "duplex"):
         closed = next(s for s in sessions if s["door"] == door)["server_closed"]
         assert closed["input_added_ms_p50"] >= 0 and closed["input_hard_cuts"] == 0, closed
-    twilio = next(s for s in sessions if s["door"] == "twilio")["call_stats"]
+    twilio_session = next(s for s in sessions if s["door"] == "twilio")
+    twilio = twilio_session["call_stats"]
     assert twilio["input"]["added_ms"]["p50"] >= 0 and twilio["input"]["target_ms"] >= 80, twilio
+    assert twilio_session["worker"] == "main"  # the process that held the call: no worker processes here
     assert all(input_figures(s) is not None for s in sessions)
     assert webrtc["server"]["output_added_ms"]["p50"] is not None
     for door, summary in report["doors"].items():
