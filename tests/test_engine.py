@@ -505,6 +505,39 @@ async def test_the_engine_thread_runs_the_garbage_collector_between_ticks(make_e
     assert gc.isenabled()
 
 
+async def test_a_ticks_outputs_go_out_before_the_engine_thread_collects_garbage(make_engine):
+    """The worker processes' outputs leave through the engine host's asyncio thread after the tick's listeners ran,
+    and a collection holds the GIL that thread needs: collecting between the tick and its listeners held every
+    worker's frame at once. A collection now waits for the last tick's listeners (COLLECT_AFTER_TICK_S after them,
+    or just before the next tick where none left that gap)."""
+    engine = make_engine()
+    listened: list[float] = []
+    collections: list[tuple[float, float, float]] = []  # (started, the last tick's end, its listeners' call)
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start" and threading.current_thread().name == "engine-tick":
+            collections.append((time.monotonic(), engine.counters.last_tick_at, listened[-1] if listened else 0.0))
+
+    engine.add_tick_listener(lambda record, next_tick_at: listened.append(time.monotonic()))
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # every pass of the engine's collector finds work
+    gc.callbacks.append(on_collection)
+    try:
+        slot = engine.reserve()
+        sink = Collector()
+        source = QueueSource(speechlike(40, seed=5))
+        await slot.start(dataclasses.replace(PARAMS, pacing="realtime"), source, sink.on_output, sink.on_error)
+        await sink.wait_for(8)
+        slot.close()
+    finally:
+        gc.callbacks.remove(on_collection)
+        gc.set_threshold(*thresholds)
+    after_ticks = [c for c in collections if c[1] > 0 and c[2] > 0]
+    assert len(after_ticks) >= 4, collections
+    assert all(listener_at >= tick_end for _, tick_end, listener_at in after_ticks), \
+        "a collection ran between a tick and its listeners"
+
+
 def test_threads_hand_over_the_gil_every_half_millisecond_while_an_engine_runs(tiny_model):
     """Each torch op of a CPU tick gives up the GIL and waits to take it back; at Python's 5 ms a busy event loop
     made every one of those waits 5 ms (a 14 ms tick took ~750 ms). The last engine to stop restores the interval."""

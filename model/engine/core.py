@@ -66,6 +66,12 @@ TickListener = Callable[[TickRecord, float], None]
 # interval: a 14 ms tick took ~750 ms, and over 2 s on a loaded 2-core machine, where health then reported the
 # engine stalled. At 0.5 ms that tick takes ~60 ms; the cost is more frequent switches between busy threads.
 ENGINE_SWITCH_INTERVAL_S = 0.0005
+# The engine thread's garbage collection waits this long after a tick's listeners: the worker processes' outputs
+# leave through the host's asyncio thread (model/engine/process.py), which needs the GIL that a collection holds
+# throughout. Run straight after the tick (as it was), a collection held that tick's outputs for every worker at
+# once; the likely cause of what the H200 showed at 144 calls: 26 of 29 WebRTC and 6 of 29 Twilio calls, on four
+# workers, heard one frame of silence at the same instant of a run, with no tick over 40 ms.
+COLLECT_AFTER_TICK_S = 0.010
 
 _owners_lock = threading.Lock()
 _owners = 0
@@ -89,9 +95,9 @@ def _process_owned(running: bool) -> None:
 
 
 def _collect_garbage() -> None:
-    """What the automatic collector would do at this point, run right after a tick (the gap before the next is
-    ~55 ms at 64 full sessions): the youngest generation once its allocation count passes the threshold, an older
-    one when enough younger collections have passed."""
+    """What the automatic collector would do at this point, run in the gap after a tick (COLLECT_AFTER_TICK_S after
+    its outputs went out; the gap is ~55 ms at 64 full sessions): the youngest generation once its allocation count
+    passes the threshold, an older one when enough younger collections have passed."""
     counts, thresholds = gc.get_count(), gc.get_threshold()
     if counts[0] < thresholds[0]:
         return
@@ -123,6 +129,7 @@ class Engine:
         self._running = False
         self._pending: set[Callable[[BaseException | None], None]] = set()
         self._tick_listeners: tuple[TickListener, ...] = ()
+        self._collect_at: float | None = None  # when the engine thread collects garbage next (after a tick)
 
     # ----- public, any thread ------------------------------------------------------------------------------
 
@@ -491,9 +498,10 @@ class Engine:
         scheduler = self.scheduler
         now = time.monotonic()
         if scheduler.tick_due(now):
+            if self._collect_at is not None:  # the last tick's collection found no gap before this one
+                _collect_garbage()
             record = self._realtime_tick(started_late=scheduler.started_late(now))
             self.counters.last_tick_at = time.monotonic()
-            _collect_garbage()
             next_tick_at = scheduler.tick_done(time.monotonic(), None if record is None else record.ms / 1000.0)
             if record is not None:
                 for listener in self._tick_listeners:
@@ -502,6 +510,11 @@ class Engine:
                     except Exception:
                         log.exception("tick listener failed")
                         self.counters.count_error("tick_listener")
+            self._collect_at = time.monotonic() + COLLECT_AFTER_TICK_S
+            return
+        if self._collect_at is not None and now >= self._collect_at:
+            self._collect_at = None
+            _collect_garbage()
             return
         if scheduler.jobs:
             job = scheduler.job_to_run(now, realtime_live=bool(self.slots.live(offline=False)))
@@ -510,7 +523,10 @@ class Engine:
                 return
         if self._offline_step():
             return
-        self._wake.wait(timeout=scheduler.wait_s(now, offline_live=bool(self.slots.live(offline=True))))
+        wait_s = scheduler.wait_s(now, offline_live=bool(self.slots.live(offline=True)))
+        if self._collect_at is not None:
+            wait_s = min(wait_s, self._collect_at - now)
+        self._wake.wait(timeout=max(0.0, wait_s))
         self._wake.clear()
 
     def _drain_commands(self) -> None:
