@@ -112,7 +112,8 @@ def main() -> None:
         print(json.dumps({"run": name, "sessions": len(run["per_session"]), "ticks": server["ticks"],
                           "late_ticks": server["late_ticks"], "tick_p50_ms": server["tick_run_ms"]["p50_ms"],
                           "tick_p99_ms": server["tick_run_ms"]["p99_ms"], "refused": run["summary"]["refused"],
-                          "failed": run["summary"]["failed"], "errors": run["summary"]["errors"]}))
+                          "failed": run["summary"]["failed"], "errors": run["summary"]["errors"],
+                          "engine_gc": server.get("engine_gc")}))
         for process in server["processes"]:
             if process["role"] == "worker":
                 lag = process.get("loop_lag_ms", {})

@@ -1,7 +1,7 @@
 """What a load run reads from the server: `/health` and `/metrics` before and after (ticks, late ticks, tick
-quantiles over the run from the histogram, underruns, errors and rejections by code), and per server process on
-this machine its CPU time, resident memory and open file descriptors from /proc. Used by `bench/e2e.py` and
-`bench/soak.py`.
+quantiles over the run from the histogram, the engine thread's garbage collections, underruns, errors and
+rejections by code), and per server process on this machine its CPU time, resident memory and open file
+descriptors from /proc. Used by `bench/e2e.py` and `bench/soak.py`.
 """
 
 from __future__ import annotations
@@ -136,6 +136,10 @@ def server_report(before: dict[str, Any], after: dict[str, Any], pids: dict[int,
         # sender, which holds a frame one packet, plays silence for it.
         "ticks_over_ms": {f"{edge:g}": metric_delta(m0, m1, "personaplex_engine_tick_ms_count")
                           - histogram_count(m0, m1, "personaplex_engine_tick_ms", edge) for edge in (25.0, 40.0)},
+        # The engine thread's collections in the run, and the longest since the server started.
+        "engine_gc": {"collections": metric_delta(m0, m1, "personaplex_engine_gc_collections_total"),
+                      "max_ms": round(max((v for k, v in m1.items() if k[0] == "personaplex_engine_gc_max_ms"),
+                                          default=0.0), 2)},
         "underruns": metric_delta(m0, m1, "personaplex_underruns_total"),
         "errors_by_code": metric_delta(m0, m1, "personaplex_errors_total", "code"),
         "rejections_by_code": metric_delta(m0, m1, "personaplex_rejections_total", "code"),

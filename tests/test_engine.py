@@ -537,6 +537,8 @@ async def test_a_ticks_outputs_go_out_before_the_engine_thread_collects_garbage(
     assert len(after_ticks) >= 4, collections
     assert all(listener_at >= tick_end for _, tick_end, listener_at in after_ticks), \
         "a collection ran between a tick and its listeners"
+    stats = engine.stats()  # what operators see of them (the metrics' personaplex_engine_gc_*)
+    assert stats.gc_collections >= len(after_ticks) and stats.gc_ms_max > 0
 
 
 def test_threads_hand_over_the_gil_every_half_millisecond_while_an_engine_runs(tiny_model):

@@ -82,6 +82,7 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     assert extra["live_before"] == 4 and extra["first_audio_ms"] > 0, extra
     srv = report["server"]
     assert srv["ticks"] > 0 and srv["late_ticks"] >= 0 and srv["tick_run_ms"]["p99_ms"] > 0, srv
+    assert srv["engine_gc"]["collections"] > 0 and srv["engine_gc"]["max_ms"] > 0, srv
     assert set(srv["ticks_over_ms"]) == {"25", "40"} and srv["ticks"] >= srv["ticks_over_ms"]["25"] >= \
         srv["ticks_over_ms"]["40"] >= 0, srv
     assert [p["pid"] for p in srv["processes"]] == [os.getpid()] and srv["processes"][0]["cpu_pct"] > 0

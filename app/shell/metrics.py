@@ -181,6 +181,10 @@ class Metrics:
         family("personaplex_engine_late_ticks_total", "counter", "Ticks that overran their 80 ms budget.",
                [("", {}, s.late_ticks)])
         family("personaplex_engine_batch", "gauge", "Conversations stepped in the last tick.", [("", {}, s.batch)])
+        family("personaplex_engine_gc_collections_total", "counter",
+               "Garbage collections the engine thread ran between ticks.", [("", {}, s.gc_collections)])
+        family("personaplex_engine_gc_max_ms", "gauge",
+               "The longest of them (it holds the GIL: a tick's outputs wait for it).", [("", {}, s.gc_ms_max)])
         family("personaplex_engine_tick_last_ms", "gauge", "Duration of the last tick.", [("", {}, s.tick_ms)])
         family("personaplex_engine_tick_quantile_ms", "gauge", "Tick duration quantiles over a recent window.",
                [("", {"quantile": "0.5"}, s.tick_ms_p50), ("", {"quantile": "0.99"}, s.tick_ms_p99)])

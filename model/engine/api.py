@@ -192,6 +192,10 @@ class EngineStats:
     kv_window_shrinks: int = 0
     kv_window_grows: int = 0
     kv_refused: int = 0
+    # The engine thread's garbage collections between ticks, and the longest (ms): one holds the GIL, so the writes
+    # of a tick's outputs to the workers wait for it.
+    gc_collections: int = 0
+    gc_ms_max: float = 0.0
 
 
 def check_params(params: SessionParams, max_top_k_text: int, max_top_k_audio: int) -> None:

@@ -94,17 +94,19 @@ def _process_owned(running: bool) -> None:
             sys.setswitchinterval(_switch_interval_before)
 
 
-def _collect_garbage() -> None:
+def _collect_garbage() -> float | None:
     """What the automatic collector would do at this point, run in the gap after a tick (COLLECT_AFTER_TICK_S after
     its outputs went out; the gap is ~55 ms at 64 full sessions): the youngest generation once its allocation count
-    passes the threshold, an older one when enough younger collections have passed."""
+    passes the threshold, an older one when enough younger collections have passed. Its ms, if it ran."""
     counts, thresholds = gc.get_count(), gc.get_threshold()
     if counts[0] < thresholds[0]:
-        return
+        return None
     generation = 0
     if counts[1] >= thresholds[1]:
         generation = 2 if counts[2] >= thresholds[2] else 1
+    started = time.perf_counter()
     gc.collect(generation)
+    return (time.perf_counter() - started) * 1000.0
 
 
 class Engine:
@@ -499,7 +501,7 @@ class Engine:
         now = time.monotonic()
         if scheduler.tick_due(now):
             if self._collect_at is not None:  # the last tick's collection found no gap before this one
-                _collect_garbage()
+                self._collect()
             record = self._realtime_tick(started_late=scheduler.started_late(now))
             self.counters.last_tick_at = time.monotonic()
             next_tick_at = scheduler.tick_done(time.monotonic(), None if record is None else record.ms / 1000.0)
@@ -513,8 +515,7 @@ class Engine:
             self._collect_at = time.monotonic() + COLLECT_AFTER_TICK_S
             return
         if self._collect_at is not None and now >= self._collect_at:
-            self._collect_at = None
-            _collect_garbage()
+            self._collect()
             return
         if scheduler.jobs:
             job = scheduler.job_to_run(now, realtime_live=bool(self.slots.live(offline=False)))
@@ -528,6 +529,12 @@ class Engine:
             wait_s = min(wait_s, self._collect_at - now)
         self._wake.wait(timeout=max(0.0, wait_s))
         self._wake.clear()
+
+    def _collect(self) -> None:
+        self._collect_at = None
+        ms = _collect_garbage()
+        if ms is not None:
+            self.counters.record_collection(ms)
 
     def _drain_commands(self) -> None:
         while True:

@@ -38,6 +38,8 @@ class EngineCounters:
         self.open_ms = 0.0
         self.copies_in_flight = 0
         self.refused = 0  # sessions the KV pages could not cover
+        self.gc_collections = 0  # the engine thread's garbage collections (core._collect_garbage)
+        self.gc_ms_max = 0.0
         self.start_s: deque[float] = deque(maxlen=START_RECORDS)
         self.first_frame_s: deque[float] = deque(maxlen=START_RECORDS)
 
@@ -60,6 +62,11 @@ class EngineCounters:
             self.tick_ms_sum += ms
             self.buckets[bisect.bisect_left(TICK_MS_BUCKETS, ms)] += 1
         return record
+
+    def record_collection(self, ms: float) -> None:
+        with self.lock:
+            self.gc_collections += 1
+            self.gc_ms_max = max(self.gc_ms_max, ms)
 
     def count_refusal(self) -> None:
         with self.lock:
@@ -92,6 +99,7 @@ class EngineCounters:
                 open_work_ms_last=self.open_ms, open_step_ms={}, prompt_copies_in_flight=self.copies_in_flight,
                 last_tick_at=self.last_tick_at, kv_pages=pages.pages, kv_pages_free=pages.free,
                 kv_window_shrinks=pages.shrinks, kv_window_grows=pages.grows, kv_refused=self.refused,
+                gc_collections=self.gc_collections, gc_ms_max=self.gc_ms_max,
             )
         if ms:
             stats.tick_ms_p50, stats.tick_ms_p99 = (float(v) for v in np.percentile(ms, [50, 99]))
