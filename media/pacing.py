@@ -240,6 +240,15 @@ class Pacer:
         if excess > rules.tolerance_s:
             self.grid.advance(excess)
 
+    def sent(self) -> dict[str, float | int]:
+        """What the other end has been sent, for a call's record: `sent_s` of the model's audio, and the silence
+        sent where the model's next frame was due and had not come (the engine behind real time): `out_silence_ms`
+        in `out_underruns` spells, each moving what follows that much later; `out_shed_ms` of a standing backlog
+        dropped. Since the line's last rate change (a SIP re-INVITE)."""
+        st = self.playout.stats()
+        return {"sent_s": round(st.drained_samples / self.rate, 2), "out_silence_ms": round(st.underrun_ms, 1),
+                "out_underruns": st.underruns, "out_shed_ms": round(self.shed_ms + st.shed_ms, 1)}
+
     def mark(self, name: str) -> None:
         self.marks.append((self.playout.stats().written_samples, name))
         self._answer_marks()

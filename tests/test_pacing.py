@@ -270,3 +270,18 @@ async def test_a_line_sends_on_its_own_and_answers_a_mark_once_its_audio_is_out(
     audio = np.concatenate(sent)
     assert all(c.size == 160 for c in sent) and np.count_nonzero(audio) >= 640 - 16   # the frame, less the filter's
     assert pacer.chunks_sent == len(sent)                                             # held-back tail
+
+
+@pytest.mark.parametrize("rules", [SIP_RTP, WEBRTC_TRACK, PHONE_LINE], ids=["sip", "webrtc", "phone"])
+async def test_the_silence_sent_while_a_frame_was_late_goes_in_the_calls_record(rules: PacingRules):
+    """A tick 150 ms late: the door sends silence until its frame lands, and `sent()` (the call's record) counts
+    every silent send between the model's first and last audio, and the audio sent."""
+    clock = Clock()
+    pacer = Pacer(24000, rules, clock=clock)
+    writes = ticks(0.005, 30, shift={15: 0.150})
+    sends = await drive(pacer, clock, writes, until=writes[-1] + 0.030)
+    audible = [i for i, s in enumerate(sends) if s[2] != 0.0]
+    silent = sum(1 for s in sends[audible[0]:audible[-1]] if s[2] == 0.0)
+    sent = pacer.sent()
+    assert silent >= 6 and sent["out_silence_ms"] == 20.0 * silent and sent["out_underruns"] == 1, (silent, sent)
+    assert abs(sent["sent_s"] - 0.02 * len(audible)) <= 0.02 and sent["sent_s"] > 2.0, (len(audible), sent)

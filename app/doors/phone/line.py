@@ -147,8 +147,7 @@ class PhoneLine(Session):
                 "codec": f"{line.encoding}/{line.sample_rate}" if line is not None else ""}
 
     def call_details(self) -> dict[str, Any]:
-        sent_s = self.pacer.chunks_sent * self.pacer.period_s if self.pacer is not None else 0.0
-        return {"sent_s": round(sent_s, 2), "dtmf": "".join(self.digits)}
+        return {**(self.pacer.sent() if self.pacer is not None else {}), "dtmf": "".join(self.digits)}
 
     def _send_chunk(self, samples: np.ndarray) -> None:
         if not self.closed:

@@ -165,10 +165,6 @@ class MediaSession:
         frame."""
         self.pacer.clear()
 
-    def sent_s(self) -> float:
-        """Seconds of the model's audio sent to the caller."""
-        return round(self.pacer.playout.stats().drained_samples / self.choice.codec.sample_rate, 2)
-
     def close(self) -> None:
         if self.closed:
             return

@@ -306,4 +306,4 @@ class CallOwner:
         if media is None:
             return {}
         snapshot = media.snapshot()
-        return {"sent_s": media.sent_s(), **{k: snapshot[k] for k in ("packets_sent", "packets_received", "lost")}}
+        return {**media.pacer.sent(), **{k: snapshot[k] for k in ("packets_sent", "packets_received", "lost")}}

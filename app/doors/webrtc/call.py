@@ -142,8 +142,9 @@ class CallDialect(RealtimeSession):
         super().cut(status, details)
 
     def call_details(self) -> dict[str, Any]:
-        """How much of the model's audio has gone to the caller (what the outbound track has read)."""
-        return {"sent_s": round(self.call.pacer.playout.stats().drained_samples / RATE, 2)}
+        """How much of the model's audio has gone to the caller (what the outbound track has read), and the
+        silence it was sent where the engine fell behind."""
+        return self.call.pacer.sent()
 
     def _started(self, task: asyncio.Task[None]) -> None:
         super()._started(task)
