@@ -129,6 +129,11 @@ class EngineConfig:
     # measure a skinny-product kernel with. The fp8 copy is kept beside the model's own weights (6.7 GB more for
     # the 7B), which the page pool then leaves out.
     fp8_weights: bool = False
+    # On the CPU (the tiny model in tests, a laptop), the threads torch gives the engine's operations; None: half
+    # the cores this process may use, at least one. A tick there is hundreds of tiny operations: on every core, each
+    # one waits on a hand-off between threads, and they fight the server's own loops for the cores (a 2-core
+    # machine: 4 tiny sessions tick in 45 ms on one thread, 96 on two; bench.engine_bench --tiny).
+    cpu_threads: int | None = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ views of it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -60,6 +61,8 @@ class Runner:
         rows = B + 1  # device state: the sessions' rows and the spare row
         self.device = model.device
         make_current(self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads or max(1, len(os.sched_getaffinity(0)) // 2))
         if self.device.type == "cuda":
             # Mimi runs in fp32: TF32 puts its GEMMs on tensor cores, as cuDNN already does for its convolutions.
             torch.backends.cuda.matmul.allow_tf32 = True
