@@ -22,7 +22,8 @@ from model.config import FRAME_SAMPLES, SAMPLE_RATE
 from model.loading import CheckpointError, PersonaPlex, load_model
 from model.prompts import apply_prompt, persona_tokens, plan_prompt
 from model.sampling import SamplingParams, row_sampling
-from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, StepConstants, frame_step
+from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
+from model.step import StepConstants, frame_step
 
 DEFAULT_SEED = 42424242
 

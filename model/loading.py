@@ -210,8 +210,8 @@ class PersonaPlex:
 
     def info(self) -> ModelInfo:
         """What the doors need to know of this model, in a form that crosses to worker processes."""
-        return ModelInfo(source=self.source, is_tiny=self.is_tiny, random_weights=self.random_weights,
-                         voices=self.voices(), default_voice=self.default_voice)
+        return ModelInfo(source=self.source, device=str(self.device), is_tiny=self.is_tiny,
+                         random_weights=self.random_weights, voices=self.voices(), default_voice=self.default_voice)
 
     def voices(self) -> list[str]:
         if self.voices_dir is None:

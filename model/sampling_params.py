@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The largest top-k a session may ask for: the step's sampling takes this many candidates of every row at once.
+MAX_TOP_K_TEXT = 500
+MAX_TOP_K_AUDIO = 2048
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -20,9 +20,7 @@ from torch import Tensor
 
 from model.lm import LM, RING_SIZE, DepformerCache, LMState
 from model.sampling import RowSampling, sample
-
-MAX_TOP_K_TEXT = 500
-MAX_TOP_K_AUDIO = 2048
+from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 import torch
 from process_support import ROOT, cli_env, free_port
 
-from app.shell.server import build_engine
+from app.shell.model_load import build_engine
 from app.shell.settings import DEFAULT_MODEL, parse_settings
 from model.audio import write_wav
 from model.loading import load_model

@@ -107,7 +107,7 @@ def engine_main(settings: Settings, path: str, index: int) -> None:
     """An engine process: load the model, start the engine, serve it on the channel until SIGTERM."""
     _child_setup(settings, f"engine {index}")
     from app.shell.model_choice import ModelUnavailable
-    from app.shell.server import build_engine, load_for
+    from app.shell.model_load import build_engine, load_for
     from model.engine.process import EngineHost
 
     try:

@@ -1,4 +1,4 @@
-"""The aiohttp application: model loading with the tiny fallback, the engine's lifetime, and the routes.
+"""The aiohttp application: the engine's lifetime (the model loads through app/shell/model_load.py), and the routes.
 
 `create_app(settings)` builds the app; startup loads the model (in a worker thread) and starts the engine, shutdown
 tells every open session `session.closed` and closes it with 1001, cleanup stops the engine.
@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -39,71 +39,16 @@ from app.sessions.errors import http_error_body
 from app.shell.auth import RedactingAccessLogger, authorized
 from app.shell.context import CONTEXT, ServerContext
 from app.shell.loop_lag import collector_report, freeze_startup_objects
-from app.shell.model_choice import RANDOM_MODEL, TINY_MODEL, ModelUnavailable, fallback_reason, resolve_device
 from app.shell.probes import DRAINING, READY, readiness, serve_agent
 from app.shell.settings import Settings
 from app.shell.worker_routing import worker_socket
-from model.engine import Engine, EngineConfig, EngineError, EngineStats
+from model.engine import EngineError, EngineStats
 from model.engine.pool import EnginePool
-from model.loading import PersonaPlex, load_model
-from model.random_model import random_personaplex
-from model.tiny import write_tiny_checkpoint
+
+if TYPE_CHECKING:
+    from model.loading import PersonaPlex
 
 logger = logging.getLogger(__name__)
-
-_BANNER = "=" * 78
-
-
-def tiny_folder(settings: Settings) -> Path:
-    """The built-in tiny checkpoint, written once into the cache folder."""
-    folder = settings.cache_dir / "tiny-checkpoint"
-    if not (folder / "config.json").is_file():
-        logger.info("writing the built-in tiny checkpoint to %s", folder)
-        write_tiny_checkpoint(folder)
-    return folder
-
-
-def load_for(settings: Settings) -> tuple[PersonaPlex, str]:
-    """The model to serve and a note on why. A repo id without a GPU, or any load failure, falls back to the built-in
-    tiny model, and the log says so loudly; with `strict_model` it raises `ModelUnavailable` instead. `random-7b`
-    (the official shape with random weights, for sizing hardware) is loaded only when asked for by name, and says so
-    everywhere."""
-    device, dtype = resolve_device(settings.device, settings.dtype)
-    source = settings.model
-    local = Path(source).expanduser().is_dir()
-    reason = fallback_reason(source, device)
-    if reason and settings.strict_model and source != TINY_MODEL:
-        raise ModelUnavailable(f"--strict-model: {reason}")
-    if not reason:
-        try:
-            if source == RANDOM_MODEL:
-                note = (f"serving {RANDOM_MODEL}: PersonaPlex-7B's shape with RANDOM WEIGHTS on {device} ({dtype}), "
-                        "for sizing hardware; sessions run at the real model's speed but say nothing")
-                logger.warning("\n%s\n%s\n%s", _BANNER, note.upper(), _BANNER)
-                return random_personaplex(device=device, dtype=dtype), note
-            return load_model(source, device=device, dtype=dtype), f"loaded {source} on {device} ({dtype})"
-        except Exception as e:
-            hint = "" if local or os.environ.get("HF_TOKEN") or source == RANDOM_MODEL else " (HF_TOKEN is not set)"
-            reason = f"{source} did not load{hint}: {type(e).__name__}: {e}"
-            if settings.strict_model:
-                raise ModelUnavailable(f"--strict-model: {reason}") from e
-    folder = tiny_folder(settings)
-    model = load_model(str(folder), device=device, dtype="float32")
-    note = f"serving the built-in TINY test model (random weights, not PersonaPlex-7B): {reason}"
-    if source != TINY_MODEL:
-        logger.warning("\n%s\n%s\n%s", _BANNER, note.upper(), _BANNER)
-    return model, note
-
-
-def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
-    """The engine for `model` as the settings ask (not started)."""
-    fp8 = settings.kv_cache == "fp8"
-    if fp8 and model.device.type != "cuda":
-        logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)
-    return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda",
-                                      stalled_after_s=settings.engine_stalled_s,
-                                      mimi_decoder_bf16=settings.mimi_decoder == "bf16"))
-
 
 async def _startup(app: web.Application) -> None:
     ctx = app[CONTEXT]
@@ -114,6 +59,8 @@ async def _startup(app: web.Application) -> None:
         task = asyncio.ensure_future(pool.run())
         ctx.tasks.add(task)
         return
+    from app.shell.model_load import build_engine, load_for  # here only: a worker process never loads torch
+
     loop = asyncio.get_running_loop()
     if ctx.model is None:
         ctx.model, ctx.model_note = await loop.run_in_executor(None, load_for, ctx.settings)
@@ -136,7 +83,7 @@ async def _shutdown(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     ctx = app[CONTEXT]
-    if isinstance(ctx.engine, Engine):
+    if ctx.engine is not None and not isinstance(ctx.engine, EnginePool):    # this process's own engine
         engine, ctx.engine = ctx.engine, None
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
@@ -362,9 +309,9 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None,
     shares with the other workers and the engine processes' channels and devices (`engines`), or, the SIP door's
     own worker (app/shell/processes.sip_alone), no socket: it answers only on its private one."""
     engine = None
-    if engines:   # each engine's device as used (`auto` is resolved the way its engine process resolves it)
+    if engines:
         paths, devices = engines
-        engine = EnginePool(paths, [resolve_device(d)[0] for d in devices], worker, settings.input_lead_ms / 1000.0)
+        engine = EnginePool(paths, devices, worker, settings.input_lead_ms / 1000.0)
     app = create_app(settings, engine=engine)
     runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s,
                             access_log_class=RedactingAccessLogger)

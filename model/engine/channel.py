@@ -26,6 +26,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     """What the doors need to know of the loaded model (for /health, /v1/models, voices, the page)."""
 
     source: str
+    device: str                  # where the engine runs, as torch names it ("cuda:0", "cpu")
     is_tiny: bool
     random_weights: bool
     voices: list[str]

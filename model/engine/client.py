@@ -61,7 +61,7 @@ from model.engine.channel import (
     WorkerInfo,
     encode,
 )
-from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
+from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ from model.engine.slots import ENDED, Session, Slot, SlotTable
 from model.engine.stats import FIRST_HALF_HOST_PHASE, EngineCounters
 from model.loading import PersonaPlex
 from model.prompts import PromptPlan, persona_tokens, plan_prompt
-from model.step import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
+from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ class EnginePool:
     """The engine processes of this server, from worker `worker`; `await run()` keeps every channel up."""
 
     def __init__(self, paths: list[str], devices: list[str], worker: int, input_lead_s: float = 0.008) -> None:
+        """`devices`: each engine's device as configured (`auto` until its engine says which it took)."""
         if not paths or len(paths) != len(devices):
             raise ValueError("one channel path per engine device is needed")
         self.engines = [RemoteEngine(path, worker, input_lead_s) for path in paths]
@@ -129,7 +130,8 @@ class EnginePool:
             stats = None
             with contextlib.suppress(EngineError):
                 stats = engine.stats()
-            views.append(EngineView(index, device, engine.engine_pid, engine.running, stats))
+            taken = engine.model.device if engine.model is not None else device
+            views.append(EngineView(index, taken, engine.engine_pid, engine.running, stats))
         return views
 
     # ---- placement ----------------------------------------------------------------------------------------------
