@@ -686,7 +686,7 @@ class SipClientDoor(DoorClient):
         out = super().report()
         if self.stats is not None:
             out["sip_server"] = {k: self.stats.get(k) for k in ("lost", "packets_received", "input", "stalls",
-                                                                  "shed_ms", "out_underruns")}
+                                                                  "out_shed_ms", "out_underruns", "out_silence_ms")}
         return out
 
 

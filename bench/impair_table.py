@@ -12,7 +12,9 @@ jitter p95 ms (median / max); sessions whose added p50 is over that jitter + 20 
 packets), and over that jitter + the door's packet where its load client sends longer ones (the Realtime client's 80 ms
 appends: a buffer holds whole appends); concealed / lost ms summed over the sessions that report both; input underruns
 max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per run: ticks, late
-ticks, tick p50 / p99; and one per worker process: its CPU, loop lag and the input frames it sent the engine late (the
+ticks, tick p50 / p99, the engine thread's garbage collections, and per door the silence the server sent its callers
+where a frame was due and had not come (calls reporting it, calls sent any, total ms: the server's gaps, not the
+link's); and one per worker process: its CPU, loop lag and the input frames it sent the engine late (the
 counters are the server's totals since its start), which is where a busy worker shows.
 """
 
@@ -52,6 +54,28 @@ def input_figures(session: dict[str, Any]) -> dict[str, float] | None:
         return None
     return {"added_p50": (got["added_ms"] or {}).get("p50") or 0.0, "underruns": got["underruns"],
             "concealed": got["concealed_ms"], "cut": got["sound_cut_max_ms"], "hard": got["hard_cuts"]}
+
+
+def silence_sent_ms(session: dict[str, Any]) -> float | None:
+    """The silence the server sent this caller where the model's next frame was due and had not come (the engine
+    or the worker late, not the link), where the door reports it: WebRTC's call stats, SIP's, a Twilio call's
+    `GET /v1/calls` (runs before it: none)."""
+    if server := session.get("server"):
+        return server.get("output_underrun_ms")
+    return ((session.get("sip_server") or {}).get("out_silence_ms")
+            if session.get("sip_server") else (session.get("call_stats") or {}).get("out_silence_ms"))
+
+
+def silence_by_door(sessions: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per door: the calls that report it, those that were sent any silence, and its total ms."""
+    out: dict[str, dict[str, float]] = {}
+    for s in sessions:
+        if (ms := silence_sent_ms(s)) is not None:
+            door = out.setdefault(s["door"], {"calls": 0, "with_silence": 0, "ms": 0.0})
+            door["calls"] += 1
+            door["with_silence"] += ms > 0
+            door["ms"] = round(door["ms"] + ms, 1)
+    return out
 
 
 def _pair(values: list[float], digits: int = 1) -> str:
@@ -113,7 +137,7 @@ def main() -> None:
                           "late_ticks": server["late_ticks"], "tick_p50_ms": server["tick_run_ms"]["p50_ms"],
                           "tick_p99_ms": server["tick_run_ms"]["p99_ms"], "refused": run["summary"]["refused"],
                           "failed": run["summary"]["failed"], "errors": run["summary"]["errors"],
-                          "engine_gc": server.get("engine_gc")}))
+                          "engine_gc": server.get("engine_gc"), "silence_sent": silence_by_door(run["per_session"])}))
         for process in server["processes"]:
             if process["role"] == "worker":
                 lag = process.get("loop_lag_ms", {})

@@ -257,7 +257,7 @@ class MediaSession:
                 "packets_received": rx.packets if rx else 0, "dropped": dict(rx.dropped) if rx else {},
                 "lost": rx.lost if rx else 0, "seq_jumps": rx.seq_jumps if rx else 0,
                 "rtcp_received": self.stats.rtcp_received, "stalls": self.pacer.grid.stalls,
-                "shed_ms": self.pacer.shed_ms, "out_underruns": self.pacer.playout.stats().underruns,
+                **self.pacer.sent(),
                 "dtmf": list(self.stats.dtmf), "conversation": self.conversation.counters(),
                 "input": input_report(self.conversation), **self.latency_ms()}
 
