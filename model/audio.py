@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyloudnorm
 import soundfile
 import sphn
 
@@ -52,6 +51,9 @@ def loudness_lufs(samples: np.ndarray, rate: int) -> float:
     """Integrated loudness by ITU-R BS.1770-4 (pyloudnorm); -inf for silence. Needs at least one 400 ms block."""
     if samples.size < BLOCK_SECONDS * rate:
         raise ValueError(f"{samples.size / rate:.3f} s of audio is shorter than one {BLOCK_SECONDS} s loudness block")
+    # Imported here: it brings scipy.signal (1.3 s), which only a .wav voice needs (an engine imports it at start).
+    import pyloudnorm
+
     return float(pyloudnorm.Meter(rate).integrated_loudness(np.asarray(samples, dtype=np.float32)))
 
 

@@ -12,15 +12,14 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
-import torch._dynamo.exc
-
 F = TypeVar("F", bound=Callable)
 log = logging.getLogger(__name__)
 
 # What Dynamo raises, with fullgraph=True, for a helper it cannot compile as one graph or has recompiled too often
-# (a Python int that varies is specialised per value): the helper then runs eagerly, slower but running.
-_COMPILE_FAILURES = (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported)
+# (a Python int that varies is specialised per value): the helper then runs eagerly, slower but running. Set by
+# `enable()`: importing Dynamo takes 1.5 s, which a process that never compiles (the CPU engine, the tests'
+# subprocesses) need not pay.
+_COMPILE_FAILURES: tuple[type[Exception], ...] = ()
 
 _EAGER: list[Callable] = []
 _COMPILED: dict[Callable, Callable] = {}
@@ -67,6 +66,10 @@ def available() -> bool:
 def enable() -> None:
     """Compile every fusable helper (dynamic batch); compilation happens on first use, e.g. in graph warm-up.
     Dynamo's recompile limit is process-wide: it is raised to RECOMPILE_LIMIT, never lowered."""
+    global _COMPILE_FAILURES
+    import torch._dynamo.exc
+
+    _COMPILE_FAILURES = (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for fn in _EAGER:
         if fn not in _COMPILED:

@@ -173,6 +173,9 @@ class Engine:
             return
         make_current(self.runner.device)
         self.scheduler.step_s["first_half"].append(self.runner.warm_up())
+        # The loudness meter (model/audio.py imports it on first use: 1.3 s of scipy) before the loop: a .wav
+        # voice's first open runs between ticks and would otherwise hold every session that long.
+        import pyloudnorm  # noqa: F401
         # A full garbage collection walks every live object with the GIL held: ~100 ms over a loaded model and
         # server, which would stall a tick. What exists now lives while the engine runs, so take it out of the
         # collector's view (after collecting what is already garbage); later collections walk only what sessions
