@@ -36,7 +36,7 @@ from realtime_schema import EXTENSIONS, validate_server_event
 MODEL = "personaplex-tiny"
 API_KEY = "sk-framework-tests"
 PERSONA = "You answer the phone for a small bakery. You are warm and brief."
-CALL_S = 10.0              # audio each framework gets, at the real pace
+CALL_S = 6.0               # audio each framework gets, at the real pace
 RATE = 24000               # every framework's default: PCM16 at 24 kHz
 
 # The OpenAI Agents SDK for JavaScript, as a browser page loads it: the package ships a self-contained UMD bundle.
