@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import gc
 import itertools
+import os
 import sys
 import threading
 import time
@@ -123,6 +124,19 @@ def make_engine(tiny_model):
 
 
 PARAMS = SessionParams(voice="NATF2", persona="You are a helpful agent.", sampling=GREEDY, pacing="input")
+
+
+def test_a_cpu_engine_takes_half_the_cores_for_torch_unless_told(tiny_model):
+    """On the CPU the engine's tiny operations pay a thread hand-off each on every extra core, and the server's loops
+    want the cores too (EngineConfig.cpu_threads)."""
+    before = torch.get_num_threads()
+    try:
+        Engine(tiny_model, EngineConfig(max_sessions=1))
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+        Engine(tiny_model, EngineConfig(max_sessions=1, cpu_threads=3))
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_cpu_engine_streams_through_the_float32_codec_whatever_the_bf16_flags(tiny_model):
