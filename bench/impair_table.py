@@ -62,8 +62,7 @@ def silence_sent_ms(session: dict[str, Any]) -> float | None:
     `GET /v1/calls` (runs before it: none)."""
     if server := session.get("server"):
         return server.get("output_underrun_ms")
-    return ((session.get("sip_server") or {}).get("out_silence_ms")
-            if session.get("sip_server") else (session.get("call_stats") or {}).get("out_silence_ms"))
+    return (session.get("sip_server") or session.get("call_stats") or {}).get("out_silence_ms")
 
 
 def silence_by_door(sessions: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

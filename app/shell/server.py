@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 async def _startup(app: web.Application) -> None:
     ctx = app[CONTEXT]
     ctx.tasks.add(asyncio.ensure_future(ctx.metrics.loop_lag.run()))

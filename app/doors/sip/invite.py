@@ -306,4 +306,5 @@ class CallOwner:
         if media is None:
             return {}
         snapshot = media.snapshot()
-        return {**media.pacer.sent(), **{k: snapshot[k] for k in ("packets_sent", "packets_received", "lost")}}
+        return {k: snapshot[k] for k in ("sent_s", "out_silence_ms", "out_underruns", "out_shed_ms", "packets_sent",
+                                         "packets_received", "lost")}
