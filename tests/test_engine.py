@@ -628,6 +628,32 @@ async def test_a_session_opens_even_when_no_gap_between_ticks_fits_its_steps(mak
     assert engine.stats().late_ticks > 0
 
 
+class SlowSource(QueueSource):
+    """A source whose every read takes `seconds` (a jitter buffer splicing under a loaded host)."""
+
+    def __init__(self, frames, seconds: float):
+        super().__init__(frames)
+        self.seconds = seconds
+
+    def read_frame(self):
+        time.sleep(self.seconds)
+        return super().read_frame()
+
+
+async def test_a_ticks_time_and_its_prepare_phase_count_reading_the_inputs(make_engine):
+    """Reading each session's frame is the tick's host work: its time and its "prepare" phase count it (they
+    began after the reads, leaving out ~1 ms at 250 sessions)."""
+    engine = make_engine()
+    slot, sink, records = engine.reserve(), Collector(), []
+    engine.add_tick_listener(lambda record, _: records.append(record))
+    await slot.start(SessionParams(voice="NATF2", sampling=GREEDY), SlowSource(speechlike(10, 1), 0.03),
+                     sink.on_output, sink.on_error)
+    await sink.wait_for(4)
+    slot.close()
+    read = [r for r in records if r.batch >= 1][1:]  # the first tick ran the session's first half, reading nothing
+    assert read and all(r.ms >= 30.0 and r.host_ms["prepare"] >= 30.0 for r in read), read
+
+
 async def test_tick_listeners_hear_each_tick_after_its_frames_with_the_next_deadline(make_engine):
     """An engine process forwards each tick's frames as one batch: after a realtime tick's deliveries, on the
     engine thread, a listener gets the tick's record and the monotonic deadline of the next tick; the stats say
