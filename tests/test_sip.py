@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
 
 from app.doors.sip import SIP
 from app.doors.sip.client import Dialog, RtpPeer, SipClient, offer
@@ -380,6 +381,29 @@ async def test_session_timer_and_our_bye_on_shutdown(sip_server: StartServer, ca
     bye = client.server_requests[0]
     assert bye.method == "BYE" and bye.call_id == d.call_id and bye.from_address.parameters.get("tag") == d.to_tag
     rtp.close()
+
+
+async def test_our_caller_skips_what_is_not_sip_on_its_sip_port() -> None:
+    """The server sends RTCP to a caller's RTP port + 1 (no a=rtcp in the offer); where the load driver's SIP socket
+    for another call sat there, that call's BYE failed on the RTCP ("SIP message has too few lines": 1 of 144 calls
+    on the H200). A phone skips a datagram that is not SIP, and so does our caller, counting it."""
+    client = SipClient(("127.0.0.1", free_port()))
+    await client.open()
+    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+        asyncio.DatagramProtocol, local_addr=("127.0.0.1", 0))
+    try:
+        report = RtcpSrPacket(ssrc=7, sender_info=RtcpSenderInfo(
+            ntp_timestamp=1 << 32, rtp_timestamp=160, packet_count=1, octet_count=160))
+        answer = (f"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP 127.0.0.1:{client.port};branch=z9hG4bKs\r\n"
+                  "From: <sip:t@a>;tag=1\r\nTo: <sip:a@b>;tag=2\r\nCall-ID: s1\r\nCSeq: 2 BYE\r\n"
+                  "Content-Length: 0\r\n\r\n").encode()
+        for data in (bytes(report), b"\r\n\r\n", answer):
+            transport.sendto(data, ("127.0.0.1", client.port))
+        response = await client.response(timeout=2.0)
+        assert (response.code, response.cseq.method, client.strays) == (200, "BYE", 2)
+    finally:
+        transport.close()
+        client.close()
 
 
 # ---- hostile input --------------------------------------------------------------------------------------------------

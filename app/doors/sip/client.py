@@ -115,6 +115,8 @@ class SipClient:
         self.host = host
         self.port = 0
         self.server_requests: list[Message] = []   # requests the server sent us (its BYE)
+        self.strays = 0                              # datagrams here that are not SIP, skipped as a phone does: a
+                                                     # keep-alive, or RTCP meant for an RTP port just below ours
         self._sock: _Queue | None = None
 
     async def open(self) -> None:
@@ -136,7 +138,11 @@ class SipClient:
         deadline = time.monotonic() + timeout
         while True:
             data, _, _ = await asyncio.wait_for(self._sock.queue.get(), max(0.01, deadline - time.monotonic()))
-            msg = Message.parse(data)
+            try:
+                msg = Message.parse(data)
+            except Exception:  # the parser fails on non-SIP bytes in more ways than one: each is a stray
+                self.strays += 1
+                continue
             if isinstance(msg, Response):
                 return msg
             self.server_requests.append(msg)
