@@ -509,10 +509,12 @@ class WebRTCClient(DoorClient):
     send_period_s = 0.02
     clocked_output = True
 
-    def __init__(self, *args: Any, audio: np.ndarray | None = None, on_answer: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, audio: np.ndarray | None = None, on_answer: Any = None, fec_loss_pct: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.audio = audio
         self.on_answer = on_answer           # given the peer connection before ICE (bench/impair.py's hook)
+        self.fec_loss_pct = fec_loss_pct     # the microphone's in-band FEC (a browser's, on a lossy link)
         self.call: Any = None
         self.stats: dict[str, Any] | None = None
 
@@ -521,7 +523,8 @@ class WebRTCClient(DoorClient):
         self.open_began = time.monotonic()
         api_key = self.headers.get("Authorization", "").removeprefix("Bearer ") or None
         self.call = RealtimeCall(self.base_url, self.audio, loop_audio=True, api_key=api_key,
-                                 session={"instructions": self.persona}, on_answer=self.on_answer)
+                                 session={"instructions": self.persona}, on_answer=self.on_answer,
+                                 fec_loss_pct=self.fec_loss_pct)
         try:
             await self.call.connect()
         except CallRefused as e:
@@ -579,6 +582,10 @@ class WebRTCClient(DoorClient):
         out = super().report()
         if self.stats is not None:
             out["server"] = peer_report(self.stats)
+        if self.call is not None:
+            # Time the microphone's own send grid jumped over (this load process's loop late by a stall): audio the
+            # server never had, concealed there like a loss.
+            out["sender_skipped_ms"] = round(self.call.mic.stats.skipped_ms, 1)
         return out
 
 
@@ -710,6 +717,7 @@ def peer_report(st: dict[str, Any]) -> dict[str, Any]:
         "playout_prebuffer_ms": out.get("prebuffer_ms"),
         "packets_received": rtp.get("packets_received"),
         "packets_lost": rtp.get("packets_lost"),
+        "fec_rebuilt": (st.get("inbound") or {}).get("fec_frames"),
         "send_stalls": out.get("stalls"),
         "encode_failures": out.get("encode_failures"),
     }

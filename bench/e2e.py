@@ -59,7 +59,7 @@ from bench.doors import (
     quantiles,
     speech,
 )
-from bench.impair import Link, LinkModel, PeerImpairment, TcpRelay, UdpRelay, impair_peer
+from bench.impair import FEC_LOSS_PCT, Link, LinkModel, PeerImpairment, TcpRelay, UdpRelay, impair_peer
 from bench.impair_report import adaptive_player, fixed_delay_player
 from bench.server_probe import server_report, server_snapshot
 
@@ -167,8 +167,9 @@ def plan(args: argparse.Namespace) -> list[Planned]:
 
 def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: np.ndarray,
                 on_answer: Any = None, relay: UdpRelay | None = None) -> DoorClient:
-    if door == "webrtc":
-        return WebRTCClient(name, url, headers, PERSONA, audio=audio, on_answer=on_answer)
+    if door == "webrtc":   # an impaired caller's microphone sends in-band FEC, as a browser's does seeing loss
+        return WebRTCClient(name, url, headers, PERSONA, audio=audio, on_answer=on_answer,
+                            fec_loss_pct=FEC_LOSS_PCT if on_answer is not None else 0)
     if door == "sip":
         return SipClientDoor(name, url, headers, PERSONA, relay=relay)
     return DOORS[door](name, url, headers, PERSONA)

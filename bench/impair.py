@@ -104,6 +104,9 @@ PRESETS: dict[str, Link] = {
     "bursty": Link(delay_ms=75.0, jitter_ms=30.0, burst_loss=0.05, burst_len=3.0),
     "stalls": Link(delay_ms=75.0, jitter_ms=30.0, stall_ms=400.0, stall_every_s=20.0),
 }
+# The in-band FEC a WebRTC caller behind an impaired link sends (a browser's Opus encoder adds it once its RTCP says
+# it loses packets; the server's answer asks for it).
+FEC_LOSS_PCT = 10
 
 
 @dataclass

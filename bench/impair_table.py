@@ -10,7 +10,9 @@ where the call's end came back, the Realtime and native dialects from `session.c
 from the native dialect's last `session.link`), Twilio from `GET /v1/calls` (none in runs before it)); the link's uplink
 jitter p95 ms (median / max); sessions whose added p50 is over that jitter + 20 ms (the issue's bound, for 20 ms
 packets), and over that jitter + the door's packet where its load client sends longer ones (the Realtime client's 80 ms
-appends: a buffer holds whole appends); concealed / lost ms summed over the sessions that report both; input underruns
+appends: a buffer holds whole appends); concealed / lost ms summed over the sessions that report both (lost: what the
+link lost of the caller's packets, less what in-band FEC rebuilt, plus what the caller's own sender skipped, where a
+WebRTC run reports those; before them, the link's loss alone); input underruns
 max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per run: ticks, late
 ticks, tick p50 / p99, the engine thread's garbage collections, and per door the silence the server sent its callers
 where a frame was due and had not come (calls reporting it, calls sent any, total ms: the server's gaps, not the
@@ -77,6 +79,12 @@ def silence_by_door(sessions: list[dict[str, Any]]) -> dict[str, dict[str, float
     return out
 
 
+def lost_ms(session: dict[str, Any]) -> float:
+    """The caller's audio the server could not have had: the link's losses less FEC's rebuilds, plus sender skips."""
+    rebuilt = (session.get("server") or {}).get("fec_rebuilt") or 0
+    return session["impairment"]["rtp_lost_ms"] - 20.0 * rebuilt + session.get("sender_skipped_ms", 0.0)
+
+
 def _pair(values: list[float], digits: int = 1) -> str:
     if not values:
         return "-"
@@ -100,7 +108,7 @@ def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
         f"{len(over)} of {judged}" if jitter and inputs else "-",
         (f"{len(over_packet)} of {judged} (+{packet_ms:.0f})" if packet_ms > BOUND_MS else "same")
         if jitter and inputs else "-",
-        (f"{sum(got['concealed'] for _, got in lost):.0f} / {sum(s['impairment']['rtp_lost_ms'] for s, _ in lost):.0f}"
+        (f"{sum(got['concealed'] for _, got in lost):.0f} / {sum(lost_ms(s) for s, _ in lost):.0f}"
          if lost else "-"),
         str(max(got["underruns"] for _, got in inputs)) if inputs else "-",
         f"{max(got['cut'] for _, got in inputs):.1f} / {sum(got['hard'] for _, got in inputs)}" if inputs else "-",

@@ -44,7 +44,7 @@ from app.doors.sip.sdp import parse_offer
 from app.doors.webrtc.client import RealtimeCall
 from app.doors.webrtc.routes import CALLS
 from bench.doors import RealtimeClient, TwilioClient, client_session
-from bench.impair import FAR, PRESETS, Link, LinkModel, PeerImpairment, TcpRelay, UdpRelay, impair_peer
+from bench.impair import FAR, FEC_LOSS_PCT, PRESETS, Link, LinkModel, PeerImpairment, TcpRelay, UdpRelay, impair_peer
 from bench.impair_report import (
     SETTLE_S,
     adaptive_player,
@@ -57,7 +57,6 @@ from bench.impair_report import (
 from media.jitter import JitterBuffer
 from media.resample import Resampler
 from media.rtp import PCMU
-from media.tracks import ContainedOpusEncoder
 from tests.sip_support import free_port
 
 RATE = 24000
@@ -155,9 +154,9 @@ async def test_webrtc_far_caller(server, speech_24k, lag, condition):
     ensure_ice_host_address()
     hooks: list[PeerImpairment] = []
     link = CONDITIONS[condition]
-    call = RealtimeCall(server.url, speech_for(speech_24k, SECONDS + 4),
-                        on_answer=lambda pc: hooks.append(impair_peer(pc, link, link, SEED)))
-    call.encoder = ContainedOpusEncoder(expected_loss_pct=10)   # in-band FEC, as a browser sends it seeing loss
+    call = RealtimeCall(server.url, speech_for(speech_24k, SECONDS + 4),     # in-band FEC, as a browser sends it
+                        on_answer=lambda pc: hooks.append(impair_peer(pc, link, link, SEED)),   # seeing loss
+                        fec_loss_pct=FEC_LOSS_PCT)
     began = time.monotonic()
     await call.connect()
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from webrtc_support import ensure_ice_host_address
 
-from bench.impair_table import input_figures, silence_by_door
+from bench.impair_table import input_figures, lost_ms, silence_by_door
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,6 +78,8 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     silence = silence_by_door(sessions)
     assert set(silence) == {"webrtc", "twilio"} and all(d["calls"] == 1 and d["ms"] >= 0 for d in silence.values())
     assert webrtc["server"]["output_added_ms"]["p50"] is not None
+    # What the table weighs concealment against: FEC's rebuilds (none on a clean loopback) and the caller's skips.
+    assert webrtc["server"]["fec_rebuilt"] == 0 and webrtc["sender_skipped_ms"] >= 0.0, webrtc
     for door, summary in report["doors"].items():
         assert summary["live"] == 1 and summary["first_audio_ms"]["p99"] > 0, (door, summary)
         assert summary["rtf_min"] is not None and summary["lateness_p99_ms_max"] is not None, (door, summary)
@@ -93,6 +95,14 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     procs = report["driver"]["procs"]
     assert len(procs) == 2 and all(p["sessions"] == 2 and p["cpu_pct"] is not None for p in procs)
     assert len({p["pid"] for p in procs} | {os.getpid()}) == 3
+
+
+def test_a_far_callers_loss_is_weighed_after_fec_and_with_its_own_senders_skips():
+    """The impaired table's "lost": the link's losses less what in-band FEC rebuilt, plus the time the caller's own
+    send grid skipped (each is audio the server could not have had); older runs carry neither field."""
+    session = {"impairment": {"rtp_lost_ms": 200.0}, "server": {"fec_rebuilt": 6}, "sender_skipped_ms": 40.0}
+    assert lost_ms(session) == 200.0 - 120.0 + 40.0
+    assert lost_ms({"impairment": {"rtp_lost_ms": 200.0}, "server": {"packets_lost": 10}}) == 200.0
 
 
 async def test_soak_churn_over_every_door_leaks_nothing(start_server):

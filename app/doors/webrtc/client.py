@@ -94,7 +94,7 @@ class RealtimeCall:
     def __init__(self, base_url: str, audio: np.ndarray | None = None, *, session: dict[str, Any] | None = None,
                  api_key: str | None = None, ice_servers: list[RTCIceServer] | None = None, loop_audio: bool = False,
                  multipart: bool | None = None,
-                 on_answer: Callable[[RTCPeerConnection], object] | None = None) -> None:
+                 on_answer: Callable[[RTCPeerConnection], object] | None = None, fec_loss_pct: int = 0) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
         self.api_key = api_key
@@ -105,7 +105,8 @@ class RealtimeCall:
         self.source = ArraySource(np.zeros(0, np.float32) if audio is None else audio, loop=loop_audio)
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers or []))
         self.mic = OutboundAudioTrack(self.source)
-        self.encoder = ContainedOpusEncoder()
+        # > 0: the microphone sends in-band FEC for that much loss, as a browser does once its RTCP says it loses.
+        self.encoder = ContainedOpusEncoder(expected_loss_pct=fec_loss_pct)
         self.recording = Recording()
         self.inbound: InboundAudio | None = None
         self.events: list[dict[str, Any]] = []
