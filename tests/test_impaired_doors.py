@@ -154,9 +154,9 @@ async def test_webrtc_far_caller(server, speech_24k, lag, condition):
     ensure_ice_host_address()
     hooks: list[PeerImpairment] = []
     link = CONDITIONS[condition]
-    call = RealtimeCall(server.url, speech_for(speech_24k, SECONDS + 4),     # in-band FEC, as a browser sends it
-                        on_answer=lambda pc: hooks.append(impair_peer(pc, link, link, SEED)),   # seeing loss
-                        fec_loss_pct=FEC_LOSS_PCT)
+    # The microphone sends in-band FEC, as a browser's does seeing loss.
+    call = RealtimeCall(server.url, speech_for(speech_24k, SECONDS + 4),
+                        on_answer=lambda pc: hooks.append(impair_peer(pc, link, link, SEED)), fec_loss_pct=FEC_LOSS_PCT)
     began = time.monotonic()
     await call.connect()
     try:

@@ -290,10 +290,9 @@ async def test_the_silence_sent_while_a_frame_was_late_goes_in_the_calls_record(
 @pytest.mark.parametrize("late", [0.003, 0.030, 0.041])
 async def test_a_phone_line_frame_late_past_its_shrunk_hold_goes_out_late_not_as_silence(late: float):
     """After 10 s with no underrun a phone line's playout takes 20 ms of its prebuffer back and the grid comes
-    forward to it: each frame then waits 22 ms for its first send. A tick's output `late` later than that (a worker's
-    loop held by calls closing, as on the H200 at 144 calls: 10 of 29 Twilio calls sent 20-60 ms of silence in one
-    instant 14 s in) leaves late instead of as a chunk of silence that also grows the prebuffer and moves what follows
-    later still."""
+    forward to it: each frame then waits 22 ms for its first send. A tick's output `late` later than that (on the
+    H200 at 144 calls, 10 of 29 Twilio calls were sent 20-60 ms of silence at one instant 14 s in) leaves late instead
+    of as a chunk of silence that also grows the prebuffer and moves what follows later still."""
     clock = Clock()
     pacer = Pacer(8000, PHONE_LINE, clock=clock)
     writes = ticks(0.085, 200, shift={190: late, 191: -late})
