@@ -38,8 +38,8 @@ from model.precision import sibling
 
 @dataclass
 class StreamState:
-    """One direction's streaming state: conv left contexts and transposed-conv overlap tails (each [B, C, L], in
-    the order a frame runs them) and the transformer's ring KV."""
+    """One direction's streaming state: the convolutions' input windows and the transposed convolutions' overlap
+    tails (each [B, C, L], in the order a frame runs them) and the transformer's ring KV."""
 
     convs: list[Tensor]
     kv: KVCache
@@ -137,11 +137,12 @@ class Mimi(nn.Module):
 
         steps = self.latent_steps
         encoder = StreamState(
-            convs=buffers(self.encoder.buffer_shapes() + self.downsample.buffer_shapes(), self.encoder_dtype),
+            convs=buffers(self.encoder.buffer_shapes(self.frame_samples) + self.downsample.buffer_shapes(steps),
+                          self.encoder_dtype),
             kv=self.encoder_transformer.init_cache(batch_size, steps, device, self.encoder_dtype),
         )
         decoder = StreamState(
-            convs=buffers(self.upsample.buffer_shapes() + self.decoder.buffer_shapes(), self.decoder_dtype),
+            convs=buffers(self.upsample.buffer_shapes(1) + self.decoder.buffer_shapes(steps), self.decoder_dtype),
             kv=self.decoder_transformer.init_cache(batch_size, steps, device, self.decoder_dtype),
         )
         return MimiState(encoder=encoder, decoder=decoder)
@@ -196,8 +197,8 @@ class Mimi(nn.Module):
 
         A step eager is ~420 (encode) and ~310 (decode) kernels at 250 rows, most of them glue around the
         products: streaming windows, ELUs, residual adds, layout copies. Compiled, each chain of them is one
-        generated kernel, which the engine's CUDA graphs replay. The streaming-state kernels of
-        model/stream_kernels.py give way to their torch reference there, which Inductor fuses with their neighbours.
+        generated kernel, which the engine's CUDA graphs replay. The overlap-add kernel of model/stream_kernels.py
+        gives way to its torch reference there, which Inductor fuses with its neighbours.
         """
         other = sibling(self)
         other._encode_step = torch.compile(self._encode_step, dynamic=True, fullgraph=True)

@@ -1,11 +1,11 @@
-"""The streaming state updates of Mimi's convolutions, one kernel each on CUDA.
+"""The streaming state update of Mimi's transposed convolutions, one kernel on CUDA.
 
-A streaming convolution prepends the samples it kept from the last call (a concatenation) and keeps the last ones
-of its window for the next (a strided copy); a transposed one overlap-adds its taps, adds the tail it kept, and
-keeps the new tail (a zero fill, an add per tap shift, the bias, a concatenation, a subtraction and a copy). Over
-the ~22 streaming (transposed) convolutions of a tick those are ~80 launches of a few microseconds each, on
-non-contiguous views. Here each is one Triton kernel per call, with the torch ops as the reference and the CPU
-path; both do the same fp32 operations in the same order, so they agree bit for bit.
+A streaming transposed convolution overlap-adds its taps, adds the tail it kept, and keeps the new tail (a zero
+fill, an add per tap shift, the bias, a concatenation, a subtraction and a copy): about seven launches of a few
+microseconds each, on non-contiguous views, for each of the decoder's five. Here it is one Triton kernel per call,
+with the torch ops as the reference and the CPU path; both do the same fp32 operations in the same order, so they
+agree bit for bit. (The plain convolutions keep their whole input window as state and need no kernel: see
+mimi_modules.py.)
 """
 
 from __future__ import annotations
@@ -20,32 +20,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
-
-
-def stream_window_reference(buf: Tensor, x: Tensor, first: Tensor | None) -> Tensor:
-    """stream_window through torch ops (CPU, and the oracle for the kernel)."""
-    past = buf if first is None else torch.where(first[:, None, None], x[..., :1].expand_as(buf), buf)
-    window = torch.cat([past, x], dim=-1)
-    buf.copy_(window[..., -buf.shape[-1] :])
-    return window
-
-
-def stream_window(buf: Tensor, x: Tensor, first: Tensor | None = None) -> Tensor:
-    """[buf, x] along time -> [B, C, context + L]; `buf` [B, C, context] then holds the window's last samples.
-
-    Rows where `first` [B] (bool) is set start fresh with replicate padding: their past is x's first sample.
-    """
-    if not use_kernel(x.device) or torch.compiler.is_compiling():
-        return stream_window_reference(buf, x, first)
-    B, C, L = x.shape
-    context = buf.shape[-1]
-    assert buf.is_contiguous() and buf.dtype == x.dtype
-    out = torch.empty(B, C, context + L, device=x.device, dtype=x.dtype)
-    _stream_window_kernel[(B * C,)](
-        buf, x, buf if first is None else first, out, C, context, L, x.stride(0), x.stride(1), x.stride(2),
-        HAS_FIRST=first is not None, BLOCK=triton.next_power_of_2(context + L), num_warps=4,
-    )
-    return out
 
 
 def overlap_add_reference(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) -> Tensor:
@@ -88,26 +62,6 @@ def overlap_add(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) ->
 
 
 if triton is not None:
-
-    @triton.jit
-    def _stream_window_kernel(BUF, X, FIRST, OUT, C, CONTEXT, L, sxb, sxc, sxl,
-                              HAS_FIRST: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        b = row // C
-        c = row % C
-        i = tl.arange(0, BLOCK)
-        total = CONTEXT + L
-        kept = i < CONTEXT
-        x_row = X + b * sxb + c * sxc
-        past = tl.load(BUF + row * CONTEXT + i, mask=kept, other=0.0)
-        if HAS_FIRST:
-            fresh = tl.load(FIRST + b) != 0
-            past = tl.where(fresh, tl.load(x_row), past)
-        new = tl.load(x_row + (i - CONTEXT) * sxl, mask=(i >= CONTEXT) & (i < total), other=0.0)
-        window = tl.where(kept, past, new)
-        tl.store(OUT + row * total + i, window, mask=i < total)
-        tl.debug_barrier()  # every lane has read its part of the buffer before any lane overwrites it
-        tl.store(BUF + row * CONTEXT + (i - L), window, mask=(i >= L) & (i < total))
 
     @triton.jit
     def _overlap_add_kernel(TAPS, TAIL, BIAS, OUT, C, T, stb, stc, stt, stk, OVERLAP,

@@ -1,0 +1,117 @@
+"""Mimi alone, as the engine runs it: graphed streaming encode and decode times per batch size, and its outputs
+over a few frames saved or compared bit for bit with another tree's (a layout or kernel change that claims to
+compute the same thing is checked by this, not assumed).
+
+    python3 -m bench.mimi_step --rows 1 64 250 --save base.pt          # on the tree before
+    python3 -m bench.mimi_step --rows 1 64 250 --compare base.pt       # on the tree after
+
+Full-size Mimi with seeded random weights (as `random-7b`'s), the engine's precisions (encoder float32 with TF32
+products, decoder bf16 on CUDA), cuDNN's algorithms timed per shape as the engine's warm-up does. One JSON line per
+batch size: encode/decode p50 ms of `--steps` graph replays, kernels per step, and with `--compare` whether every
+code and audio sample of `--frames` frames equals the saved ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bench.roofline import kernel_profile, time_mimi
+from model import fused
+from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
+from model.engine.api import EngineConfig
+from model.mimi import Mimi, load_mimi, random_mimi_state_dict
+
+
+def build_mimi(tiny: bool) -> Mimi:
+    """The codec the engine would run: full size on CUDA (random weights), the tiny one on the CPU."""
+    device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
+    cfg = TINY_MIMI if tiny else MimiConfig()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mimi.safetensors"
+        save_file(random_mimi_state_dict(cfg, 1), str(path))
+        mimi = load_mimi(path, cfg, device=device)
+    if device == "cuda" and EngineConfig.mimi_decoder_bf16:
+        mimi = mimi.with_precision(torch.float32, torch.bfloat16)
+    return mimi
+
+
+def outputs(mimi: Mimi, rows: int, frames: int) -> dict[str, torch.Tensor]:
+    """Codes and audio of `frames` streaming steps over seeded noise at `rows` rows, on the host."""
+    device = next(mimi.parameters()).device
+    generator = torch.Generator().manual_seed(rows)
+    state = mimi.init_state(rows, device)
+    codes, audio = [], []
+    with torch.no_grad():
+        for _ in range(frames):
+            pcm = (0.1 * torch.randn(rows, FRAME_SAMPLES, generator=generator)).to(device)
+            step_codes = mimi.encode_frame(pcm, state)
+            codes.append(step_codes.cpu())
+            audio.append(mimi.decode_frame(step_codes, state).cpu())
+    return {"codes": torch.stack(codes), "audio": torch.stack(audio)}
+
+
+def compare(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> dict:
+    codes_equal = float((mine["codes"] == theirs["codes"]).float().mean())
+    audio_diff = float((mine["audio"].float() - theirs["audio"].float()).abs().max())
+    return {"bit_equal": bool(torch.equal(mine["codes"], theirs["codes"]) and torch.equal(mine["audio"],
+                                                                                          theirs["audio"])),
+            "codes_equal": round(codes_equal, 6), "audio_max_abs_diff": audio_diff}
+
+
+def kernels(mimi: Mimi, rows: int) -> dict:
+    """Kernels a step launches, and the six that take most device time, per direction (one eager step each)."""
+    state = mimi.init_state(rows, "cuda")
+    pcm = 0.1 * torch.randn(rows, FRAME_SAMPLES, device="cuda")
+    codes = mimi.encode_frame(pcm, state)
+    profiled = kernel_profile({"encode": lambda: mimi.encode_frame(pcm, state),
+                               "decode": lambda: mimi.decode_frame(codes, state)}, 1)
+    out = {}
+    for part, part_kernels in profiled.items():
+        out[f"{part}_kernels"] = sum(calls for _, calls in part_kernels.values())
+        top = sorted(part_kernels.items(), key=lambda kv: -kv[1][0])[:6]
+        out[f"{part}_top"] = [[name[:60], round(ms, 3), calls] for name, (ms, calls) in top]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 250])
+    parser.add_argument("--frames", type=int, default=8, help="streaming steps whose outputs are saved/compared")
+    parser.add_argument("--steps", type=int, default=30, help="graph replays timed per direction")
+    parser.add_argument("--save", help="write the outputs here (torch.save)")
+    parser.add_argument("--compare", help="compare the outputs with those saved here")
+    parser.add_argument("--tiny", action="store_true", help="the tiny codec on the CPU (no timing)")
+    parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
+                        help="cuDNN times its algorithms per shape, as the engine's warm-up does; off, its heuristics "
+                             "choose, the same in every process (for --compare across trees)")
+    args = parser.parse_args()
+    mimi = build_mimi(args.tiny)
+    cuda = next(mimi.parameters()).device.type == "cuda"
+    if cuda:  # as the engine's runner sets them before its capture
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.benchmark = args.cudnn_benchmark
+        fused.enable()
+    saved = torch.load(args.compare) if args.compare else {}
+    mine = {}
+    for rows in args.rows:
+        line: dict = {"bench": "mimi_step", "rows": rows, "device": str(next(mimi.parameters()).device),
+                      "cudnn_benchmark": args.cudnn_benchmark}
+        mine[rows] = outputs(mimi, rows, args.frames)
+        if rows in saved:
+            line.update(compare(mine[rows], saved[rows]))
+        if cuda:
+            line.update(time_mimi(mimi, rows, torch.device("cuda"), args.steps))
+            line.update(kernels(mimi, rows))
+        print(json.dumps(line), flush=True)
+    if args.save:
+        torch.save(mine, args.save)
+
+
+if __name__ == "__main__":
+    main()
