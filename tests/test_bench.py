@@ -94,6 +94,21 @@ def test_jitter_phase_bench_prints_the_added_latency_at_each_read_phase() -> Non
     assert summary["added_p50_ms_min"] == min(line["added_p50_ms"] for line in phases)
 
 
+def test_mimi_step_saves_outputs_and_compares_them_bit_for_bit(tmp_path: Path) -> None:
+    """What one tree's codec computed, saved; the same tree agrees with it exactly, and one moved sample shows."""
+    saved, moved = tmp_path / "saved.pt", tmp_path / "moved.pt"
+    first = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--save", str(saved))
+    assert [line["rows"] for line in first] == [1, 3] and all("bit_equal" not in line for line in first)
+    same = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--compare", str(saved))
+    assert all(line["bit_equal"] and line["codes_equal"] == 1.0 for line in same)
+    outputs = torch.load(saved)
+    outputs[3]["audio"][1, 2, 100] += 1e-3
+    torch.save(outputs, moved)
+    lines = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--compare", str(moved))
+    assert [line["bit_equal"] for line in lines] == [True, False]
+    assert lines[1]["codes_equal"] == 1.0 and 0 < lines[1]["audio_max_abs_diff"] < 2e-3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal under test is the no-GPU one")
 def test_engine_bench_without_a_gpu_says_so_in_one_line() -> None:
     done = subprocess.run([sys.executable, "-m", "bench.engine_bench"], cwd=ROOT, capture_output=True, text=True,
