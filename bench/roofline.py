@@ -43,7 +43,6 @@ from model.config import FRAME_SAMPLES
 from model.engine import Engine, EngineConfig
 from model.lm import LM
 from model.mimi import Mimi
-from model.mimi_modules import CausalConv1d, CausalConvTranspose1d
 
 ATTENTION_KERNELS = ("_partial_kernel",)  # the temporal decode attention (direct, or split-K with its merge below)
 MERGE_KERNEL = "merge_partials"
@@ -92,18 +91,6 @@ def mimi_row_flops(mimi: Mimi, device: torch.device) -> dict[str, int]:
     return {"encode": encode_flops.get_total_flops(), "decode": decode_flops.get_total_flops()}
 
 
-def kept_samples(modules: Iterable[nn.Module]) -> int:
-    """Samples of one row's streaming state that a step carries to the next: the convolutions' kept context (their
-    state holds the whole input window, most of it rewritten each step) and the transposed ones' tails."""
-    total = 0
-    for module in (m for top in modules for m in top.modules()):
-        if isinstance(module, CausalConv1d):
-            total += module.conv.in_channels * module.context
-        elif isinstance(module, CausalConvTranspose1d):
-            total += module.convtr.out_channels * module.overlap
-    return total
-
-
 def mimi_costs(mimi: Mimi, rows: int, row_flops: dict[str, int]) -> dict[str, tuple[float, float]]:
     """(bytes, FLOPs) of one streaming encode and decode of `rows` rows: weights, the transformers' whole rings and
     the convolutions' kept samples read (and the latter written back)."""
@@ -114,7 +101,8 @@ def mimi_costs(mimi: Mimi, rows: int, row_flops: dict[str, int]) -> dict[str, tu
         ("decode", state.decoder, [mimi.upsample, mimi.decoder_transformer, mimi.decoder, mimi.quantizer]),
     ):
         ring = stream.kv.keys.numel() * stream.kv.keys.element_size() * 2
-        kept = 2 * kept_samples(modules) * stream.convs[0].element_size()
+        kept = 2 * sum(buf[0, :, :carried].numel() * buf.element_size()
+                       for buf, carried in zip(stream.convs, stream.carried, strict=True))
         costs[name] = (param_bytes(modules) + rows * (ring + kept), float(rows * row_flops[name]))
     return costs
 

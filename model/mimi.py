@@ -39,18 +39,20 @@ from model.precision import sibling
 @dataclass
 class StreamState:
     """One direction's streaming state: the convolutions' input windows and the transposed convolutions' overlap
-    tails (each [B, C, L], in the order a frame runs them) and the transformer's ring KV."""
+    tails (each [B, C, L], in the order a frame runs them; a step carries the first `carried[i]` samples of buffer i
+    to the next, and rewrites the rest before reading it) and the transformer's ring KV."""
 
     convs: list[Tensor]
     kv: KVCache
+    carried: list[int]
 
     def rows(self, index: slice) -> StreamState:
         """A view of some rows: writes through it land in this state."""
-        return StreamState([buf[index] for buf in self.convs], self.kv.rows(index))
+        return StreamState([buf[index] for buf in self.convs], self.kv.rows(index), self.carried)
 
     def clone(self) -> StreamState:
         return StreamState([buf.clone() for buf in self.convs], KVCache(*(t.clone() for t in (
-            self.kv.keys, self.kv.values, self.kv.key_pos, self.kv.pos))))
+            self.kv.keys, self.kv.values, self.kv.key_pos, self.kv.pos))), self.carried)
 
     def copy_(self, other: StreamState) -> None:
         for mine, theirs in zip(self.convs, other.convs):
@@ -60,8 +62,9 @@ class StreamState:
             mine.copy_(theirs)
 
     def reset_rows(self, rows: Tensor, zero_values: bool = True) -> None:
-        for buf in self.convs:
-            buf.masked_fill_(rows[:, None, None], 0.0)
+        # Only the carried samples: the decode resets its idle rows every tick, and the windows are ~30x larger.
+        for buf, carried in zip(self.convs, self.carried, strict=True):
+            buf[..., :carried].masked_fill_(rows[:, None, None], 0.0)
         self.kv.reset_rows(rows, zero_values)
 
 
@@ -132,19 +135,17 @@ class Mimi(nn.Module):
 
     def init_state(self, batch_size: int, device: torch.device | str) -> MimiState:
         """Fresh streaming state; each direction's in the dtype of its own weights (`with_precision`)."""
-        def buffers(shapes: list[tuple[int, int]], dtype: torch.dtype) -> list[Tensor]:
-            return [torch.zeros(batch_size, c, n, device=device, dtype=dtype) for c, n in shapes]
+        def stream(shapes: list[tuple[int, int, int]], transformer: MimiTransformer, dtype: torch.dtype
+                   ) -> StreamState:
+            return StreamState(convs=[torch.zeros(batch_size, c, n, device=device, dtype=dtype) for c, n, _ in shapes],
+                               kv=transformer.init_cache(batch_size, steps, device, dtype),
+                               carried=[carried for _, _, carried in shapes])
 
         steps = self.latent_steps
-        encoder = StreamState(
-            convs=buffers(self.encoder.buffer_shapes(self.frame_samples) + self.downsample.buffer_shapes(steps),
-                          self.encoder_dtype),
-            kv=self.encoder_transformer.init_cache(batch_size, steps, device, self.encoder_dtype),
-        )
-        decoder = StreamState(
-            convs=buffers(self.upsample.buffer_shapes(1) + self.decoder.buffer_shapes(steps), self.decoder_dtype),
-            kv=self.decoder_transformer.init_cache(batch_size, steps, device, self.decoder_dtype),
-        )
+        encoder = stream(self.encoder.buffer_shapes(self.frame_samples) + self.downsample.buffer_shapes(steps),
+                         self.encoder_transformer, self.encoder_dtype)
+        decoder = stream(self.upsample.buffer_shapes(1) + self.decoder.buffer_shapes(steps),
+                         self.decoder_transformer, self.decoder_dtype)
         return MimiState(encoder=encoder, decoder=decoder)
 
     def with_precision(self, encoder: torch.dtype, decoder: torch.dtype) -> Mimi:

@@ -387,7 +387,8 @@ def test_transposed_conv_step_equals_conv_transpose(groups: int) -> None:
     layer = CausalConvTranspose1d(6, 6 if groups > 1 else 4, kernel_size=8, stride=4, groups=groups)
     x = torch.randn(3, 6, 7)
     want = layer(x)
-    tail = torch.zeros(3, *layer.buffer_shapes(4)[0])
+    channels, samples, _ = layer.buffer_shapes(4)[0]
+    tail = torch.zeros(3, channels, samples)
     chunks = [layer.step(part, iter([tail])) for part in x.split([1, 2, 4], dim=-1)]
     torch.testing.assert_close(torch.cat(chunks, dim=-1), want, atol=1e-5, rtol=1e-5)
 
@@ -401,7 +402,8 @@ def test_strided_conv_gemm_equals_conv1d(pad_mode: str) -> None:
     x = torch.randn(3, 6, 40)
     want = layer.conv(torch.nn.functional.pad(x, (layer.context, 0), mode=pad_mode))
     torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
-    buf = torch.zeros(3, *layer.buffer_shapes(24)[0])
+    channels, samples, _ = layer.buffer_shapes(24)[0]
+    buf = torch.zeros(3, channels, samples)
     first = torch.ones(3, dtype=torch.bool)
     chunks = []
     for part in x.split([4, 12, 24], dim=-1):
@@ -421,7 +423,9 @@ def test_conv_window_streams_steps_of_any_length_up_to_its_own_through_the_elu_b
     elu = torch.nn.ELU()
     x = torch.randn(2, 4, 19)
     want = layer(elu(x))
-    window = torch.zeros(2, *layer.buffer_shapes(8)[0])
+    channels, samples, carried = layer.buffer_shapes(8)[0]
+    assert (channels, samples, carried) == (4, 14, 6)
+    window = torch.zeros(2, channels, samples)
     chunks = [layer.step(part, iter([window]), activation=elu) for part in x.split([1, 2, 8, 8], dim=-1)]
     torch.testing.assert_close(torch.cat(chunks, dim=-1), want, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="longer than the window holds"):
