@@ -15,27 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from bench.roofline import kernel_profile, time_mimi
 from model import fused
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
 from model.engine.api import EngineConfig
-from model.mimi import Mimi, load_mimi, random_mimi_state_dict
+from model.mimi import Mimi
+from model.random_model import random_mimi
 
 
 def build_mimi(tiny: bool) -> Mimi:
     """The codec the engine would run: full size on CUDA (random weights), the tiny one on the CPU."""
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
-    cfg = TINY_MIMI if tiny else MimiConfig()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "mimi.safetensors"
-        save_file(random_mimi_state_dict(cfg, 1), str(path))
-        mimi = load_mimi(path, cfg, device=device)
+    mimi = random_mimi(TINY_MIMI if tiny else MimiConfig(), device)
     if device == "cuda" and EngineConfig.mimi_decoder_bf16:
         mimi = mimi.with_precision(torch.float32, torch.bfloat16)
     return mimi

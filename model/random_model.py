@@ -17,10 +17,18 @@ from safetensors.torch import save_file
 from model.config import LMConfig, MimiConfig
 from model.lm import LM
 from model.loading import DTYPES, PersonaPlex
-from model.mimi import load_mimi, random_mimi_state_dict
+from model.mimi import Mimi, load_mimi, random_mimi_state_dict
 from model.tiny import train_tokenizer
 
 RANDOM_7B = "random-7b"
+
+
+def random_mimi(cfg: MimiConfig, device: str, seed: int = 1) -> Mimi:
+    """A Mimi of `cfg` with seeded random weights, loaded through the checkpoint path as a real one is."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mimi.safetensors"
+        save_file(random_mimi_state_dict(cfg, seed), str(path))
+        return load_mimi(path, cfg, device=device)
 
 
 def random_personaplex(device: str = "cuda", dtype: str = "bfloat16", context: int = 3000) -> PersonaPlex:
@@ -36,10 +44,7 @@ def random_personaplex(device: str = "cuda", dtype: str = "bfloat16", context: i
     finally:
         torch.set_default_dtype(previous)
     mimi_cfg = MimiConfig()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "mimi.safetensors"
-        save_file(random_mimi_state_dict(mimi_cfg, 1), str(path))
-        mimi = load_mimi(path, mimi_cfg, device=device)
+    mimi = random_mimi(mimi_cfg, device)
     tokenizer = sentencepiece.SentencePieceProcessor(model_proto=train_tokenizer())
     return PersonaPlex(lm=lm, mimi=mimi, tokenizer=tokenizer, config=cfg, mimi_config=mimi_cfg, voices_dir=None,
                        source=f"{RANDOM_7B} (random full-size weights)", device=torch.device(device),
