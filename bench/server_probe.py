@@ -123,12 +123,14 @@ def server_report(before: dict[str, Any], after: dict[str, Any], pids: dict[int,
         processes.append({"role": role, **said, "pid": pid, "cpu_pct": None if c0 is None or c1 is None
                           else round(100.0 * (c1 - c0) / wall, 1)})
     m0, m1 = before["metrics"], after["metrics"]
-    tick0, tick1 = before["health"].get("tick", {}), after["health"].get("tick", {})
+    tick1 = after["health"].get("tick", {})
     return {
         "model": after["health"].get("model"), "note": after["health"].get("note"),
         "sessions_max": after["health"].get("sessions", {}).get("max"),
-        "ticks": tick1.get("ticks", 0) - tick0.get("ticks", 0),
-        "late_ticks": tick1.get("late_ticks", 0) - tick0.get("late_ticks", 0),
+        # Every count of ticks from the one scrape of /metrics: /health is read just before it, and a tick that lands
+        # between the two would count in one window and not the other.
+        "ticks": round(metric_delta(m0, m1, "personaplex_engine_ticks_total")),
+        "late_ticks": round(metric_delta(m0, m1, "personaplex_engine_late_ticks_total")),
         "tick_window_p50_ms": round(tick1.get("p50_ms", 0.0), 2),
         "tick_window_p99_ms": round(tick1.get("p99_ms", 0.0), 2),
         "tick_run_ms": histogram_quantiles(m0, m1, "personaplex_engine_tick_ms", (0.5, 0.99)),

@@ -12,6 +12,7 @@ from pathlib import Path
 from webrtc_support import ensure_ice_host_address
 
 from bench.impair_table import input_figures, lost_ms, silence_by_door
+from bench.server_probe import parse_metrics, server_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,6 +104,22 @@ def test_a_far_callers_loss_is_weighed_after_fec_and_with_its_own_senders_skips(
     session = {"impairment": {"rtp_lost_ms": 200.0}, "server": {"fec_rebuilt": 6}, "sender_skipped_ms": 40.0}
     assert lost_ms(session) == 200.0 - 120.0 + 40.0
     assert lost_ms({"impairment": {"rtp_lost_ms": 200.0}, "server": {"packets_lost": 10}}) == 200.0
+
+
+def test_a_runs_tick_counts_come_from_one_scrape():
+    """The CI failure of 93a93c4: /health is read just before /metrics, and a tick that ran between the two at the
+    end counted among the ticks over 25 ms but not among the run's ticks (80 ticks, 81 of them over 25 ms)."""
+    def snapshot(health_ticks: int, metric_ticks: int, over_25: int) -> dict:
+        text = (f"personaplex_engine_ticks_total {metric_ticks}\npersonaplex_engine_late_ticks_total 0\n"
+                f'personaplex_engine_tick_ms_bucket{{le="25"}} {metric_ticks - over_25}\n'
+                f'personaplex_engine_tick_ms_bucket{{le="40"}} {metric_ticks}\n'
+                f'personaplex_engine_tick_ms_bucket{{le="+Inf"}} {metric_ticks}\n'
+                f"personaplex_engine_tick_ms_count {metric_ticks}\n")
+        return {"health": {"tick": {"ticks": health_ticks, "late_ticks": 0}}, "metrics": parse_metrics(text),
+                "cpu": {}, "at": 0.0}
+
+    report = server_report(snapshot(10, 10, 0), snapshot(90, 91, 81), {})
+    assert report["ticks"] == 81 and report["ticks_over_ms"] == {"25": 81, "40": 0} and report["late_ticks"] == 0
 
 
 async def test_soak_churn_over_every_door_leaks_nothing(start_server):
