@@ -2,11 +2,14 @@
 
     python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
                                  [--loads 1x0 250x1650 144x3000] [--open-background 64] [--opens 5] [--fp8-kv]
-                                 [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16] [--tiny]
+                                 [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16] [--over-channel] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
-only the (sessions x context) pairs given. One JSON line per measurement:
+only the (sessions x context) pairs given. With `--over-channel` the sessions are a worker's, served over the engine
+process's channel (model/engine/process.py) on a Unix socket, as the server runs them: the tick's host phases then
+include `hand_off`, the listeners that encode each worker's outputs (the worker's side runs on this process's event
+loop, so it contends for the GIL where a real worker would not). One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory, the fused
   helpers that fell back to eager (`fused_eager`, model/fused.py);
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
@@ -19,10 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +37,9 @@ import torch
 from bench.fullsize import bench_model, gpu_memory_gb, persona, voice_wav
 from model import fused
 from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
+from model.engine.client import RemoteEngine, RemoteSlot
+from model.engine.process import EngineHost
+from model.loading import PersonaPlex
 
 
 class EndlessSource:
@@ -53,10 +63,12 @@ def fail(error) -> None:
     raise SystemExit(f"session failed: {error}")
 
 
-async def open_sessions(engine: Engine, count: int, params: SessionParams) -> list[Slot]:
-    slots = []
+async def open_sessions(engine: Engine, count: int, params: SessionParams,
+                        worker: RemoteEngine | None = None) -> list[Slot | RemoteSlot]:
+    """`count` sessions on the engine, or through `worker`'s channel to it."""
+    slots: list[Slot | RemoteSlot] = []
     for i in range(count):
-        slot = engine.reserve()
+        slot = engine.reserve() if worker is None else await worker.reserve_wait(0.0)
         await slot.start(params, EndlessSource(i), drop, fail)
         slots.append(slot)
     return slots
@@ -66,9 +78,10 @@ def percentiles(values: list[float]) -> tuple[float, float]:
     return round(float(np.percentile(values, 50)), 3), round(float(np.percentile(values, 99)), 3)
 
 
-async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int) -> dict:
+async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
+                        worker: RemoteEngine | None = None) -> dict:
     params = SessionParams(sampling=SamplingParams())
-    slots = await open_sessions(engine, sessions, params)
+    slots = await open_sessions(engine, sessions, params, worker)
     await engine.submit(lambda: engine.fill_context(slice(0, sessions), context))
     await asyncio.sleep(1.0)  # settle
     before = engine.stats()
@@ -82,6 +95,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int)
     records = engine.recent_ticks(after.ticks - before.ticks)
     for slot in slots:
         slot.close()
+    await asyncio.sleep(0.2)  # a worker's closes reach the engine
     totals = [record.ms for record in records]
     parts: dict[str, list[float]] = {}
     for record in records:
@@ -160,6 +174,28 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
     return lines
 
 
+@contextlib.asynccontextmanager
+async def served_worker(engine: Engine, model: PersonaPlex) -> AsyncIterator[RemoteEngine]:
+    """The engine served on its channel, as the engine process serves it, and one worker's client of it."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / "engine.sock")
+        host = EngineHost(engine, model.info(), path)
+        started = asyncio.Event()
+        serving = asyncio.ensure_future(host.serve(started))
+        await started.wait()
+        worker = RemoteEngine(path, worker=0)
+        running = asyncio.ensure_future(worker.run())
+        try:
+            if not await worker.wait_connected(10.0):
+                raise SystemExit("engine_bench: the worker's client did not connect to the engine's channel")
+            yield worker
+        finally:
+            for task in (running, serving):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
 async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
@@ -174,13 +210,16 @@ async def main_async(args: argparse.Namespace) -> None:
     loads = args.loads or [(sessions, context) for context in args.contexts for sessions in args.sessions]
     contexts = sorted({context for _, context in loads})
     best: dict[int, int] = {}
-    for sessions, context in loads:
-        if sessions > args.max_sessions:
-            continue
-        line = await measure_ticks(engine, sessions, context, args.ticks)
-        print(json.dumps({**line, **mimi, "fused_eager": fused.fallen_back()}), flush=True)
-        if line["tick_ms_p99"] < 80.0:
-            best[context] = max(best.get(context, 0), sessions)
+    async with contextlib.AsyncExitStack() as stack:
+        worker = await stack.enter_async_context(served_worker(engine, model)) if args.over_channel else None
+        for sessions, context in loads:
+            if sessions > args.max_sessions:
+                continue
+            line = await measure_ticks(engine, sessions, context, args.ticks, worker)
+            print(json.dumps({**line, **mimi, "over_channel": args.over_channel, "fused_eager": fused.fallen_back()}),
+                  flush=True)
+            if line["tick_ms_p99"] < 80.0:
+                best[context] = max(best.get(context, 0), sessions)
     for context in contexts:  # 0 where no session count measured stayed real time
         print(json.dumps({"bench": "engine_capacity", "context_frames": context,
                           "largest_realtime_sessions": best.get(context, 0),
@@ -219,6 +258,8 @@ def main() -> None:
                         default=EngineConfig.mimi_compiled, help="Mimi's streaming steps compiled by Inductor (CUDA)")
     parser.add_argument("--fp8-weights", action=argparse.BooleanOptionalAction, default=EngineConfig.fp8_weights,
                         help="the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)")
+    parser.add_argument("--over-channel", action="store_true",
+                        help="the sessions a worker's, over the engine process's channel (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():

@@ -46,6 +46,15 @@ def test_engine_bench_prints_ticks_capacity_and_opens() -> None:
     assert all(ms > 0 for o in opens.values() for ms in o["open_step_ms"].values())
 
 
+def test_engine_bench_over_the_channel_times_the_hand_off_to_the_workers() -> None:
+    """The sessions a worker's, as the server runs them: each tick's outputs go out over the engine's channel, and
+    the listeners that encode them show as a host phase of their own."""
+    (tick,) = [line for line in bench_lines("bench.engine_bench", "--loads", "2x0", "--ticks", "5", "--max-sessions",
+                                            "2", "--opens", "0", "--over-channel") if line["bench"] == "engine_tick"]
+    assert tick["over_channel"] and tick["ticks"] >= 5 and tick["batch"] == 2, tick
+    assert tick["host_hand_off_ms_p99"] >= tick["host_hand_off_ms_p50"] > 0 and tick["host_deliver_ms_p50"] > 0, tick
+
+
 def test_call_mix_prints_steady_state_and_worst_case() -> None:
     """A pool of 8 pages of 50 frames for 3 calls of up to 250 frames: the steady state's contexts do not fit, so
     windows shrink while the calls open (one engine command fills them), and no call fails."""

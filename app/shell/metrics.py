@@ -191,7 +191,8 @@ class Metrics:
         family("personaplex_engine_part_ms", "gauge", "Duration of each part of the last tick.",
                (("", {"part": p}, v) for p, v in sorted(s.parts_ms.items())))
         family("personaplex_engine_host_ms", "gauge",
-               "Host work of the last tick outside the device step (prepare: inputs and launches; deliver: outputs).",
+               "Host work of the last tick outside the device step (prepare: inputs and launches; deliver: outputs; "
+               "hand_off: after the tick, its outputs handed to the worker processes).",
                (("", {"phase": p}, v) for p, v in sorted(s.host_ms.items())))
         buckets = list(s.tick_ms_buckets)
         rows = [("_bucket", {"le": _num(le)}, n) for le, n in buckets]

@@ -51,7 +51,7 @@ from model.engine.prompt_cache import PromptCache
 from model.engine.runner import RowOutputs, Runner, make_current
 from model.engine.scheduler import Scheduler
 from model.engine.slots import ENDED, Session, Slot, SlotTable
-from model.engine.stats import FIRST_HALF_HOST_PHASE, EngineCounters
+from model.engine.stats import FIRST_HALF_HOST_PHASE, HAND_OFF_HOST_PHASE, EngineCounters
 from model.loading import PersonaPlex
 from model.prompts import PromptPlan, persona_tokens, plan_prompt
 from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
@@ -508,13 +508,18 @@ class Engine:
             record = self._realtime_tick(started_late=scheduler.started_late(now))
             self.counters.last_tick_at = time.monotonic()
             next_tick_at = scheduler.tick_done(time.monotonic(), None if record is None else record.ms / 1000.0)
-            if record is not None:
+            if record is not None and self._tick_listeners:
+                started = time.perf_counter()
                 for listener in self._tick_listeners:
                     try:
                         listener(record, next_tick_at)
                     except Exception:
                         log.exception("tick listener failed")
                         self.counters.count_error("tick_listener")
+                # Outside the tick's time, and still on the path of every frame it made: the engine process hands
+                # each worker its outputs here.
+                with self.counters.lock:
+                    record.host_ms[HAND_OFF_HOST_PHASE] = (time.perf_counter() - started) * 1000.0
             self._collect_at = time.monotonic() + COLLECT_AFTER_TICK_S
             return
         if self._collect_at is not None and now >= self._collect_at:

@@ -23,6 +23,8 @@ START_RECORDS = 500
 # The names metrics and benchmarks know the first half by: its session-start step kind, and its host phase.
 FIRST_HALF_STEP_LABEL = "lead"
 FIRST_HALF_HOST_PHASE = "leads"
+# The tick listeners' time after a tick (in the engine process, encoding each worker's outputs).
+HAND_OFF_HOST_PHASE = "hand_off"
 
 
 class EngineCounters:
