@@ -35,6 +35,7 @@ async def until(ws: aiohttp.ClientWebSocketResponse, kind: str, timeout: float =
                 seen: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Read events until one of type `kind` (kept in `seen` if given); binary frames are skipped."""
     deadline = time.monotonic() + timeout
+    error: dict[str, Any] | None = None  # the server's last error event, which says why a close came
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -43,8 +44,11 @@ async def until(ws: aiohttp.ClientWebSocketResponse, kind: str, timeout: float =
         if msg.type is aiohttp.WSMsgType.BINARY:
             continue
         if msg.type is not aiohttp.WSMsgType.TEXT:
-            raise AssertionError(f"socket ended ({msg.type} {msg.data!r} {msg.extra!r}) while waiting for {kind}")
+            raise AssertionError(f"socket ended ({msg.type} {msg.data!r} {msg.extra!r}) while waiting for {kind}"
+                                 + (f"; the last error: {error}" if error else ""))
         event = json.loads(msg.data)
+        if event.get("type", event.get("event")) == "error":
+            error = event
         if seen is not None:
             seen.append(event)
         if event.get("type", event.get("event")) == kind:

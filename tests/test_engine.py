@@ -410,7 +410,7 @@ async def test_input_clocked_runs_faster_than_realtime_beside_a_realtime_session
 
 
 async def test_a_failing_slot_does_not_stop_the_others(make_engine):
-    engine = make_engine()
+    engine = make_engine(max_sessions=5)
     good, good_sink = engine.reserve(), Collector()
     await good.start(SessionParams(sampling=GREEDY), QueueSource(speechlike(40, 1)), good_sink.on_output,
                      good_sink.on_error)
@@ -420,15 +420,24 @@ async def test_a_failing_slot_does_not_stop_the_others(make_engine):
     nan, nan_sink = engine.reserve(), Collector()
     await nan.start(SessionParams(sampling=GREEDY), QueueSource([np.full(1920, np.nan, np.float32)]),
                     nan_sink.on_output, nan_sink.on_error)
+    # Frames of the wrong length, among the others' in one tick: one of 960 samples, and one of a single sample
+    # (which numpy would spread over the whole row).
+    misshapen = []
+    for frame in (np.zeros(960, np.float32), np.ones(1, np.float32)):
+        slot, sink = engine.reserve(), Collector()
+        await slot.start(SessionParams(sampling=GREEDY), QueueSource([frame]), sink.on_output, sink.on_error)
+        misshapen.append((slot, sink))
     before = len(good_sink.outputs)
     await good_sink.wait_for(before + 8)
     assert bad_sink.errors and bad_sink.errors[0].code == "runtime_failed" and "source broke" in str(bad_sink.errors[0])
     assert nan_sink.errors and "finite" in str(nan_sink.errors[0])
+    for slot, sink in misshapen:
+        assert sink.errors and "1920 finite samples" in str(sink.errors[0]) and slot.stats().state == "failed"
     assert bad.stats().state == "failed" and good.stats().state == "live"
     assert not good_sink.errors
     # Failed slots are free again.
     assert engine.sessions_in_use() == 1
-    assert engine.stats().errors == 2
+    assert engine.stats().errors == 4
     good.close()
 
 
