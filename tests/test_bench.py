@@ -55,6 +55,13 @@ def test_engine_bench_over_the_channel_times_the_hand_off_to_the_workers() -> No
     assert tick["host_hand_off_ms_p99"] >= tick["host_hand_off_ms_p50"] > 0 and tick["host_deliver_ms_p50"] > 0, tick
 
 
+def test_channel_cost_prints_each_messages_bytes_and_times() -> None:
+    (line,) = bench_lines("bench.channel_cost", "--sessions", "4", "--runs", "3", tiny_flag=False)
+    assert line["sessions"] == 4 and line["tick_bytes"] > 4 * 7680 and line["frames_bytes"] > 4 * 7680, line
+    assert all(line[k] > 0 for k in ("tick_encode_ms", "tick_encode_joined_ms", "tick_decode_ms", "frames_encode_ms",
+                                     "frames_decode_ms")), line
+
+
 def test_call_mix_prints_steady_state_and_worst_case() -> None:
     """A pool of 8 pages of 50 frames for 3 calls of up to 250 frames: the steady state's contexts do not fit, so
     windows shrink while the calls open (one engine command fills them), and no call fails."""

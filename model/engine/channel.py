@@ -162,10 +162,14 @@ ToWorker = Welcome | Reply | Tick | Failed | Stats
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(message: msgspec.Struct) -> bytes:
-    """One framed message: length header and body."""
-    body = _encoder.encode(message)
-    return HEADER.pack(len(body)) + body
+def encode(message: msgspec.Struct) -> bytearray:
+    """One framed message: length header and body, the body encoded in place after the header (joining the two
+    copied a tick's 2 MB once more: 0.16-0.25 ms of 0.8-1.0 for a message of 250 outputs, caches cold, on a 2-core
+    CPU, `bench.channel_cost`)."""
+    framed = bytearray(HEADER.size)
+    _encoder.encode_into(message, framed, HEADER.size)
+    HEADER.pack_into(framed, 0, len(framed) - HEADER.size)
+    return framed
 
 
 class MessageReader:

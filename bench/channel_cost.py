@@ -1,0 +1,86 @@
+"""The engine channel's per-tick messages (model/engine/channel.py) at N sessions of one worker: the time to frame and
+to read the engine's `Tick` (N outputs) and the worker's `Frames` (N inputs), with the caches cold, as a tick leaves
+them (a buffer larger than the last-level cache is walked before each run). One JSON line per session count.
+
+    python -m bench.channel_cost [--sessions 32 250] [--runs 800]
+
+`tick_encode_joined_ms` is the body encoded alone and then joined to its length header, as the channel framed its
+messages before `encode` wrote the body in place after the header: the copy that saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+from model.config import FRAME_SAMPLES
+from model.engine.channel import HEADER, Counters, Frames, Output, Tick, ToEngine, ToWorker, encode
+
+CACHE_SWEEP_BYTES = 64 << 20
+
+
+def tick_message(sessions: int, rng: np.random.Generator) -> Tick:
+    audio = rng.standard_normal((sessions, FRAME_SAMPLES)).astype(np.float32)
+    tokens = rng.integers(0, 2048, (sessions, 17), dtype=np.int64)
+    outputs = [Output(f"sid-{i:04d}", 100, audio[i].tobytes(), " word", tokens[i].tobytes()) for i in range(sessions)]
+    counters = [Counters(f"sid-{i:04d}", 100, 99, 0) for i in range(sessions)]
+    return Tick(time.monotonic(), outputs, counters)
+
+
+def frames_message(sessions: int, rng: np.random.Generator) -> Frames:
+    audio = rng.standard_normal((sessions, FRAME_SAMPLES)).astype(np.float32)
+    return Frames([f"sid-{i:04d}" for i in range(sessions)], [row.tobytes() for row in audio], time.monotonic())
+
+
+def cold_ms(run: Callable[[], object], runs: int, sweep: np.ndarray) -> float:
+    """The median ms of `run`, each after a walk over `sweep` (caches cold, as after a tick's own work)."""
+    times = []
+    for _ in range(runs):
+        sweep += 1
+        started = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - started) * 1000.0)
+    return round(float(np.median(times)), 3)
+
+
+def joined(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
+    body = encoder.encode(message)
+    return HEADER.pack(len(body)) + body
+
+
+def measure(sessions: int, runs: int, sweep: np.ndarray) -> dict:
+    rng = np.random.default_rng(sessions)
+    tick, frames = tick_message(sessions, rng), frames_message(sessions, rng)
+    encoder = msgspec.msgpack.Encoder()
+    to_worker, to_engine = msgspec.msgpack.Decoder(ToWorker), msgspec.msgpack.Decoder(ToEngine)
+    tick_framed, frames_framed = encode(tick), encode(frames)
+    assert bytes(tick_framed) == joined(tick, encoder)  # the same bytes either way
+    tick_body, frames_body = bytes(tick_framed[HEADER.size:]), bytes(frames_framed[HEADER.size:])
+    return {
+        "bench": "channel_cost", "sessions": sessions, "runs": runs,
+        "tick_bytes": len(tick_framed), "frames_bytes": len(frames_framed),
+        "tick_encode_ms": cold_ms(lambda: encode(tick), runs, sweep),
+        "tick_encode_joined_ms": cold_ms(lambda: joined(tick, encoder), runs, sweep),
+        "tick_decode_ms": cold_ms(lambda: to_worker.decode(tick_body), runs, sweep),
+        "frames_encode_ms": cold_ms(lambda: encode(frames), runs, sweep),
+        "frames_decode_ms": cold_ms(lambda: to_engine.decode(frames_body), runs, sweep),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sessions", type=int, nargs="+", default=[32, 250])
+    parser.add_argument("--runs", type=int, default=800)
+    args = parser.parse_args()
+    sweep = np.zeros(CACHE_SWEEP_BYTES // 8)
+    for sessions in args.sessions:
+        print(json.dumps(measure(sessions, args.runs, sweep)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
