@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from app.sessions.udp import DatagramSocket
+
 TCP_MIN_RTO_S = 0.2
 MAX_TAIL_S = 2.0
 
@@ -289,20 +291,6 @@ async def _quietly(coro: Awaitable[object]) -> None:
 
 # ---- UDP ------------------------------------------------------------------------------------------------------------
 
-class _Endpoint(asyncio.DatagramProtocol):
-    def __init__(self, on_datagram: Callable[[bytes, tuple[str, int]], None]) -> None:
-        self.on_datagram = on_datagram
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.on_datagram(data, addr[:2])
-
-    def error_received(self, exc: Exception) -> None:
-        pass             # ICMP unreachable from an endpoint that went away: its packets are lost, as on a network
-
 
 class UdpRelay:
     """client <-> `near` [relay] `far` <-> server. The client sends to `near`; what arrives there goes to `server`
@@ -316,16 +304,16 @@ class UdpRelay:
         self.client = client
         self.up_model = LinkModel(up, seed)
         self.down_model = LinkModel(down, seed + 1)
-        self._near: _Endpoint | None = None
-        self._far: _Endpoint | None = None
+        self._near: DatagramSocket | None = None
+        self._far: DatagramSocket | None = None
         self._up: Delayer | None = None
         self._down: Delayer | None = None
 
     async def start(self) -> UdpRelay:
         loop = asyncio.get_running_loop()
-        _, self._near = await loop.create_datagram_endpoint(lambda: _Endpoint(self._from_client),
+        _, self._near = await loop.create_datagram_endpoint(lambda: DatagramSocket(self._from_client),
                                                             local_addr=(self.host, 0))
-        _, self._far = await loop.create_datagram_endpoint(lambda: _Endpoint(self._from_server),
+        _, self._far = await loop.create_datagram_endpoint(lambda: DatagramSocket(self._from_server),
                                                            local_addr=(self.host, 0))
         self._up = Delayer(self.up_model, lambda data: self._send(self._far, data, self.server))
         self._down = Delayer(self.down_model, lambda data: self._send(self._near, data, self.client))
@@ -351,7 +339,7 @@ class UdpRelay:
             self._down.submit(data)
 
     @staticmethod
-    def _send(endpoint: _Endpoint | None, data: bytes, to: tuple[str, int] | None) -> None:
+    def _send(endpoint: DatagramSocket | None, data: bytes, to: tuple[str, int] | None) -> None:
         if endpoint is not None and endpoint.transport is not None and to is not None:
             endpoint.transport.sendto(data, to)
 

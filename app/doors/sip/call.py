@@ -31,6 +31,7 @@ from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
 from app.doors.sip.sdp import Choice
 from app.sessions.conversation import Conversation, InputPolicy
 from app.sessions.link import input_report
+from app.sessions.udp import DatagramSocket
 from app.shell.metrics import Metrics
 from app.shell.settings import rtp_port_range
 from media.pacing import FIRST_PLAYED_FRAME, SIP_RTP, Pacer
@@ -60,21 +61,6 @@ class PortRange:
         return order
 
 
-class _Socket(asyncio.DatagramProtocol):
-    def __init__(self, on_datagram: Callable[[bytes, tuple[str, int]], None]) -> None:
-        self.on_datagram = on_datagram
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.on_datagram(data, addr[:2])
-
-    def error_received(self, exc: Exception) -> None:
-        pass  # ICMP port unreachable from a caller that went away: the BYE or the timers end the call
-
-
 @dataclass
 class CallStats:
     dtmf: list[str] = field(default_factory=list)
@@ -102,8 +88,8 @@ class MediaSession:
         self.remote = choice.remote
         self.remote_rtcp = choice.remote_rtcp
         self.receiver: RtpReceiver | None = None
-        self._rtp: _Socket | None = None
-        self._rtcp: _Socket | None = None
+        self._rtp: DatagramSocket | None = None
+        self._rtcp: DatagramSocket | None = None
         self._codec = AudioCodec(choice.codec)
         self.pacer = Pacer(choice.codec.sample_rate, SIP_RTP)
         self._ssrc = random.getrandbits(32)
@@ -121,9 +107,9 @@ class MediaSession:
         for port in ports.candidates():
             rtp = rtcp = None
             try:
-                _, rtp = await loop.create_datagram_endpoint(lambda: _Socket(self._on_rtp),
+                _, rtp = await loop.create_datagram_endpoint(lambda: DatagramSocket(self._on_rtp),
                                                              local_addr=(self.host, port))
-                _, rtcp = await loop.create_datagram_endpoint(lambda: _Socket(self._on_rtcp),
+                _, rtcp = await loop.create_datagram_endpoint(lambda: DatagramSocket(self._on_rtcp),
                                                               local_addr=(self.host, port + 1))
             except OSError:
                 for sock in (rtp, rtcp):
