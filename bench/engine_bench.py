@@ -95,7 +95,8 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
     records = engine.recent_ticks(after.ticks - before.ticks)
     for slot in slots:
         slot.close()
-    await asyncio.sleep(0.2)  # a worker's closes reach the engine
+    if worker is not None:
+        await asyncio.sleep(0.2)  # a worker's closes reach the engine
     totals = [record.ms for record in records]
     parts: dict[str, list[float]] = {}
     for record in records:

@@ -22,6 +22,7 @@ from bench.roofline import kernel_profile, time_mimi
 from model import fused
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
 from model.engine.api import EngineConfig
+from model.engine.runner import streaming_mimi
 from model.mimi import Mimi
 from model.random_model import random_mimi
 
@@ -29,10 +30,8 @@ from model.random_model import random_mimi
 def build_mimi(tiny: bool) -> Mimi:
     """The codec the engine would run: full size on CUDA (random weights), the tiny one on the CPU."""
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
-    mimi = random_mimi(TINY_MIMI if tiny else MimiConfig(), device)
-    if device == "cuda" and EngineConfig.mimi_decoder_bf16:
-        mimi = mimi.with_precision(torch.float32, torch.bfloat16)
-    return mimi
+    return streaming_mimi(random_mimi(TINY_MIMI if tiny else MimiConfig(), device), EngineConfig(),
+                          torch.device(device))
 
 
 def outputs(mimi: Mimi, rows: int, frames: int) -> dict[str, torch.Tensor]:

@@ -101,7 +101,7 @@ def mimi_costs(mimi: Mimi, rows: int, row_flops: dict[str, int]) -> dict[str, tu
         ("decode", state.decoder, [mimi.upsample, mimi.decoder_transformer, mimi.decoder, mimi.quantizer]),
     ):
         ring = stream.kv.keys.numel() * stream.kv.keys.element_size() * 2
-        kept = 2 * sum(buf[0, :, :carried].numel() * buf.element_size()
+        kept = 2 * sum(buf.shape[1] * carried * buf.element_size()
                        for buf, carried in zip(stream.convs, stream.carried, strict=True))
         costs[name] = (param_bytes(modules) + rows * (ring + kept), float(rows * row_flops[name]))
     return costs

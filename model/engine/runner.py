@@ -50,6 +50,17 @@ def make_current(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def streaming_mimi(mimi: Mimi, config: EngineConfig, device: torch.device) -> Mimi:
+    """The codec the engine's steps stream through: `mimi` itself, or on CUDA a copy with a side in bf16 and perhaps
+    its steps compiled (EngineConfig)."""
+    if device.type != "cuda":
+        return mimi
+    bf16 = torch.bfloat16
+    mimi = mimi.with_precision(bf16 if config.mimi_encoder_bf16 else mimi.encoder_dtype,
+                               bf16 if config.mimi_decoder_bf16 else mimi.decoder_dtype)
+    return mimi.compiled() if config.mimi_compiled else mimi
+
+
 class Runner:
     """Device state of `max_sessions` rows and the steps over them."""
 
@@ -74,7 +85,7 @@ class Runner:
         lm = self.lm = self._stepping_lm()
         self.scratch = PromptPrefill(lm, self.device, config.fp8_kv)
         model.text_piece(0)  # builds the token-text table now, not in the first tick
-        self.mimi = self._streaming_mimi()
+        self.mimi = streaming_mimi(self.model.mimi, self.config, self.device)
         self.mimi_state = self.mimi.init_state(rows, self.device)
         page = page_frames(lm.cfg.context, config.kv_page_frames)
         self.lm_state = lm.init_state(rows, self.device, fp8_kv=config.fp8_kv, page=page,
@@ -114,17 +125,6 @@ class Runner:
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             raise RuntimeError("fp8_weights needs fp8 tensor cores (compute capability 8.9 or later)")
         return self.model.lm.with_fp8_weights()
-
-    def _streaming_mimi(self) -> Mimi:
-        """The codec the steps stream through: the model's, or on CUDA a copy with a side in bf16 and perhaps its
-        steps compiled (EngineConfig)."""
-        mimi = self.model.mimi
-        if self.device.type != "cuda":
-            return mimi
-        bf16 = torch.bfloat16
-        mimi = mimi.with_precision(bf16 if self.config.mimi_encoder_bf16 else mimi.encoder_dtype,
-                                   bf16 if self.config.mimi_decoder_bf16 else mimi.decoder_dtype)
-        return mimi.compiled() if self.config.mimi_compiled else mimi
 
     def _pool_pages(self, page: int) -> int:
         """The pool's pages: the configured count, else what the free device memory holds beside kv_free_gib
