@@ -6,7 +6,7 @@ compute the same thing is checked by this, not assumed).
     python3 -m bench.mimi_step --rows 1 64 250 --compare base.pt       # on the tree after
 
 Full-size Mimi with seeded random weights (as `random-7b`'s), the engine's precisions (encoder float32 with TF32
-products, decoder bf16 on CUDA), cuDNN's algorithms timed per shape as the engine's warm-up does. One JSON line per
+products, decoder bf16 on CUDA), cuDNN's algorithms chosen by its heuristics as in the engine. One JSON line per
 batch size: encode/decode p50 ms of `--steps` graph replays, kernels per step, and with `--compare` whether every
 code and audio sample of `--frames` frames equals the saved ones.
 """
@@ -80,9 +80,9 @@ def main() -> None:
     parser.add_argument("--save", help="write the outputs here (torch.save)")
     parser.add_argument("--compare", help="compare the outputs with those saved here")
     parser.add_argument("--tiny", action="store_true", help="the tiny codec on the CPU (no timing)")
-    parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
-                        help="cuDNN times its algorithms per shape, as the engine's warm-up does; off, its heuristics "
-                             "choose, the same in every process (for --compare across trees)")
+    parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=False,
+                        help="cuDNN times its algorithms per shape (a choice that differs between processes); off, as "
+                             "the engine's warm-up runs, its heuristics choose, the same in every process")
     args = parser.parse_args()
     mimi = build_mimi(args.tiny)
     cuda = next(mimi.parameters()).device.type == "cuda"

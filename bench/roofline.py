@@ -326,8 +326,8 @@ def main() -> None:
     model = bench_model(args.tiny)
     cuda = model.device.type == "cuda"
     if cuda:
-        # As the engine's start does before its capture (runner.warm_up): cuDNN times its algorithms per shape.
-        torch.backends.cudnn.benchmark = True
+        # As the engine's start captures (runner.warm_up): cuDNN's heuristics choose its algorithms.
+        torch.backends.cudnn.benchmark = False
     batches = sorted({bucket(s, max(s for s, _ in args.loads)) for s, _ in args.loads})
     if args.mimi_variants and cuda:  # before the engine takes the device's memory for its KV pool
         torch.backends.cuda.matmul.allow_tf32 = True  # as the engine sets it (runner.py)

@@ -63,9 +63,10 @@ async def session_tokens(model, config: EngineConfig, frames: int, row: int = 0,
 def graphed_and_eager(model, frames: int, row: int = 0, pacing: str = "realtime"):
     """One session's tokens from an eager engine and a graphed one, both on PyTorch's own convolutions.
 
-    With cuDNN, graph capture times its algorithms (benchmark mode) where eager runs take its heuristics' pick:
-    Mimi's encoder then rounds differently, and a deep residual codebook of the user's codes can flip after a few
-    frames (seen on the H200). The native convolutions are one algorithm, so graphs must replay eager exactly.
+    With cuDNN, the capture's choice of algorithm need not be the eager run's: when the capture timed them (as it
+    did until the engine took cuDNN's heuristics), Mimi's encoder rounded differently and a deep residual codebook
+    of the user's codes could flip after a few frames (seen on the H200). The native convolutions are one
+    algorithm, so graphs must replay eager exactly.
     """
     config = {"max_sessions": 3, "fuse_kernels": False}
     with torch.backends.cudnn.flags(enabled=False):
