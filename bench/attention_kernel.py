@@ -1,10 +1,12 @@
 """Decode-attention kernel alone on the GPU: ms and effective TB/s by launch shape, against cuDNN SDPA; or, with
 --pages, the default launch shapes reading rows through shuffled pages of each size against contiguous rows
-(with --sweep, the CUDA-core path's launch shapes over pages, against the default contiguous).
+(with --sweep, the CUDA-core path's launch shapes over pages, against the default contiguous; with --orders, rows
+of unequal contexts with their programs launched in row order and longest row first).
 
     python -m bench.attention_kernel
     python -m bench.attention_kernel --pages 20 40 60 100 120 --batches 64
     python -m bench.attention_kernel --pages 75 --batches 64 --kv fp8 --sweep
+    python -m bench.attention_kernel --pages 75 --batches 250 144 --orders
 
 One layer of the 7B shape (32 heads x 128) over a 3000-slot ring; prints one JSON line per configuration.
 """
@@ -96,6 +98,32 @@ def sweep_pages(batches: list[int], page: int, H: int, C: int, D: int) -> None:
                           if default in shapes else None}), flush=True)
 
 
+def compare_orders(batches: list[int], page: int, H: int, C: int, D: int, seed: int = 0) -> None:
+    """fp8 over pages of `page`, B rows of unequal contexts (uniform over 1..C, as calls of every age): ms per layer
+    with programs launched in row order and longest row first (`longest_first`), against B equal rows holding the
+    same keys (best of 3 interleaved rounds); and whether the two orders' outputs are bit-equal."""
+    for B in batches:
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        mixed = torch.randint(1, C + 1, (B,), device="cuda", generator=generator)
+        equal = torch.full((B,), int(mixed.float().mean().round()), device="cuda")
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=generator)
+        store = random_store(B, H, C, D, True, page)
+        runs = {"row_order": (mixed, None), "longest_first": (mixed, attention.longest_first(mixed)),
+                "equal": (equal, None)}
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(3):
+            for name, (n_valid, order) in runs.items():
+                best[name] = min(best[name], timed(partial(decode_attention, q, store, 0, n_valid, order), 200))
+        same = torch.equal(decode_attention(q, store, 0, mixed, runs["longest_first"][1]),
+                           decode_attention(q, store, 0, mixed))
+        print(json.dumps({"bench": "attention_kernel_orders", "batch": B, "kv": "fp8", "page": page,
+                          "keys_mean": int(equal[0]), "keys_max": int(mixed.max()),
+                          **{f"{name}_ms": round(ms, 4) for name, ms in best.items()},
+                          "row_order_vs_equal": round(best["row_order"] / best["equal"], 4),
+                          "longest_first_vs_equal": round(best["longest_first"] / best["equal"], 4),
+                          "bit_equal": same}), flush=True)
+
+
 def main() -> None:
     H, C, D = 32, 3000, 128
     parser = argparse.ArgumentParser(description=__doc__)
@@ -103,7 +131,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 1])
     parser.add_argument("--pages", type=int, nargs="+", help="page sizes (frames) to compare with contiguous rows")
     parser.add_argument("--sweep", action="store_true", help="with --pages: the fp8 launch shapes over the first size")
+    parser.add_argument("--orders", action="store_true",
+                        help="with --pages: unequal contexts, programs in row order and longest row first")
     args = parser.parse_args()
+    if args.pages and args.orders:
+        compare_orders(args.batches, args.pages[0], H, C, D)
+        return
     if args.pages and args.sweep:
         sweep_pages(args.batches, args.pages[0], H, C, D)
         return

@@ -222,11 +222,24 @@ def split_length(batch: int, heads: int, slots: int, block: int = 64, target_pro
     return math.ceil(math.ceil(slots / splits) / block) * block
 
 
-def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> Tensor:
-    """Attention of one query per row over its first n_valid ring slots; q [B, heads, head_dim]."""
+def longest_first(n_valid: Tensor) -> Tensor:
+    """Rows by valid keys, most first: the order decode_attention's programs start in.
+
+    At 250 rows one program per (row, head) reads all its row's keys, and the GPU starts programs in launch order;
+    with unequal contexts a long row launched last runs on alone at the end of every layer. Longest first, the
+    end of a layer is short rows (the longest-processing-time-first schedule)."""
+    return torch.argsort(n_valid, descending=True, stable=True)
+
+
+def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor, order: Tensor | None = None) -> Tensor:
+    """Attention of one query per row over its first n_valid ring slots; q [B, heads, head_dim]. `order` [B]: the
+    rows in the order their programs launch (`longest_first`, made once a step); row order if None. It changes
+    when each row's result is computed, not what it is."""
     if not use_kernel(q.device):
         return attention_reference(q, store, layer, n_valid)
     B, H, D = q.shape
+    if order is None:
+        order = torch.arange(B, device=q.device)
     slots = store.slots
     cfg = KERNEL_FP8 if store.fp8 else KERNEL_BF16
     block = min(cfg.block, 1 << (store.page.bit_length() - 1))  # a block spans two pages at most
@@ -244,7 +257,7 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) -> 
     vs = store.v_scale[layer] if store.fp8 else v
     table = store.table
     _partial_kernel[(B * H, splits)](
-        q, k, v, ks, vs, n_valid, table, acc, m, denom,
+        q, k, v, ks, vs, n_valid, order, table, acc, m, denom,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
         table.shape[1], H, span, 1.0 / math.sqrt(D),
         HAS_SCALE=store.fp8, BLOCK_N=block, D=D, PAGE=store.page, STAGES=cfg.stages, USE_DOT=cfg.use_dot,
@@ -352,24 +365,23 @@ if triton is not None:
         return page * skp + h * skh, page * ssp + h * ssh, offs % PAGE
 
     @triton.jit
-    def _partial_kernel(Q, K, V, KS, VS, NV, TABLE, ACC, M, L,
+    def _partial_kernel(Q, K, V, KS, VS, NV, ORDER, TABLE, ACC, M, L,
                         sqb, sqh, skp, skh, sks, ssp, ssh, stb, pages,
                         H, SPAN, scale,
                         HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                         STAGES: tl.constexpr, USE_DOT: tl.constexpr, DIRECT: tl.constexpr):
         """Partial softmax of one (row, head) over one span of its keys into ACC/M/L [B, H, splits(, D)]; with
         DIRECT (a single span) the normalised result goes straight into ACC [B, H, D] in its dtype. Key n of row b
-        sits at offset n % PAGE of page TABLE[b, n // PAGE]."""
-        bh = tl.program_id(0)
+        sits at offset n % PAGE of page TABLE[b, n // PAGE]. Program (i, h) serves row ORDER[i]."""
         split = tl.program_id(1)
         splits = tl.num_programs(1)
-        b = bh // H
-        h = bh % H
+        b = tl.load(ORDER + tl.program_id(0) // H)
+        h = tl.program_id(0) % H
         n_valid = tl.load(NV + b)
         start = split * SPAN
         end = tl.minimum(start + SPAN, n_valid)
         d = tl.arange(0, D)
-        out = bh * splits + split
+        out = (b * H + h) * splits + split
         if USE_DOT:
             # Tensor cores need 16 query rows: the query is repeated and row 0 of the result kept.
             rows = tl.arange(0, 16)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model.attention import KVStore, decode_attention, depformer_attention, rope_and_store
+from model.attention import KVStore, decode_attention, depformer_attention, longest_first, rope_and_store, use_kernel
 from model.config import LMConfig
 from model.fused import fusable
 from model.precision import Fp8Linear, sibling
@@ -334,6 +334,7 @@ class LM(nn.Module):
         # Valid keys fill slots [0, n_valid): rows fill the ring in order from their origin, and a wrapped ring is
         # full.
         n_valid = torch.minimum(frames + 1, state.window)
+        order = longest_first(n_valid) if use_kernel(x.device) else None
         rotation = rope_rotation(state.pos, cfg.head_dim, cfg.max_period)  # [B, half, 2]
         layers = self.transformer.layers
         h = x.unsqueeze(1)
@@ -341,7 +342,7 @@ class LM(nn.Module):
         for i, layer in enumerate(layers):
             projected = layer.self_attn.project(normed).view(B, -1)
             q = rope_and_store(state.kv, i, projected, rotation, slot.view(B), active)
-            o = decode_attention(q, state.kv, i, n_valid)
+            o = decode_attention(q, state.kv, i, n_valid, order)
             h, normed = add_rms_norm(h, layer.self_attn.out_proj(o.flatten(1)).unsqueeze(1), layer.norm2.alpha,
                                      layer.norm2.eps)
             following = self._norm_after(i)

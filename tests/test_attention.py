@@ -13,6 +13,7 @@ from model.attention import (
     depformer_attention,
     depformer_attention_reference,
     dequantize,
+    longest_first,
     quantize,
     rope_and_store,
     rope_and_store_reference,
@@ -70,6 +71,10 @@ def test_reference_reads_through_shuffled_pages_as_through_contiguous_rows(fp8):
         assert torch.equal(a, b)
 
 
+def test_longest_first_takes_rows_by_valid_keys_most_first_and_ties_in_row_order():
+    assert longest_first(torch.tensor([5, 3000, 5, 0, 1650])).tolist() == [1, 4, 0, 2, 3]
+
+
 def test_split_length_fills_the_gpu_at_small_batch():
     assert split_length(1, 32, 3000) < split_length(64, 32, 3000)
     assert split_length(64, 32, 3000) % 64 == 0 and split_length(64, 32, 3000) >= 3000
@@ -88,6 +93,20 @@ def test_kernel_matches_reference_on_cuda(B, fp8, page):
     got = decode_attention(q, store, 0, n_valid).float()
     want = attention_reference(q, store, 0, n_valid).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only")
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("B", [5, 64])
+def test_programs_launched_longest_row_first_compute_what_row_order_computes(B, fp8):
+    """`order` moves when a row's programs run (longest_first), not their arithmetic: bit for bit the same."""
+    H, C, D = 32, 3000, 128
+    store, _, _ = make_store(B, H, C, D, torch.bfloat16, "cuda", fp8, seed=B, page=75)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    n_valid = torch.randint(1, C + 1, (B,), device="cuda")
+    order = longest_first(n_valid)
+    assert torch.equal(n_valid[order], n_valid.sort(descending=True).values)
+    assert torch.equal(decode_attention(q, store, 0, n_valid, order), decode_attention(q, store, 0, n_valid))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only")
