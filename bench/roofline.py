@@ -12,11 +12,11 @@ KV writes, embeddings, the text head and sampling), the depformer, Mimi decode, 
 - `gflop`: the products' FLOPs (the temporal and depformer weights' 2 per weight per row, attention's 4 * dim per
   key and layer, Mimi's convolutions and products as torch's FLOP counter counts one row's step);
 - `ms`: its device time, the p50 of `--steps` graph replays timed by CUDA events (attention and the temporal rest
-  split by their kernels' share of a profiled eager step); the host's from an engine_bench line of the same load;
+  split by their kernels' share of the profiled step); the host's from an engine_bench line of the same load;
 - `tb_s`, `tflop_s`: bytes and FLOPs over that time; `floor_ms`: the larger of bytes at `--peak-tbs` and FLOPs at
   the part's matrix peak (bf16, or TF32 for a float32 Mimi side); `x_floor`: ms over floor_ms;
-- `kernels`: launches per step, and `kernel_ms` their summed device time (eager profile), so `ms - kernel_ms` is
-  what the part spends between kernels.
+- `kernels`: launches per step, and `kernel_ms` their summed device time, profiled on the engine's own graph
+  replays (eager steps where it runs without graphs), so `ms - kernel_ms` is what the part spends between kernels.
 "roofline_kernels" lines list each part's top kernels; "roofline_tick" sums a load. `--mimi-variants` also times Mimi
 alone at each load's batch in float32, decoder bf16 and both bf16, each eager and compiled (`Mimi.compiled`)
 ("mimi_variant" lines); `--mimi-compiled` runs the engine's Mimi compiled.
@@ -189,9 +189,12 @@ def measure_load(engine: Engine, sessions: int, context: int, args: argparse.Nam
     ms = {part: p50([run[part] for run in runs]) for part in BatchStep.PARTS}
     kernels = None
     if runner.device.type == "cuda":
-        eager = BatchStep(engine.model, runner.buffers(), runner.const, slice(0, n), mimi=runner.mimi)
-        kernels = kernel_profile({"encode": eager.encode, "temporal": eager.temporal_part,
-                                  "depformer": eager.depformer_part, "decode": eager.decode}, 3)
+        # The engine's own graphs where it runs them: eager steps of the same code show other kernels (unfused
+        # chains where a helper fell back, launches the graphs do not hold).
+        step = runner.batch_step(n)
+        parts = step.graphs and [graph.replay for graph in step.graphs]
+        parts = parts or [step.encode, step.temporal_part, step.depformer_part, step.decode]
+        kernels = kernel_profile(dict(zip(BatchStep.PARTS, parts, strict=True)), 3)
     # Every row of the batch runs the dense products and Mimi; only the active rows have keys to read.
     costs = {**temporal_costs(lm, n, keys * sessions / n, engine.config.fp8_kv), "depformer": depformer_cost(lm, n),
              **mimi_costs(runner.mimi, n, row_flops)}

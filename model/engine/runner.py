@@ -166,7 +166,7 @@ class Runner:
             # processes: 98.7-99.6 % of codes equal timed, all equal by heuristics, at the same speed).
             with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False):
                 for n in sorted({bucket(i, self.rows) for i in range(1, self.rows + 1)}):
-                    self._batch_step(n)
+                    self.batch_step(n)
                 # One row's step, graphed: a session's first half, and input-clocked frames. Eager, one row of
                 # the full model is ~80-100 ms of launches, more than a gap between ticks.
                 self._spare()
@@ -207,7 +207,7 @@ class Runner:
         sessions) keep their Mimi state. On CUDA, `while_in_flight(launched)` runs once the step is queued and
         before its outputs are waited for. Frames, emitted flags, audio of the rows and whether each row's audio is
         finite (on CUDA checked by the device), views of pinned memory the next step overwrites."""
-        step = self._batch_step(n)
+        step = self.batch_step(n)
         self.pages.flush()
         saved = [(r, self.mimi_state.encoder.rows(slice(r, r + 1)).clone(),
                   self.mimi_state.decoder.rows(slice(r, r + 1)).clone()) for r in protected_rows]
@@ -260,7 +260,8 @@ class Runner:
         timer = PartTimer(self.device)
         return _row_to_host(*self._on_spare_row(row, lambda step: step.run(timer)))
 
-    def _batch_step(self, n: int) -> BatchStep:
+    def batch_step(self, n: int) -> BatchStep:
+        """The step over rows [0, n) (a bucket's padded size), made, and on CUDA captured, on first use."""
         step = self._steps.get(n)
         if step is None:
             pool = self.graph_pool if self.graphs else None
