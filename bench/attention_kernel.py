@@ -5,7 +5,7 @@ of unequal contexts with their programs launched in row order and longest row fi
 
     python -m bench.attention_kernel
     python -m bench.attention_kernel --pages 20 40 60 100 120 --batches 64
-    python -m bench.attention_kernel --pages 75 --batches 64 --kv fp8 --sweep
+    python -m bench.attention_kernel --pages 75 --batches 64 --kv fp8 --sweep [--targets 2048 8192 16384]
     python -m bench.attention_kernel --pages 75 --batches 250 144 --orders
 
 One layer of the 7B shape (32 heads x 128) over a 3000-slot ring; prints one JSON line per configuration.
@@ -70,12 +70,13 @@ def compare_pages(kinds: list[str], batches: list[int], pages: list[int], H: int
         del stores
 
 
-def sweep_pages(batches: list[int], page: int, H: int, C: int, D: int) -> None:
-    """fp8 over pages of `page`: every CUDA-core launch shape, against the default kernel over
-    contiguous rows (best of 3 interleaved rounds each)."""
+def sweep_pages(batches: list[int], page: int, H: int, C: int, D: int, targets: list[int]) -> None:
+    """fp8 over pages of `page`: every CUDA-core launch shape, with each of `targets` programs a launch aims at
+    (more programs than rows x heads split each row's keys), against the default kernel over contiguous rows (best
+    of 3 interleaved rounds each)."""
     default = attention.KERNEL_FP8
-    shapes = [KernelConfig(block, warps, stages, 2048, False)
-              for block, warps, stages in itertools.product((16, 32, 64), (1, 2), (2, 3, 4))]
+    shapes = [KernelConfig(block, warps, stages, programs, False)
+              for block, warps, stages, programs in itertools.product((16, 32, 64), (1, 2), (2, 3, 4), targets)]
     for B in batches:
         n_valid = torch.full((B,), C, device="cuda")
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
@@ -131,6 +132,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 1])
     parser.add_argument("--pages", type=int, nargs="+", help="page sizes (frames) to compare with contiguous rows")
     parser.add_argument("--sweep", action="store_true", help="with --pages: the fp8 launch shapes over the first size")
+    parser.add_argument("--targets", type=int, nargs="+", default=[attention.KERNEL_FP8.target_programs],
+                        help="with --sweep: programs a launch aims at (KernelConfig.target_programs)")
     parser.add_argument("--orders", action="store_true",
                         help="with --pages: unequal contexts, programs in row order and longest row first")
     args = parser.parse_args()
@@ -138,7 +141,7 @@ def main() -> None:
         compare_orders(args.batches, args.pages[0], H, C, D)
         return
     if args.pages and args.sweep:
-        sweep_pages(args.batches, args.pages[0], H, C, D)
+        sweep_pages(args.batches, args.pages[0], H, C, D, args.targets)
         return
     if args.pages:
         compare_pages(args.kv, args.batches, args.pages, H, C, D)
