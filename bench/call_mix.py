@@ -1,6 +1,7 @@
 """The engine under a call mix: Poisson arrivals, exponential call lengths, real sessions on the 80 ms wall clock.
 
     python -m bench.call_mix --fp8-kv --concurrency 250 --mean-s 180 --cap-s 600 --minutes 3 --max-sessions 320
+    python -m bench.call_mix --fp8-kv --concurrency 250 --minutes 1 --max-sessions 290 --equal-seconds 20
     python -m bench.call_mix --fp8-kv --max-sessions 320 --minutes 0 --worst-case 144
 
 Full 7B shape with random bf16 weights (`--tiny`: the tiny checkpoint on the CPU, to try the script). Calls arrive
@@ -14,7 +15,10 @@ one engine command for all), so the minutes measured are steady state from the f
 grow-backs (while opening, and measured), KV pool occupancy (mean, max), the opening's seconds; when late ticks came
 and the fewest live calls at which an arrival was refused. Late ticks of the opening (its one fill command can make
 the next tick start late) are counted apart from the measured minutes.
-With `--worst-case N`, then N sessions at full context for `--worst-seconds`: the line "call_mix_worst_case".
+With `--equal-seconds S`, then the mix's mean live calls for S seconds, each holding an equal share of the KV pages
+the mix held on average: the line "call_mix_equal", with the mix's tick p50 and p99 over its own
+(`mix_vs_equal_p50`, `_p99`). With `--worst-case N`, then N sessions at full context for `--worst-seconds`: the line
+"call_mix_worst_case".
 """
 
 from __future__ import annotations
@@ -183,10 +187,9 @@ async def call_mix(engine: Engine, args: argparse.Namespace) -> dict:
             "open_late_ticks": open_late_ticks}
 
 
-async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
-    """`sessions` calls at full context for `seconds`."""
+async def fixed_load(engine: Engine, sessions: int, context: int, seconds: float) -> dict:
+    """`sessions` calls, each holding `context` frames, for `seconds`: their tick figures."""
     mix = Mix(engine)
-    context = engine.model.config.context
     while engine.stats().kv_pages_free < engine.stats().kv_pages:  # the calls before returning their pages
         await asyncio.sleep(0.05)
     tasks, open_s = await mix.open_filled([(context, seconds + 600.0)] * sessions)
@@ -199,11 +202,23 @@ async def worst_case(engine: Engine, sessions: int, seconds: float) -> dict:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return {"bench": "call_mix_worst_case", "kv": "fp8" if engine.config.fp8_kv else "bf16", "sessions": sessions,
+    return {"kv": "fp8" if engine.config.fp8_kv else "bf16", "sessions": sessions,
             "live": live, "context_frames": context, "open_s": round(open_s, 1), "seconds": seconds,
             **tick_figures(ticks), "failed": mix.failed,
             "shrink_events": after.kv_window_shrinks - before.kv_window_shrinks, "pool_pages": after.kv_pages,
             "pool_pages_free": after.kv_pages_free}
+
+
+async def equal_contexts(engine: Engine, mix: dict, seconds: float) -> dict:
+    """The mix's mean live calls, each holding an equal share of the KV pages the mix held on average, for
+    `seconds`: the tick the same KV costs without the mix's unequal contexts and arrivals (the issue's 1.05x)."""
+    sessions = max(1, round(mix["sessions_mean"]))
+    held = mix["pool_occupancy_mean"] * mix["pool_pages"] * mix["page_frames"]
+    context = min(round(held / sessions), engine.model.config.context)
+    line = {"bench": "call_mix_equal", **await fixed_load(engine, sessions, context, seconds)}
+    for stat in ("p50", "p99"):
+        line[f"mix_vs_equal_{stat}"] = round(mix[f"tick_ms_{stat}"] / max(line[f"tick_ms_{stat}"], 1e-9), 4)
+    return line
 
 
 def memory_parts_gb(engine: Engine) -> dict[str, float]:
@@ -238,9 +253,13 @@ async def main_async(args: argparse.Namespace) -> None:
                       **memory, **memory_parts_gb(engine)}), flush=True)
     try:
         if args.minutes > 0:
-            print(json.dumps(await call_mix(engine, args)), flush=True)
+            mix = await call_mix(engine, args)
+            print(json.dumps(mix), flush=True)
+            if args.equal_seconds > 0:
+                print(json.dumps(await equal_contexts(engine, mix, args.equal_seconds)), flush=True)
         if args.worst_case:
-            print(json.dumps(await worst_case(engine, args.worst_case, args.worst_seconds)), flush=True)
+            line = await fixed_load(engine, args.worst_case, engine.model.config.context, args.worst_seconds)
+            print(json.dumps({"bench": "call_mix_worst_case", **line}), flush=True)
     finally:
         engine.stop()
 
@@ -254,6 +273,8 @@ def main() -> None:
     parser.add_argument("--max-sessions", type=int, default=320)
     parser.add_argument("--worst-case", type=int, default=0, help="then this many sessions at full context")
     parser.add_argument("--worst-seconds", type=float, default=30.0)
+    parser.add_argument("--equal-seconds", type=float, default=0.0,
+                        help="then the mix's KV as equal contexts of its mean live calls for this long (0: not)")
     parser.add_argument("--kv-pages", type=int, help="KV pool pages (default: from free GPU memory)")
     parser.add_argument("--kv-free-gib", type=float, default=EngineConfig.kv_free_gib,
                         help="GPU memory left free beside the KV pool")

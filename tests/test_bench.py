@@ -62,13 +62,14 @@ def test_channel_cost_prints_each_messages_bytes_and_times() -> None:
                                      "frames_decode_ms")), line
 
 
-def test_call_mix_prints_steady_state_and_worst_case() -> None:
+def test_call_mix_prints_steady_state_equal_contexts_and_worst_case() -> None:
     """A pool of 8 pages of 50 frames for 3 calls of up to 250 frames: the steady state's contexts do not fit, so
-    windows shrink while the calls open (one engine command fills them), and no call fails."""
+    windows shrink while the calls open (one engine command fills them), and no call fails. Then the mix's KV as
+    equal contexts, and the worst case."""
     lines = bench_lines("bench.call_mix", "--concurrency", "3", "--mean-s", "10", "--cap-s", "40", "--minutes", "0.15",
                         "--max-sessions", "4", "--kv-pages", "8", "--floor-frames", "50", "--worst-case", "2",
-                        "--worst-seconds", "0.5")
-    start, mix, worst = lines
+                        "--worst-seconds", "0.5", "--equal-seconds", "0.5")
+    start, mix, equal, worst = lines
     assert start["pool_pages"] == 8 and start["page_frames"] == 50  # the largest divisor of 250 up to 75
     assert mix["ticks"] > 0 and mix["tick_ms_p99"] >= mix["tick_ms_p50"] > 0 and mix["sessions_max"] <= 4
     assert mix["open_shrink_events"] >= 1 and mix["pool_occupancy_max"] == 1.0
@@ -78,6 +79,11 @@ def test_call_mix_prints_steady_state_and_worst_case() -> None:
     assert (mix["refused_at_live_min"] is None) == (mix["refused"] == 0)
     assert mix["refused_at_live_min"] is None or mix["refused_at_live_min"] <= 4
     assert worst["live"] == 2 and worst["ticks"] > 0 and worst["context_frames"] == 250 and worst["failed"] == 0
+    sessions = max(1, round(mix["sessions_mean"]))
+    held = mix["pool_occupancy_mean"] * mix["pool_pages"] * mix["page_frames"]
+    assert equal["bench"] == "call_mix_equal" and equal["live"] == sessions and equal["failed"] == 0
+    assert equal["context_frames"] == min(round(held / sessions), 250) and equal["ticks"] > 0
+    assert equal["mix_vs_equal_p50"] == round(mix["tick_ms_p50"] / equal["tick_ms_p50"], 4)
 
 
 def test_prefill_bench_prints_chunks_and_whole_prompts() -> None:
