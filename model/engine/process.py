@@ -203,7 +203,7 @@ class WorkerLink:
             output = Output(sid, frame.index, frame.audio.astype(np.float32, copy=False).tobytes(), frame.text,
                             frame.tokens.astype(np.int64, copy=False).tobytes())
             if session.offline:  # stepped between ticks, as fast as its input comes: sent at once
-                counters = [Counters(sid, *self._counts(session))]
+                counters = [Counters(sid, *session.slot.counts())]
                 self.host.post(self, encode(Tick(0.0, [output], counters)))
             else:
                 self.outbox.append(output)
@@ -218,15 +218,11 @@ class WorkerLink:
 
         return on_error
 
-    @staticmethod
-    def _counts(session: HostSession) -> tuple[int, int, int, int, int]:
-        s = session.slot.stats()
-        return s.frames_in, s.frames_out, s.underruns, s.window_shrinks, s.window_frames
 
     def flush_tick(self, next_tick_at: float) -> None:
         """After a tick: this worker's outputs and its realtime sessions' counters, in one message."""
         outputs, self.outbox = self.outbox, []
-        counters = [Counters(sid, *self._counts(s)) for sid, s in list(self.sessions.items()) if not s.offline]
+        counters = [Counters(sid, *s.slot.counts()) for sid, s in list(self.sessions.items()) if not s.offline]
         total = self.late_frames
         late, self._late_reported = total - self._late_reported, total
         late_by, self._late_by = self._late_by, 0.0
