@@ -218,7 +218,6 @@ class WorkerLink:
 
         return on_error
 
-
     def flush_tick(self, next_tick_at: float) -> None:
         """After a tick: this worker's outputs and its realtime sessions' counters, in one message."""
         outputs, self.outbox = self.outbox, []
