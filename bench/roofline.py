@@ -192,8 +192,8 @@ def measure_load(engine: Engine, sessions: int, context: int, args: argparse.Nam
         # The engine's own graphs where it runs them: eager steps of the same code show other kernels (unfused
         # chains where a helper fell back, launches the graphs do not hold).
         step = runner.batch_step(n)
-        parts = step.graphs and [graph.replay for graph in step.graphs]
-        parts = parts or [step.encode, step.temporal_part, step.depformer_part, step.decode]
+        parts = ([graph.replay for graph in step.graphs] if step.graphs is not None
+                 else [step.encode, step.temporal_part, step.depformer_part, step.decode])
         kernels = kernel_profile(dict(zip(BatchStep.PARTS, parts, strict=True)), 3)
     # Every row of the batch runs the dense products and Mimi; only the active rows have keys to read.
     costs = {**temporal_costs(lm, n, keys * sessions / n, engine.config.fp8_kv), "depformer": depformer_cost(lm, n),
