@@ -15,10 +15,10 @@ one engine command for all), so the minutes measured are steady state from the f
 grow-backs (while opening, and measured), KV pool occupancy (mean, max), the opening's seconds; when late ticks came
 and the fewest live calls at which an arrival was refused. Late ticks of the opening (its one fill command can make
 the next tick start late) are counted apart from the measured minutes.
-With `--equal-seconds S`, then the mix's mean live calls for S seconds, each holding an equal share of the KV pages
-the mix held on average: the line "call_mix_equal", with the mix's tick p50 and p99 over its own
-(`mix_vs_equal_p50`, `_p99`). With `--worst-case N`, then N sessions at full context for `--worst-seconds`: the line
-"call_mix_worst_case".
+With `--equal-seconds S`, then the mix's mean live calls for S seconds, each holding an equal share of the KV frames
+the mix held on average (on average over the seconds measured: `equal_share_frames`): the line "call_mix_equal",
+with the mix's tick p50 and p99 over its own (`mix_vs_equal_p50`, `_p99`). With `--worst-case N`, then N sessions
+at full context for `--worst-seconds`: the line "call_mix_worst_case".
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from bench.fullsize import bench_model, gpu_memory_gb
 from model.engine import Engine, EngineConfig, EngineError, ResourceExhausted, SamplingParams, SessionParams, Slot
 
 PARAMS = SessionParams(persona="You are a helpful agent.", sampling=SamplingParams())
+SETTLE_TICKS = 12  # waited out after a fixed load's opening, before its measured seconds
 
 
 class Mix:
@@ -193,7 +194,7 @@ async def fixed_load(engine: Engine, sessions: int, context: int, seconds: float
     while engine.stats().kv_pages_free < engine.stats().kv_pages:  # the calls before returning their pages
         await asyncio.sleep(0.05)
     tasks, open_s = await mix.open_filled([(context, seconds + 600.0)] * sessions)
-    await mix.settle(12)
+    await mix.settle(SETTLE_TICKS)
     before = engine.stats()
     mix.ticks.clear()
     await asyncio.sleep(seconds)
@@ -209,12 +210,22 @@ async def fixed_load(engine: Engine, sessions: int, context: int, seconds: float
             "pool_pages_free": after.kv_pages_free}
 
 
+def equal_share_frames(mix: dict, sessions: int, seconds: float, tick_ms: float) -> int:
+    """The context each of `sessions` equal calls opens with so that over the `seconds` measured (after the settle's
+    ticks) it holds on average the frames a mix's call held: the mix's pages per call, less the half page a call's
+    last page holds unwritten on average, less the frames a call gains while settling and half of those it gains
+    while measured (opened at the share, the equal calls outgrew the pool the mix filled: at 250 calls on the H200
+    every one of them shrank its window in the 20 s measured)."""
+    held = mix["pool_occupancy_mean"] * mix["pool_pages"] * mix["page_frames"] / sessions - mix["page_frames"] / 2
+    growth = SETTLE_TICKS + seconds * 1000.0 / tick_ms / 2
+    return max(0, round(held - growth))
+
+
 async def equal_contexts(engine: Engine, mix: dict, seconds: float) -> dict:
     """The mix's mean live calls, each holding an equal share of the KV pages the mix held on average, for
     `seconds`: the tick the same KV costs without the mix's unequal contexts and arrivals (the issue's 1.05x)."""
     sessions = max(1, round(mix["sessions_mean"]))
-    held = mix["pool_occupancy_mean"] * mix["pool_pages"] * mix["page_frames"]
-    context = min(round(held / sessions), engine.model.config.context)
+    context = min(equal_share_frames(mix, sessions, seconds, engine.config.tick_ms), engine.model.config.context)
     line = {"bench": "call_mix_equal", **await fixed_load(engine, sessions, context, seconds)}
     for stat in ("p50", "p99"):
         line[f"mix_vs_equal_{stat}"] = round(mix[f"tick_ms_{stat}"] / max(line[f"tick_ms_{stat}"], 1e-9), 4)

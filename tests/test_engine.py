@@ -651,7 +651,8 @@ class SlowSource(QueueSource):
 
 async def test_a_ticks_time_and_its_prepare_phase_count_reading_the_inputs(make_engine):
     """Reading each session's frame is the tick's host work: its time and its "prepare" phase count it (they
-    began after the reads, leaving out ~1 ms at 250 sessions)."""
+    began after the reads, leaving out ~1 ms at 250 sessions), and so does prepare's part "prepare_inputs", apart
+    from its part "prepare_launch" (the runner's uploads and launches)."""
     engine = make_engine()
     slot, sink, records = engine.reserve(), Collector(), []
     engine.add_tick_listener(lambda record, _: records.append(record))
@@ -661,6 +662,9 @@ async def test_a_ticks_time_and_its_prepare_phase_count_reading_the_inputs(make_
     slot.close()
     read = [r for r in records if r.batch >= 1][1:]  # the first tick ran the session's first half, reading nothing
     assert read and all(r.ms >= 30.0 and r.host_ms["prepare"] >= 30.0 for r in read), read
+    for record in read:
+        host = record.host_ms
+        assert 30.0 <= host["prepare_inputs"] <= host["prepare"] - host["prepare_launch"], host
 
 
 async def test_tick_listeners_hear_each_tick_after_its_frames_with_the_next_deadline(make_engine):

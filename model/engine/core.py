@@ -51,7 +51,13 @@ from model.engine.prompt_cache import PromptCache
 from model.engine.runner import RowOutputs, Runner, make_current
 from model.engine.scheduler import Scheduler
 from model.engine.slots import ENDED, Session, Slot, SlotTable
-from model.engine.stats import FIRST_HALF_HOST_PHASE, HAND_OFF_HOST_PHASE, EngineCounters
+from model.engine.stats import (
+    FIRST_HALF_HOST_PHASE,
+    HAND_OFF_HOST_PHASE,
+    PREPARE_INPUTS_HOST_PHASE,
+    PREPARE_LAUNCH_HOST_PHASE,
+    EngineCounters,
+)
 from model.loading import PersonaPlex
 from model.prompts import PromptPlan, persona_tokens, plan_prompt
 from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
@@ -633,6 +639,7 @@ class Engine:
         t0 = time.perf_counter() - first_halves_s
         pending = [s for s in realtime if s.live and s.first_half_pending]
         live = pending + self._read_inputs([s for s in realtime if s.live and not s.first_half_pending])
+        inputs_read = time.perf_counter()
         if not live:
             with self.counters.lock:
                 self.counters.batch = 0
@@ -664,8 +671,10 @@ class Engine:
             session.first_half_pending = False
         end = time.perf_counter()
         elapsed = (end - t0) * 1000.0
-        launched, returned = runner.step_marks
-        host_ms = {"prepare": (launched - t0 - first_halves_s) * 1000.0, "deliver": (end - returned) * 1000.0}
+        entered, launched, returned = runner.step_marks
+        host_ms = {"prepare": (launched - t0 - first_halves_s) * 1000.0, "deliver": (end - returned) * 1000.0,
+                   PREPARE_INPUTS_HOST_PHASE: (inputs_read - t0 - first_halves_s) * 1000.0,
+                   PREPARE_LAUNCH_HOST_PHASE: (launched - entered) * 1000.0}
         if first_halves_s:
             host_ms[FIRST_HALF_HOST_PHASE] = first_halves_s * 1000.0
         return self.counters.record_tick(elapsed, n, started_late or elapsed > self.config.tick_ms, runner.parts_ms,
@@ -674,7 +683,7 @@ class Engine:
     def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The runner's step over rows [0, n), serving cached prompts' copies while it is in flight."""
         outputs = self.runner.run_batch(n, protected_rows, lambda launched: self._serve_in_flight(n, launched))
-        launched, returned = self.runner.step_marks
+        _, launched, returned = self.runner.step_marks
         self.scheduler.record_in_flight(n, returned - launched)
         return outputs
 

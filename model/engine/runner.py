@@ -114,7 +114,8 @@ class Runner:
         self._spare_step: BatchStep | None = None
         self._timer = PartTimer(self.device)
         self.parts_ms: dict[str, float] = {}  # the last batch step's device parts
-        self.step_marks = (0.0, 0.0)  # perf_counter when the last step was launched and when its outputs landed
+        # perf_counter when the last step began (pages, uploads), was launched, and when its outputs landed
+        self.step_marks = (0.0, 0.0, 0.0)
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def _stepping_lm(self) -> LM:
@@ -207,6 +208,7 @@ class Runner:
         sessions) keep their Mimi state. On CUDA, `while_in_flight(launched)` runs once the step is queued and
         before its outputs are waited for. Frames, emitted flags, audio of the rows and whether each row's audio is
         finite (on CUDA checked by the device), views of pinned memory the next step overwrites."""
+        entered = time.perf_counter()
         step = self.batch_step(n)
         self.pages.flush()
         saved = [(r, self.mimi_state.encoder.rows(slice(r, r + 1)).clone(),
@@ -234,7 +236,7 @@ class Runner:
             self._outputs_ready.synchronize()  # not the stream: work queued in flight waits behind the outputs
         returned = time.perf_counter()
         self.parts_ms = self._timer.parts_ms()
-        self.step_marks = (launched, returned)
+        self.step_marks = (entered, launched, returned)
         audio_host, finite = self._audio_host[:n].numpy(), self._finite_host[:n].numpy()
         if not cuda:  # numpy's check is ~10x torch's on the CPU
             finite[:] = np.isfinite(audio_host).all(axis=1)

@@ -25,6 +25,10 @@ FIRST_HALF_STEP_LABEL = "lead"
 FIRST_HALF_HOST_PHASE = "leads"
 # The tick listeners' time after a tick (in the engine process, encoding each worker's outputs).
 HAND_OFF_HOST_PHASE = "hand_off"
+# Two parts of "prepare": reading the sessions' input frames, and the runner's pages, uploads and launches (the rest
+# of "prepare" is the batch's flags and its pages' books).
+PREPARE_INPUTS_HOST_PHASE = "prepare_inputs"
+PREPARE_LAUNCH_HOST_PHASE = "prepare_launch"
 
 
 class EngineCounters:
