@@ -747,3 +747,101 @@ async def test_a_prompt_added_to_a_realtime_call_costs_the_caller_no_frame(make_
     assert [f.index for f in outputs] == list(range(len(outputs)))
     assert not sink.errors and slot.stats().underruns == 0
     assert len(outputs) - 5 >= ticks - 1     # one frame per tick since the prompt was asked for
+
+
+class ArrivingFrames:
+    """An engine process's feed, run by a tick listener (the engine thread, between ticks): each of its calls a
+    frame arrives, offered to the next tick (`Slot.offer`) and queued in the session's source where it is refused.
+    Its `double`-th call sends two (the second finds the first staged), the call after it one more (behind the
+    queued one); any other call finding a frame queued sends none, so the tick drains the queue."""
+
+    def __init__(self, frames: list[np.ndarray], source: QueueSource, double: int = 2):
+        self.frames, self.source, self.double = collections.deque(frames), source, double
+        self.slot = None
+        self.calls = 0
+        self.offers: list[tuple[bool, bool]] = []  # (staged, what the rules say: nothing queued, nothing staged)
+
+    def __call__(self, record, next_tick_at) -> None:
+        if self.slot is None or (self.source.frames_ready() > 0 and self.calls != self.double):
+            return
+        self.calls += 1
+        staged_now = False
+        for _ in range(2 if self.calls == self.double else 1):
+            if not self.frames:
+                return
+            frame = self.frames.popleft()
+            expected = self.source.frames_ready() == 0 and not staged_now
+            staged = self.slot.offer(frame)
+            self.offers.append((staged, expected))
+            staged_now |= staged
+            if not staged:
+                self.source.push(frame)
+
+
+async def test_frames_staged_as_they_arrive_step_in_order_as_queued_ones(make_engine):
+    """A realtime session fed as the engine process feeds it (frames offered to the next tick as they arrive
+    between ticks, queued where they cannot be staged) steps exactly what a session whose frames were all queued
+    steps: in order, none lost, no underrun. A frame is staged where none is queued before it and none is staged
+    yet, and only there."""
+    frames = speechlike(14, 2)
+    realtime = SessionParams(voice="NATF2", persona="Hello.", sampling=GREEDY)
+    _, queued = await run_session(make_engine(), realtime, frames, 12)
+
+    engine = make_engine()
+    slot, sink, source = engine.reserve(), Collector(), QueueSource(frames[:1])  # the first sent with the start
+    arriving = ArrivingFrames(frames[1:], source)
+    engine.add_tick_listener(arriving)
+    arriving.slot = slot
+    await slot.start(realtime, source, sink.on_output, sink.on_error)
+    outputs = await sink.wait_for(12)
+    stats = slot.stats()
+    slot.close()
+    assert [o.index for o in outputs] == list(range(12))
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(queued, outputs))
+    assert stats.underruns == 0 and stats.frames_in >= 11
+    assert all(staged == expected for staged, expected in arriving.offers), arriving.offers
+    assert sum(staged for staged, _ in arriving.offers) >= 6
+    assert arriving.offers[arriving.double - 1 : arriving.double + 2] == [(True, True), (False, False), (False, False)]
+
+
+async def test_a_frame_staged_for_a_closed_session_never_reaches_the_next_session_of_its_row(make_engine):
+    """A frame staged in a row whose session then closes, before any tick took it, is not the input of the next
+    session in that row: that session steps what it would step on a fresh engine. And a frame with non-finite
+    samples is never staged: queued, the tick refuses it and fails its session, as any."""
+    frames = speechlike(10, 4)
+    realtime = SessionParams(voice="NATM1", sampling=GREEDY)
+    _, fresh = await run_session(make_engine(), realtime, frames, 8)
+
+    engine = make_engine()
+    first, first_sink = engine.reserve(), Collector()
+    stale = speechlike(1, 9)[0]
+    closed = asyncio.get_running_loop().create_future()
+
+    def stage_then_close(record, next_tick_at) -> None:
+        if not closed.done() and first_sink.outputs and first.offer(stale):
+            first.close()
+            closed.get_loop().call_soon_threadsafe(closed.set_result, None)
+
+    engine.add_tick_listener(stage_then_close)
+    await first.start(realtime, QueueSource(), first_sink.on_output, first_sink.on_error)
+    await asyncio.wait_for(closed, 30)
+    second, sink = engine.reserve(), Collector()
+    assert second.index == first.index and not second.offer(stale)  # not live yet
+    await second.start(realtime, QueueSource(frames), sink.on_output, sink.on_error)
+    outputs = await sink.wait_for(8)
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(fresh, outputs))
+    assert second.stats().underruns == 0
+    second.close()
+
+    nan, nan_sink = engine.reserve(), Collector()
+    source = QueueSource()
+    await nan.start(realtime, source, nan_sink.on_output, nan_sink.on_error)
+    await nan_sink.wait_for(2)
+    frame = np.full(1920, np.nan, np.float32)
+    assert not nan.offer(frame)
+    source.push(frame)
+    deadline = time.monotonic() + 10
+    while not nan_sink.errors:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert "finite" in str(nan_sink.errors[0]) and nan.stats().state == "failed"

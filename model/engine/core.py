@@ -51,6 +51,7 @@ from model.engine.prompt_cache import PromptCache
 from model.engine.runner import RowOutputs, Runner, make_current
 from model.engine.scheduler import Scheduler
 from model.engine.slots import ENDED, Session, Slot, SlotTable
+from model.engine.staging import StagedInputs
 from model.engine.stats import (
     FIRST_HALF_HOST_PHASE,
     HAND_OFF_HOST_PHASE,
@@ -130,6 +131,7 @@ class Engine:
         self.prompts = PromptCache(self.config.prompt_cache_entries)
         self.counters = EngineCounters()
         self.runner.pages.on_window = self._window_changed
+        self.inputs = StagedInputs(self.runner.pcm_np)
         self._lock = self.slots.lock
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -293,6 +295,16 @@ class Engine:
         finally:
             self._pending.discard(done)
 
+    def offer_input(self, session: Session, frame: np.ndarray) -> bool:
+        """Stage a realtime session's next input frame in its row as it arrives (slots.SessionHost, staging.py):
+        True if the next tick will take it from there; False, and the caller queues it in the session's source."""
+
+        def admits() -> bool:
+            return (session.live and not session.offline and not session.first_half_pending
+                    and self.slots.holds(session) and session.source.frames_ready() == 0)
+
+        return self.inputs.offer(session.index, frame, admits)
+
     def release(self, session: Session) -> None:
         ended = session.state in ENDED
         if self.slots.move(session, "closed") and not ended:
@@ -415,6 +427,7 @@ class Engine:
             self.counters.open_ms = (work + spent(segment)) * 1000.0
         with self._lock:
             if self.slots.move(session, "live"):
+                self.inputs.discard(row)
                 session.out_index = 0
                 session.first_half_pending = not session.offline
                 self.counters.record_start(time.monotonic() - session.start_requested_at)
@@ -577,9 +590,14 @@ class Engine:
 
     def _read_inputs(self, sessions: list[Session]) -> list[Session]:
         """_read_input for a tick's sessions, with one finiteness check over their rows instead of one per frame
-        (250 checks of 1920 samples were ~0.4 ms of the tick's host time); the sessions that did not fail."""
-        read, copied = [], []
+        (250 checks of 1920 samples were ~0.4 ms of the tick's host time), a frame staged in its row as it arrived
+        only taken (staging.py); the sessions that did not fail."""
+        read, copied, take = [], [], self.inputs.take
         for session in sessions:
+            if take(session.index):  # staged as it arrived, its finiteness checked then
+                session.stats.frames_in += 1
+                read.append(session)
+                continue
             frame = self._copy_input(session)
             if frame is not None:
                 read.append(session)
@@ -638,31 +656,35 @@ class Engine:
         # 250 sessions on a 2-core CPU that the tick's time and its "prepare" left out).
         t0 = time.perf_counter() - first_halves_s
         pending = [s for s in realtime if s.live and s.first_half_pending]
-        live = pending + self._read_inputs([s for s in realtime if s.live and not s.first_half_pending])
-        inputs_read = time.perf_counter()
-        if not live:
-            with self.counters.lock:
-                self.counters.batch = 0
-            return None
-        n = bucket(max(s.index for s in live) + 1, self.max_sessions)
-        in_batch_first_halves = [s for s in live if s.first_half_pending]
-        runner.active_np[:n] = runner.takes_input_np[:n] = False
-        runner.active_np[[s.index for s in live]] = True
-        runner.takes_input_np[[s.index for s in live if not s.first_half_pending]] = True
-        offline_rows = [s.index for s in self.slots.live(offline=True) if s.index < n]
-        starved = set(runner.prepare_batch(n))
-        if starved:  # no page, and no context left to shrink: those sessions end, the others step
-            for session in live:
-                if session.index in starved:
-                    self._fail(session, SessionFailed("no KV page is free and no context can shrink", "kv_pages"))
-            live = [s for s in live if s.index not in starved]
+        self.inputs.hold()  # until the step's outputs, and so its upload of the input rows, have landed
         try:
-            frames, emitted, audio, finite = self._run_batch(n, offline_rows)
-        except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
-            log.exception("tick failed")
-            for session in live:
-                self._fail(session, SessionFailed(f"step failed: {exc}", "step"))
-            return None
+            live = pending + self._read_inputs([s for s in realtime if s.live and not s.first_half_pending])
+            inputs_read = time.perf_counter()
+            if not live:
+                with self.counters.lock:
+                    self.counters.batch = 0
+                return None
+            n = bucket(max(s.index for s in live) + 1, self.max_sessions)
+            in_batch_first_halves = [s for s in live if s.first_half_pending]
+            runner.active_np[:n] = runner.takes_input_np[:n] = False
+            runner.active_np[[s.index for s in live]] = True
+            runner.takes_input_np[[s.index for s in live if not s.first_half_pending]] = True
+            offline_rows = [s.index for s in self.slots.live(offline=True) if s.index < n]
+            starved = set(runner.prepare_batch(n))
+            if starved:  # no page, and no context left to shrink: those sessions end, the others step
+                for session in live:
+                    if session.index in starved:
+                        self._fail(session, SessionFailed("no KV page is free and no context can shrink", "kv_pages"))
+                live = [s for s in live if s.index not in starved]
+            try:
+                frames, emitted, audio, finite = self._run_batch(n, offline_rows)
+            except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
+                log.exception("tick failed")
+                for session in live:
+                    self._fail(session, SessionFailed(f"step failed: {exc}", "step"))
+                return None
+        finally:
+            self.inputs.release()
         # One copy of the tick's outputs (the pinned buffers are the next tick's), handed out as row views.
         self._hand_out(live, frames.copy(), emitted.tolist(), audio.copy(), finite.tolist())
         # Their encoder ran on no input this tick: it meets the first frame fresh.

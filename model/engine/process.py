@@ -139,7 +139,9 @@ class WorkerLink:
             for sid, audio in zip(message.sids, message.audio):
                 session = sessions.get(sid)
                 if session is not None:
-                    session.source.push(np.frombuffer(audio, dtype=np.float32))
+                    frame = np.frombuffer(audio, dtype=np.float32)
+                    if not session.slot.offer(frame):  # staged in its input row, off the tick's path
+                        session.source.push(frame)
         elif isinstance(message, Close):
             session = self.sessions.pop(message.sid, None)
             if session is not None:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from model.engine.api import (
     EngineError,
     FrameOutput,
@@ -126,6 +128,8 @@ class SessionHost(Protocol):
 
     async def add_prompt(self, session: Session, text: str, persona: str | None) -> None: ...
 
+    def offer_input(self, session: Session, frame: np.ndarray) -> bool: ...
+
     def release(self, session: Session) -> None: ...
 
 
@@ -162,6 +166,12 @@ class Slot:
         if self._session.params is None:
             raise EngineError("session not started", "invalid_state")
         await self._host.add_prompt(self._session, text, persona)
+
+    def offer(self, frame: np.ndarray) -> bool:
+        """Hand the session's next input frame straight to the next tick if it can take it from there (a realtime
+        session with no frame queued in its source, while no tick reads its inputs: model/engine/staging.py); False,
+        and the frame belongs in the session's source, behind any queued there."""
+        return self._host.offer_input(self._session, frame)
 
     def close(self) -> None:
         self._host.release(self._session)
