@@ -37,12 +37,17 @@ class StagedInputs:
         says the session may stage; False: the caller queues the frame as before. A frame of the wrong shape or
         with non-finite samples is never staged: queued, the tick refuses it as it refuses any."""
         data = np.asarray(frame, dtype=np.float32)
-        if data.shape != (FRAME_SAMPLES,) or not np.isfinite(data).all():
+        if data.shape != (FRAME_SAMPLES,):
             return False
         with self._lock:
+            # The cheap refusals first: a Frames message that meets a tick's reads costs the thread that receives
+            # it (and the tick, for the GIL) no check of its samples.
             if self._reading or self._staged[row] or not admits():
                 return False
-            self._rows[row] = data
+            target = self._rows[row]
+            target[:] = data
+            if not np.isfinite(target).all():  # the row is the tick's to overwrite: it reads this frame from the queue
+                return False
             self._staged[row] = True
         return True
 
