@@ -2,14 +2,17 @@
 
     python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
                                  [--loads 1x0 250x1650 144x3000] [--open-background 64] [--opens 5] [--fp8-kv]
-                                 [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16] [--over-channel] [--tiny]
+                                 [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16] [--over-channel]
+                                 [--compare-staging] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
 only the (sessions x context) pairs given. With `--over-channel` the sessions are a worker's, served over the engine
 process's channel (model/engine/process.py) on a Unix socket, as the server runs them: the tick's host phases then
 include `hand_off`, the listeners that encode each worker's outputs (the worker's side runs on this process's event
-loop, so it contends for the GIL where a real worker would not). One JSON line per measurement:
+loop, so it contends for the GIL where a real worker would not); with `--compare-staging` too, each load is
+measured with the engine process's input staging off, then on, on the same engine (`EngineConfig.stage_inputs`,
+model/engine/staging.py; the lines' `stage_inputs`). One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory, the fused
   helpers that fell back to eager (`fused_eager`, model/fused.py);
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
@@ -216,9 +219,11 @@ async def main_async(args: argparse.Namespace) -> None:
         for sessions, context in loads:
             if sessions > args.max_sessions:
                 continue
-            line = await measure_ticks(engine, sessions, context, args.ticks, worker)
-            print(json.dumps({**line, **mimi, "over_channel": args.over_channel, "fused_eager": fused.fallen_back()}),
-                  flush=True)
+            for staging in (False, True) if args.compare_staging else (engine.config.stage_inputs,):
+                engine.config.stage_inputs = staging
+                line = await measure_ticks(engine, sessions, context, args.ticks, worker)
+                print(json.dumps({**line, **mimi, "over_channel": args.over_channel, "stage_inputs": staging,
+                                  "fused_eager": fused.fallen_back()}), flush=True)
             if line["tick_ms_p99"] < 80.0:
                 best[context] = max(best.get(context, 0), sessions)
     for context in contexts:  # 0 where no session count measured stayed real time
@@ -261,8 +266,12 @@ def main() -> None:
                         help="the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)")
     parser.add_argument("--over-channel", action="store_true",
                         help="the sessions a worker's, over the engine process's channel (module docstring)")
+    parser.add_argument("--compare-staging", action="store_true",
+                        help="with --over-channel: each load with input staging off, then on (stage_inputs)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
+    if args.compare_staging and not args.over_channel:
+        raise SystemExit("engine_bench: --compare-staging compares the engine process's input path: add --over-channel")
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("engine_bench: the full 7B shape needs a CUDA GPU and none is visible; --tiny runs the "
                          "tiny checkpoint on the CPU")

@@ -845,3 +845,18 @@ async def test_a_frame_staged_for_a_closed_session_never_reaches_the_next_sessio
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
     assert "finite" in str(nan_sink.errors[0]) and nan.stats().state == "failed"
+
+
+async def test_an_engine_with_staging_off_queues_every_frame_it_is_offered(make_engine):
+    """EngineConfig.stage_inputs off: every offer is refused, so every frame queues and the tick copies it."""
+    frames = speechlike(8, 3)
+    engine = make_engine(stage_inputs=False)
+    slot, sink, source = engine.reserve(), Collector(), QueueSource(frames[:1])
+    arriving = ArrivingFrames(frames[1:], source)
+    engine.add_tick_listener(arriving)
+    arriving.slot = slot
+    await slot.start(SessionParams(voice="NATF2", sampling=GREEDY), source, sink.on_output, sink.on_error)
+    await sink.wait_for(6)
+    slot.close()
+    assert arriving.offers and not any(staged for staged, _ in arriving.offers)
+    assert slot.stats().underruns == 0

@@ -134,6 +134,10 @@ class EngineConfig:
     # one waits on a hand-off between threads, and they fight the server's own loops for the cores (a 2-core
     # machine: 4 tiny sessions tick in 45 ms on one thread, 96 on two; bench.engine_bench --tiny).
     cpu_threads: int | None = None
+    # An engine process writes each realtime session's input frame into its input row as it arrives between ticks
+    # (model/engine/staging.py), so the tick only takes it; off, every frame queues and the tick copies it. Read at
+    # every offer: a bench compares the two on one engine (bench.engine_bench --compare-staging).
+    stage_inputs: bool = True
 
 
 @dataclass

@@ -303,7 +303,7 @@ class Engine:
             return (session.live and not session.offline and not session.first_half_pending
                     and self.slots.holds(session) and session.source.frames_ready() == 0)
 
-        return self.inputs.offer(session.index, frame, admits)
+        return self.config.stage_inputs and self.inputs.offer(session.index, frame, admits)
 
     def release(self, session: Session) -> None:
         ended = session.state in ENDED
