@@ -12,7 +12,8 @@ KV writes, embeddings, the text head and sampling), the depformer, Mimi decode, 
 - `gflop`: the products' FLOPs (the temporal and depformer weights' 2 per weight per row, attention's 4 * dim per
   key and layer, Mimi's convolutions and products as torch's FLOP counter counts one row's step);
 - `ms`: its device time, the p50 of `--steps` graph replays timed by CUDA events (attention and the temporal rest
-  split by their kernels' share of the profiled step); the host's from an engine_bench line of the same load;
+  split by their kernels' share of the profiled step); the host's from an engine_bench line of the same load,
+  with its phases (`prepare_inputs_ms`, `prepare_launch_ms`, `deliver_ms`, and `hand_off_ms` over the channel);
 - `tb_s`, `tflop_s`: bytes and FLOPs over that time; `floor_ms`: the larger of bytes at `--peak-tbs` and FLOPs at
   the part's matrix peak (bf16, or TF32 for a float32 Mimi side); `x_floor`: ms over floor_ms;
 - `kernels`: launches per step, and `kernel_ms` their summed device time, profiled on the engine's own graph
@@ -161,11 +162,17 @@ def part_line(base: dict, part: str, ms: float, cost: tuple[float, float], peak_
     return line
 
 
-def host_ms(engine_lines: list[dict], sessions: int, context: int) -> float | None:
+HOST_PHASES = ("prepare_inputs", "prepare_launch", "deliver", "hand_off")
+
+
+def host_ms(engine_lines: list[dict], sessions: int, context: int) -> tuple[float | None, dict[str, float]]:
+    """The engine_bench line's host p50 for the load (its tick less its device parts), and its phases' p50s."""
     for line in engine_lines:
         if line.get("bench") == "engine_tick" and line["sessions"] == sessions and line["context_frames"] == context:
-            return line["host_ms_p50"]
-    return None
+            phases = {f"{phase}_ms": line[f"host_{phase}_ms_p50"] for phase in HOST_PHASES
+                      if f"host_{phase}_ms_p50" in line}
+            return line["host_ms_p50"], phases
+    return None, {}
 
 
 def measure_load(engine: Engine, sessions: int, context: int, args: argparse.Namespace,
@@ -222,9 +229,9 @@ def measure_load(engine: Engine, sessions: int, context: int, args: argparse.Nam
         peak = args.peak_bf16_tflops if dtype != torch.float32 else args.peak_tf32_tflops
         part_kernels = split.get(part, kernels.get(part) if kernels else None)
         lines.append(part_line(base, part, part_ms, costs[part], args.peak_tbs, peak, part_kernels))
-    host = host_ms(engine_lines, sessions, context)
+    host, phases = host_ms(engine_lines, sessions, context)
     if host is not None:
-        lines.append({**base, "part": "host", "ms": host, "bytes_gb": 0.0, "gflop": 0.0, "floor_ms": 0.0})
+        lines.append({**base, "part": "host", "ms": host, "bytes_gb": 0.0, "gflop": 0.0, "floor_ms": 0.0, **phases})
     device_ms = sum(ms.values())
     floor = sum(line["floor_ms"] for line in lines)
     lines.append({"bench": "roofline_tick", **{k: v for k, v in base.items() if k != "bench"},

@@ -60,6 +60,21 @@ def test_engine_bench_over_the_channel_times_the_hand_off_to_the_workers() -> No
         assert 0 <= tick["host_prepare_inputs_ms_p50"] <= tick["host_prepare_ms_p50"], tick
 
 
+def test_roofline_prints_each_part_and_the_hosts_phases_from_an_engine_bench_line(tmp_path) -> None:
+    engine = bench_lines("bench.engine_bench", "--loads", "2x0", "--ticks", "5", "--max-sessions", "2", "--opens", "0")
+    engine_json = tmp_path / "engine.jsonl"
+    engine_json.write_text("\n".join(json.dumps(line) for line in engine))
+    lines = bench_lines("bench.roofline", "--loads", "2x0", "--steps", "2", "--engine-json", str(engine_json))
+    parts = {line["part"]: line for line in lines if line["bench"] == "roofline"}
+    assert set(parts) == {"encode", "temporal_attention", "temporal_rest", "depformer", "decode", "host"}, parts
+    (tick,) = [line for line in engine if line["bench"] == "engine_tick"]
+    host = parts["host"]
+    assert host["ms"] == tick["host_ms_p50"] and host["deliver_ms"] == tick["host_deliver_ms_p50"], host
+    assert host["prepare_inputs_ms"] == tick["host_prepare_inputs_ms_p50"] and "hand_off_ms" not in host, host
+    (total,) = [line for line in lines if line["bench"] == "roofline_tick"]
+    assert total["host_ms"] == host["ms"] and total["tick_ms"] >= total["device_ms"] > 0, total
+
+
 def test_channel_cost_prints_each_messages_bytes_and_times() -> None:
     (line,) = bench_lines("bench.channel_cost", "--sessions", "4", "--runs", "3", tiny_flag=False)
     assert line["sessions"] == 4 and line["tick_bytes"] > 4 * 7680 and line["frames_bytes"] > 4 * 7680, line
