@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from model.config import FRAME_SAMPLES
-from model.engine.channel import HEADER, Counters, Frames, Output, Tick, ToEngine, ToWorker, encode
+from model.engine.channel import HEADER, Counters, Frames, Tick, ToEngine, ToWorker, encode
 
 CACHE_SWEEP_BYTES = 64 << 20
 
@@ -27,9 +27,10 @@ CACHE_SWEEP_BYTES = 64 << 20
 def tick_message(sessions: int, rng: np.random.Generator) -> Tick:
     audio = rng.standard_normal((sessions, FRAME_SAMPLES)).astype(np.float32)
     tokens = rng.integers(0, 2048, (sessions, 17), dtype=np.int64)
-    outputs = [Output(f"sid-{i:04d}", 100, audio[i].tobytes(), " word", tokens[i].tobytes()) for i in range(sessions)]
-    counters = [Counters(f"sid-{i:04d}", 100, 99, 0) for i in range(sessions)]
-    return Tick(time.monotonic(), outputs, counters)
+    sids = [f"sid-{i:04d}" for i in range(sessions)]
+    counters = [Counters(sid, 100, 99, 0) for sid in sids]
+    return Tick(time.monotonic(), sids, [100] * sessions, [" word"] * sessions, audio.tobytes(), tokens.tobytes(),
+                counters)
 
 
 def frames_message(sessions: int, rng: np.random.Generator) -> Frames:

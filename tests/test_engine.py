@@ -860,3 +860,61 @@ async def test_an_engine_with_staging_off_queues_every_frame_it_is_offered(make_
     slot.close()
     assert arriving.offers and not any(staged for staged, _ in arriving.offers)
     assert slot.stats().underruns == 0
+
+
+class RowsCollector:
+    """An output group's calls (the engine thread): each row copied out, as the tick's buffers are reused."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[list[str]] = []
+        self.frames: dict[str, list[FrameOutput]] = collections.defaultdict(list)
+        self.fail = fail
+
+    def __call__(self, rows) -> None:
+        if self.fail:
+            raise RuntimeError("group broke")
+        self.calls.append(list(rows.ids))
+        for sid, index, text, row in zip(rows.ids, rows.indices, rows.texts, rows.rows, strict=True):
+            self.frames[sid].append(FrameOutput(index, rows.audio[row].copy(), text, rows.frames[row].copy()))
+
+
+async def test_an_output_groups_sessions_get_their_frames_as_rows_once_a_tick(make_engine):
+    """Sessions started in an output group get no FrameOutput each: the group's call takes a tick's frames of all
+    of them at once, as rows of the tick's outputs, with what a session of its own gets (index, text, tokens)."""
+    frames = speechlike(12, 2)
+    params = SessionParams(voice="NATF2", persona="Hello.", sampling=GREEDY)
+    _, alone = await run_session(make_engine(), params, frames, 10)
+
+    engine = make_engine()
+    group = RowsCollector()
+    key = engine.add_output_group(group)
+    slots, sinks = [engine.reserve(), engine.reserve()], [Collector(), Collector()]
+    for slot, sink in zip(slots, sinks):
+        await slot.start(params, QueueSource(frames), sink.on_output, sink.on_error, output_group=key)
+    deadline = time.monotonic() + 30
+    while min(len(group.frames[slot.id]) for slot in slots) < 10:
+        assert time.monotonic() < deadline and not any(sink.errors for sink in sinks)
+        await asyncio.sleep(0.02)
+    for slot in slots:
+        slot.close()
+    assert not any(sink.outputs for sink in sinks)  # nothing per session
+    for slot in slots:
+        rows = group.frames[slot.id][:10]
+        assert [o.index for o in rows] == list(range(10)) and slot.stats().frames_out >= 10
+        assert all(np.array_equal(x.tokens, y.tokens) and x.text == y.text for x, y in zip(alone, rows))
+    assert any(call == [slots[0].id, slots[1].id] for call in group.calls)  # both in one call once both ticked
+
+
+async def test_an_output_group_that_raises_fails_its_sessions_and_no_other(make_engine):
+    engine = make_engine()
+    key = engine.add_output_group(RowsCollector(fail=True))
+    grouped, grouped_sink = engine.reserve(), Collector()
+    await grouped.start(SessionParams(sampling=GREEDY), QueueSource(speechlike(20, 1)), grouped_sink.on_output,
+                        grouped_sink.on_error, output_group=key)
+    other, other_sink = engine.reserve(), Collector()
+    await other.start(SessionParams(sampling=GREEDY), QueueSource(speechlike(20, 2)), other_sink.on_output,
+                      other_sink.on_error)
+    await other_sink.wait_for(5)
+    assert grouped_sink.errors and "group broke" in str(grouped_sink.errors[0])
+    assert grouped.stats().state == "failed" and other.stats().state == "live" and not other_sink.errors
+    other.close()

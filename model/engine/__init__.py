@@ -16,6 +16,7 @@ from model.engine.api import (
     FrameOutput,
     FrameSource,
     InvalidSessionParams,
+    OutputRows,
     ResourceExhausted,
     SamplingParams,
     SessionFailed,
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from model.engine.core import Engine
 
 __all__ = [
-    "Engine", "EngineConfig", "Slot", "SessionParams", "SamplingParams", "FrameOutput", "FrameSource", "EngineError",
+    "Engine", "EngineConfig", "Slot", "SessionParams", "SamplingParams", "FrameOutput", "OutputRows", "FrameSource",
+    "EngineError",
     "ResourceExhausted", "InvalidSessionParams", "SessionFailed", "EngineStats", "SlotStats", "TickRecord",
 ]
 

@@ -13,7 +13,7 @@ import numpy as np
 from model.sampling_params import SamplingParams
 
 __all__ = [
-    "SessionParams", "SamplingParams", "FrameOutput", "FrameSource", "EngineError", "ResourceExhausted",
+    "SessionParams", "SamplingParams", "FrameOutput", "OutputRows", "FrameSource", "EngineError", "ResourceExhausted",
     "InvalidSessionParams", "SessionFailed", "EngineConfig", "EngineStats", "SlotStats", "TickRecord",
 ]
 
@@ -62,6 +62,21 @@ class FrameOutput:
     audio: np.ndarray  # float32 [1920] at 24 kHz
     text: str  # this frame's text piece ("" for PAD/EPAD)
     tokens: np.ndarray  # int64 [17]: text, 8 agent codes, 8 user codes
+
+
+@dataclass
+class OutputRows:
+    """A realtime tick's frames for the sessions of one output group (`Engine.add_output_group`), in one call:
+    session `ids[k]`'s frame `indices[k]`, with text piece `texts[k]`, is row `rows[k]` of `frames` [B, 17] and
+    `audio` [B, 1920]. The arrays are the tick's own buffers, which the next tick overwrites: the group copies what
+    it keeps (np.take) before it returns."""
+
+    ids: list[str]
+    indices: list[int]
+    texts: list[str]
+    rows: list[int]
+    frames: np.ndarray
+    audio: np.ndarray
 
 
 class FrameSource(Protocol):

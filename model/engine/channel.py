@@ -99,14 +99,6 @@ class Reply(msgspec.Struct, tag=True):
     stats: Stats | None = None  # a StatsRequest's answer
 
 
-class Output(msgspec.Struct, array_like=True):
-    sid: str
-    index: int
-    audio: bytes  # float32, 1920 samples
-    text: str
-    tokens: bytes  # int64, 17
-
-
 class Counters(msgspec.Struct, array_like=True):
     sid: str
     frames_in: int
@@ -117,10 +109,17 @@ class Counters(msgspec.Struct, array_like=True):
 
 
 class Tick(msgspec.Struct, tag=True):
-    """One realtime tick's outputs for one worker (or, with `next_tick_at` 0, an input-clocked step's)."""
+    """One realtime tick's outputs for one worker (or, with `next_tick_at` 0, an input-clocked step's), by column:
+    session `sids[k]`'s frame `indices[k]` with text piece `texts[k]` is row k of `audio` and `tokens` (one block
+    each, not a struct and two byte strings per session: the engine thread builds this message on every frame's
+    path)."""
 
     next_tick_at: float
-    outputs: list[Output]
+    sids: list[str]
+    indices: list[int]
+    texts: list[str]
+    audio: bytes  # float32 [len(sids), 1920]
+    tokens: bytes  # int64 [len(sids), 17]
     counters: list[Counters]
     late_frames: int = 0  # this worker's input frames that reached the engine after their tick, since the last Tick
     late_by_s: float = 0.0  # how far after its tick the latest of those came (0: none late)

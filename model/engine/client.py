@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from model.config import FRAME_SAMPLES
 from model.engine import (
     EngineError,
     EngineStats,
@@ -343,11 +344,14 @@ class RemoteEngine:
             slot = slots.get(c.sid)
             if slot is not None:
                 slot.counters = c
-        for out in tick.outputs:
-            slot = slots.get(out.sid)
-            if slot is not None:
-                slot.deliver(FrameOutput(index=out.index, audio=np.frombuffer(out.audio, dtype=np.float32),
-                                         text=out.text, tokens=np.frombuffer(out.tokens, dtype=np.int64)))
+        if tick.sids:
+            rows = len(tick.sids)
+            audio = np.frombuffer(tick.audio, dtype=np.float32).reshape(rows, FRAME_SAMPLES)
+            tokens = np.frombuffer(tick.tokens, dtype=np.int64).reshape(rows, -1)
+            for k, sid in enumerate(tick.sids):
+                slot = slots.get(sid)
+                if slot is not None:  # each row its own copy: a frame kept holds no other session's block
+                    slot.deliver(FrameOutput(tick.indices[k], audio[k].copy(), tick.texts[k], tokens[k].copy()))
         if tick.next_tick_at:
             self._adapt_lead(tick.late_frames, tick.late_by_s)
             self._schedule_pump(tick.next_tick_at)

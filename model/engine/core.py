@@ -41,6 +41,7 @@ from model.engine.api import (
     EngineStats,
     FrameOutput,
     InvalidSessionParams,
+    OutputRows,
     ResourceExhausted,
     SessionFailed,
     SessionParams,
@@ -132,6 +133,8 @@ class Engine:
         self.counters = EngineCounters()
         self.runner.pages.on_window = self._window_changed
         self.inputs = StagedInputs(self.runner.pcm_np)
+        self._output_groups: dict[int, Callable[[OutputRows], None]] = {}
+        self._next_output_group = 0
         self._lock = self.slots.lock
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -294,6 +297,19 @@ class Engine:
             await future
         finally:
             self._pending.discard(done)
+
+    def add_output_group(self, deliver: Callable[[OutputRows], None]) -> int:
+        """A group of sessions (`Slot.start(output_group=...)`) whose realtime frames go to `deliver` once a tick,
+        on the engine thread, as rows of the tick's outputs: no FrameOutput or call per session (an engine process
+        hands each worker's frames on this way). Its key."""
+        key = self._next_output_group
+        self._next_output_group += 1
+        self._output_groups[key] = deliver
+        return key
+
+    def remove_output_group(self, key: int) -> None:
+        """The group's sessions' frames go nowhere from now on (they are closing)."""
+        self._output_groups.pop(key, None)
 
     def offer_input(self, session: Session, frame: np.ndarray) -> bool:
         """Stage a realtime session's next input frame in its row as it arrives (slots.SessionHost, staging.py):
@@ -685,8 +701,7 @@ class Engine:
                 return None
         finally:
             self.inputs.release()
-        # One copy of the tick's outputs (the pinned buffers are the next tick's), handed out as row views.
-        self._hand_out(live, frames.copy(), emitted.tolist(), audio.copy(), finite.tolist())
+        self._hand_out(live, frames, emitted.tolist(), audio, finite.tolist())
         # Their encoder ran on no input this tick: it meets the first frame fresh.
         for session in in_batch_first_halves:
             runner.reset_mimi_row(session.index, decoder=False)
@@ -746,28 +761,68 @@ class Engine:
             return
         with self._lock:
             if self.slots.holds(session) and session.live:
-                self._emit(session, frame, self.model.text_piece(int(frame[0])), audio)
+                text = self.model.text_piece(int(frame[0]))
+                if session.output_group is None:
+                    self._emit(session, frame, text, audio)
+                else:
+                    rows = OutputRows([session.id], [self._count_out(session)], [text], [0], frame[None], audio[None])
+                    self._deliver_rows(session.output_group, rows, [session])
 
     def _hand_out(self, sessions: list[Session], frames: np.ndarray, emitted: list[bool], audio: np.ndarray,
                   finite: list[bool]) -> None:
-        """_deliver for a tick's sessions (rows of its outputs), the lock taken once: per session it cost ~7 us on
-        the H200's host, 1.7 ms of a tick of 250."""
+        """A tick's frames (rows of its pinned outputs) to its sessions, the lock taken once: one FrameOutput per
+        session to its callback (per session it cost ~7 us on the H200's host, 1.7 ms of a tick of 250), or, for the
+        sessions of an output group, the group's rows to its call once."""
         texts, piece, holds = frames[:, 0].tolist(), self.model.text_piece, self.slots.holds
+        kept: tuple[np.ndarray, np.ndarray] | None = None
+        groups: dict[int, tuple[OutputRows, list[Session]]] = {}
         with self._lock:
             for session in sessions:
                 i = session.index
                 if not finite[i]:
                     self._fail(session, SessionFailed("the model produced non-finite audio", "non_finite_output"))
-                elif emitted[i] and holds(session) and session.live:
-                    self._emit(session, frames[i], piece(texts[i]), audio[i])
+                elif not (emitted[i] and holds(session) and session.live):
+                    continue
+                elif session.output_group is None:
+                    if kept is None:  # one copy of the outputs (the pinned buffers are the next tick's), as row views
+                        kept = frames.copy(), audio.copy()
+                    self._emit(session, kept[0][i], piece(texts[i]), kept[1][i])
+                else:
+                    group = groups.get(session.output_group)
+                    if group is None:
+                        group = groups[session.output_group] = OutputRows([], [], [], [], frames, audio), []
+                    rows, members = group
+                    rows.ids.append(session.id)
+                    rows.indices.append(self._count_out(session))
+                    rows.texts.append(piece(texts[i]))
+                    rows.rows.append(i)
+                    members.append(session)
+            for key, (rows, members) in groups.items():
+                self._deliver_rows(key, rows, members)
 
-    def _emit(self, session: Session, frame: np.ndarray, text: str, audio: np.ndarray) -> None:
-        """The session's next FrameOutput to its callback (engine thread, lock held, session live)."""
-        out = FrameOutput(session.out_index, audio, text, frame)
-        if session.out_index == 0:
+    def _deliver_rows(self, key: int, rows: OutputRows, members: list[Session]) -> None:
+        """An output group's rows to its call (engine thread, lock held); its sessions fail if it raises."""
+        deliver = self._output_groups.get(key)
+        try:
+            if deliver is not None:
+                deliver(rows)
+        except Exception as exc:
+            log.exception("output group failed")
+            for session in members:
+                self._fail(session, SessionFailed(f"output callback failed: {exc}", "output_callback"))
+
+    def _count_out(self, session: Session) -> int:
+        """The index of the session's next frame out, counted as out (engine thread, lock held)."""
+        index = session.out_index
+        if index == 0:
             self.counters.record_first_frame(time.monotonic() - session.start_requested_at)
         session.out_index += 1
         session.stats.frames_out += 1
+        return index
+
+    def _emit(self, session: Session, frame: np.ndarray, text: str, audio: np.ndarray) -> None:
+        """The session's next FrameOutput to its callback (engine thread, lock held, session live)."""
+        out = FrameOutput(self._count_out(session), audio, text, frame)
         try:
             session.on_output(out)
         except Exception as exc:

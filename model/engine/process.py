@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from model.engine import Engine, EngineError, FrameOutput, Slot
+from model.engine import Engine, EngineError, FrameOutput, OutputRows, Slot
 from model.engine.channel import (
     AddPrompt,
     Close,
@@ -30,7 +30,6 @@ from model.engine.channel import (
     Hello,
     MessageReader,
     ModelInfo,
-    Output,
     Reply,
     Reserve,
     Restart,
@@ -88,7 +87,9 @@ class WorkerLink:
         self.pid = 0
         self.counters: dict[str, dict[str, int]] = {}
         self.sessions: dict[str, HostSession] = {}
-        self.outbox: list[Output] = []  # engine thread only
+        # Engine thread only: this worker's realtime frames since the last Tick, blocks of rows (OutputRows taken).
+        self.outbox: list[tuple[list[str], list[int], list[str], np.ndarray, np.ndarray]] = []
+        self.output_group = host.engine.add_output_group(self._take_rows)
         self.closed = False
         self.late_frames = 0  # input frames that came after the tick they were meant for (in all)
         self._late_reported = 0
@@ -110,6 +111,7 @@ class WorkerLink:
         if self.closed:
             return
         self.closed = True
+        self.host.engine.remove_output_group(self.output_group)
         for session in list(self.sessions.values()):
             session.slot.close()
         self.sessions.clear()
@@ -178,7 +180,8 @@ class WorkerLink:
             params = message.params
             session.offline = params.pacing == "input"
             await session.slot.start(params, session.source, self._output_callback(session),
-                                     self._error_callback(session))
+                                     self._error_callback(session),
+                                     output_group=None if session.offline else self.output_group)
             return Reply(req=message.req, ok=True, sid=message.sid)
         if isinstance(message, Restart):
             await self._session(message.sid).slot.restart()
@@ -199,18 +202,23 @@ class WorkerLink:
     # ---- engine thread ----------------------------------------------------------------------------------------
 
     def _output_callback(self, session: HostSession):
+        """An input-clocked session's frames (stepped between ticks, as fast as its input comes): sent at once. A
+        realtime session's go through the link's output group (`_take_rows`)."""
         sid = session.slot.id
 
         def on_output(frame: FrameOutput) -> None:
-            output = Output(sid, frame.index, frame.audio.astype(np.float32, copy=False).tobytes(), frame.text,
-                            frame.tokens.astype(np.int64, copy=False).tobytes())
-            if session.offline:  # stepped between ticks, as fast as its input comes: sent at once
-                counters = [Counters(sid, *session.slot.counts())]
-                self.host.post(self, encode(Tick(0.0, [output], counters)))
-            else:
-                self.outbox.append(output)
+            counters = [Counters(sid, *session.slot.counts())]
+            self.host.post(self, encode(Tick(0.0, [sid], [frame.index], [frame.text],
+                                             frame.audio.astype(np.float32, copy=False).tobytes(),
+                                             frame.tokens.astype(np.int64, copy=False).tobytes(), counters)))
 
         return on_output
+
+    def _take_rows(self, rows: OutputRows) -> None:
+        """This worker's realtime frames of a tick (or a session's first half): copied out of the tick's buffers,
+        sent with the tick's Tick."""
+        self.outbox.append((rows.ids, rows.indices, rows.texts, rows.audio.take(rows.rows, axis=0),
+                            rows.frames.take(rows.rows, axis=0)))
 
     def _error_callback(self, session: HostSession):
         sid = session.slot.id
@@ -222,13 +230,23 @@ class WorkerLink:
 
     def flush_tick(self, next_tick_at: float) -> None:
         """After a tick: this worker's outputs and its realtime sessions' counters, in one message."""
-        outputs, self.outbox = self.outbox, []
+        blocks, self.outbox = self.outbox, []
         counters = [Counters(sid, *s.slot.counts()) for sid, s in list(self.sessions.items()) if not s.offline]
         total = self.late_frames
         late, self._late_reported = total - self._late_reported, total
         late_by, self._late_by = self._late_by, 0.0
-        if outputs or counters:
-            self.host.post(self, encode(Tick(next_tick_at, outputs, counters, late, late_by)))
+        if not (blocks or counters):
+            return
+        sids, indices, texts = [], [], []
+        for block_sids, block_indices, block_texts, _, _ in blocks:
+            sids += block_sids
+            indices += block_indices
+            texts += block_texts
+        # Each block's arrays as they are (msgspec writes a buffer's bytes): one copy, into the message.
+        audio = b"".join(memoryview(audio) for _, _, _, audio, _ in blocks)
+        tokens = b"".join(memoryview(tokens) for _, _, _, _, tokens in blocks)
+        self.host.post(self, encode(Tick(next_tick_at, sids, indices, texts, audio, tokens, counters, late,
+                                         late_by)))
 
 
 class EngineHost:

@@ -58,6 +58,7 @@ class Session:
     out_index: int = 0
     first_half_pending: bool = False  # a realtime session's first half is still to run, in or before its first tick
     start_requested_at: float = 0.0  # time.monotonic() of the last start's (or restart's) request
+    output_group: int | None = None  # its frames go to this group's call (Engine.add_output_group), not on_output
 
     @property
     def state(self) -> str:
@@ -143,13 +144,16 @@ class Slot:
         self.index = session.index
 
     async def start(self, params: SessionParams, source: FrameSource, on_output: Callable[[FrameOutput], None],
-                    on_error: Callable[[EngineError], None]) -> None:
-        """Validate, run the voice + persona prompt between ticks, and go live."""
+                    on_error: Callable[[EngineError], None], output_group: int | None = None) -> None:
+        """Validate, run the voice + persona prompt between ticks, and go live. With `output_group`, the session's
+        frames go to that group's call (`Engine.add_output_group`), a tick's with the group's other sessions', and
+        not to `on_output`."""
         self._host.validate(params)
         session = self._session
         if session.state != "reserved":
             raise EngineError(f"slot {self.id} is {session.state}, not reserved", "invalid_state")
         session.params, session.source, session.on_output, session.on_error = params, source, on_output, on_error
+        session.output_group = output_group
         seed = params.sampling.seed
         session.seed = seed if seed is not None else secrets.randbits(63)
         await self._host.start_session(session)
