@@ -66,10 +66,10 @@ class FrameOutput:
 
 @dataclass
 class OutputRows:
-    """A realtime tick's frames for the sessions of one output group (`Engine.add_output_group`), in one call:
-    session `ids[k]`'s frame `indices[k]`, with text piece `texts[k]`, is row `rows[k]` of `frames` [B, 17] and
-    `audio` [B, 1920]. The arrays are the tick's own buffers, which the next tick overwrites: the group copies what
-    it keeps (np.take) before it returns."""
+    """A tick's frames for the sessions of one output group (`Engine.add_output_group`) in one call, or one
+    session's frame between ticks as one row: session `ids[k]`'s frame `indices[k]`, with text piece `texts[k]`, is
+    row `rows[k]` of `frames` [B, 17] and `audio` [B, 1920]. A tick's arrays are its own buffers, which the next tick
+    overwrites: the group copies what it keeps (np.take) before it returns."""
 
     ids: list[str]
     indices: list[int]

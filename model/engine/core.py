@@ -299,9 +299,10 @@ class Engine:
             self._pending.discard(done)
 
     def add_output_group(self, deliver: Callable[[OutputRows], None]) -> int:
-        """A group of sessions (`Slot.start(output_group=...)`) whose realtime frames go to `deliver` once a tick,
-        on the engine thread, as rows of the tick's outputs: no FrameOutput or call per session (an engine process
-        hands each worker's frames on this way). Its key."""
+        """A group of sessions (`Slot.start(output_group=...)`) whose frames go to `deliver` on the engine thread,
+        a tick's in one call as rows of its outputs (a frame between ticks, a first half's or an input-clocked
+        step's, as one row): no FrameOutput or call per session (an engine process hands each worker's frames on
+        this way). Its key."""
         key = self._next_output_group
         self._next_output_group += 1
         self._output_groups[key] = deliver
