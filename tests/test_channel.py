@@ -67,6 +67,25 @@ async def test_a_session_over_the_channel_gives_the_tokens_of_one_in_the_engine(
         task.cancel()
 
 
+async def test_a_realtime_session_over_the_channel_stages_its_frames_and_gets_its_rows_as_its_own(served):
+    """Realtime over the channel, as the server runs: the worker's frames arrive before their tick and are staged
+    in their rows (the engine counts them), and the tick's frames come back by column, each row handed out as a
+    FrameOutput of its own (no view of the whole tick's block)."""
+    engine, _, path = served
+    client, task = await connect(path)
+    try:
+        slot, out = await client.reserve_wait(0.0), Collector()
+        await slot.start(SessionParams(voice="NATF2", sampling=GREEDY), QueueSource(speechlike(40, 3)),
+                         out.on_output, out.on_error)
+        outputs = await out.wait_for(12)
+        slot.close()
+        assert [o.index for o in outputs] == list(range(12))
+        assert all(o.audio.shape == (1920,) and o.audio.base is None and o.tokens.shape == (17,) for o in outputs)
+        assert engine.stats().input_frames_staged > 0
+    finally:
+        task.cancel()
+
+
 async def test_realtime_input_that_misses_its_tick_is_counted_and_the_lead_grows(served):
     """A worker whose frames land after their tick (here: sent 6 ms after each deadline) hears of it with the
     next tick, and how late they came, and sends that much earlier at once, with a step to spare, so its frames

@@ -801,6 +801,7 @@ async def test_frames_staged_as_they_arrive_step_in_order_as_queued_ones(make_en
     assert stats.underruns == 0 and stats.frames_in >= 11
     assert all(staged == expected for staged, expected in arriving.offers), arriving.offers
     assert sum(staged for staged, _ in arriving.offers) >= 6
+    assert engine.stats().input_frames_staged == sum(staged for staged, _ in arriving.offers)
     assert arriving.offers[arriving.double - 1 : arriving.double + 2] == [(True, True), (False, False), (False, False)]
 
 

@@ -279,6 +279,7 @@ async def test_http_routes(server):
         assert all(values[f'personaplex_engine_open_step_ms{{kind="{k}"}}'] > 0 for k in ("plan", "prefill", "lead"))
         assert all(values[f'personaplex_engine_host_ms{{phase="{p}"}}'] > 0 for p in ("prepare", "deliver"))
         assert values["personaplex_engine_gc_max_ms"] >= 0 and values["personaplex_engine_gc_collections_total"] >= 0
+        assert values["personaplex_engine_input_frames_staged_total"] >= 0
         assert values['personaplex_engine_session_start_ms{quantile="0.99",until="first_frame"}'] > 0
         assert values['personaplex_event_loop_lag_ms{process="main",quantile="0.99"}'] >= 0
         async with http.get(server.url + "/v1/realtime?duplex=0") as r:

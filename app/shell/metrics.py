@@ -185,6 +185,9 @@ class Metrics:
                "Garbage collections the engine thread ran between ticks.", [("", {}, s.gc_collections)])
         family("personaplex_engine_gc_max_ms", "gauge",
                "The longest of them (it holds the GIL: a tick's outputs wait for it).", [("", {}, s.gc_ms_max)])
+        family("personaplex_engine_input_frames_staged_total", "counter",
+               "Input frames the engine process wrote into their rows as they arrived, off the tick's path.",
+               [("", {}, s.input_frames_staged)])
         family("personaplex_engine_tick_last_ms", "gauge", "Duration of the last tick.", [("", {}, s.tick_ms)])
         family("personaplex_engine_tick_quantile_ms", "gauge", "Tick duration quantiles over a recent window.",
                [("", {"quantile": "0.5"}, s.tick_ms_p50), ("", {"quantile": "0.99"}, s.tick_ms_p99)])

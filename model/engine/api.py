@@ -221,6 +221,8 @@ class EngineStats:
     # of a tick's outputs to the workers wait for it.
     gc_collections: int = 0
     gc_ms_max: float = 0.0
+    # Input frames an engine process wrote into their rows as they arrived (staging.py), of all the ticks read.
+    input_frames_staged: int = 0
 
 
 def check_params(params: SessionParams, max_top_k_text: int, max_top_k_audio: int) -> None:

@@ -337,6 +337,7 @@ class Engine:
         stats = self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
                                        self.scheduler.step_seconds(), self.runner.pages.counts())
         stats.stalled_after_s = self.config.stalled_after_s
+        stats.input_frames_staged = self.inputs.staged
         return stats
 
     def recent_ticks(self, count: int) -> list[TickRecord]:

@@ -186,4 +186,5 @@ def total_stats(each: list[EngineStats]) -> EngineStats:
         kv_pages=added("kv_pages"), kv_pages_free=added("kv_pages_free"), kv_window_shrinks=added("kv_window_shrinks"),
         kv_window_grows=added("kv_window_grows"), kv_refused=added("kv_refused"),
         gc_collections=added("gc_collections"), gc_ms_max=max(s.gc_ms_max for s in each),
+        input_frames_staged=added("input_frames_staged"),
     )

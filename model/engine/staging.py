@@ -31,6 +31,7 @@ class StagedInputs:
         self._staged = np.zeros(len(rows), dtype=bool)
         self._lock = threading.Lock()
         self._reading = False
+        self.staged = 0  # frames staged since the engine started (its stats' input_frames_staged)
 
     def offer(self, row: int, frame: np.ndarray, admits: Callable[[], bool]) -> bool:
         """Write `frame` into `row` for the next tick if no tick is reading and `admits()` (checked under the lock)
@@ -49,6 +50,7 @@ class StagedInputs:
             if not np.isfinite(target).all():  # the row is the tick's to overwrite: it reads this frame from the queue
                 return False
             self._staged[row] = True
+            self.staged += 1
         return True
 
     def hold(self) -> None:
