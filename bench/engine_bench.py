@@ -13,8 +13,9 @@ include `hand_off`, the listeners that encode each worker's outputs (the worker'
 loop, so it contends for the GIL where a real worker would not); with `--compare-staging` too, each load is
 measured with the engine process's input staging off, then on, on the same engine (`EngineConfig.stage_inputs`,
 model/engine/staging.py; the lines' `stage_inputs`). One JSON line per measurement:
-- "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, GPU memory, the fused
-  helpers that fell back to eager (`fused_eager`, model/fused.py);
+- "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, input frames staged as
+  they arrived (over the channel), GPU memory, the fused helpers that fell back to eager (`fused_eager`,
+  model/fused.py);
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
 - "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick: until the
   open returned, and until the session's first frame came out.
@@ -112,7 +113,8 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
     p50, p99 = percentiles(totals)
     line = {"bench": "engine_tick", "sessions": sessions, "context_frames": context, "batch": after.batch,
             "tick_ms_p50": p50, "tick_ms_p99": p99, "late_ticks": after.late_ticks - before.late_ticks,
-            "ticks": after.ticks - before.ticks}
+            "ticks": after.ticks - before.ticks,
+            "input_frames_staged": after.input_frames_staged - before.input_frames_staged}
     for name, values in parts.items():
         line[f"{name}_ms_p50"], line[f"{name}_ms_p99"] = percentiles(values)
     return {**line, **gpu_memory_gb()}

@@ -54,6 +54,7 @@ def test_engine_bench_over_the_channel_times_the_hand_off_to_the_workers() -> No
                                           "2", "--opens", "0", "--over-channel", "--compare-staging")
              if line["bench"] == "engine_tick"]
     assert [tick["stage_inputs"] for tick in ticks] == [False, True], ticks
+    assert ticks[0]["input_frames_staged"] == 0 and ticks[1]["input_frames_staged"] > 0, ticks
     for tick in ticks:
         assert tick["over_channel"] and tick["ticks"] >= 5 and tick["batch"] == 2, tick
         assert tick["host_hand_off_ms_p99"] >= tick["host_hand_off_ms_p50"] > 0 < tick["host_deliver_ms_p50"], tick
