@@ -217,18 +217,22 @@ def equal_share_frames(mix: dict, sessions: int, seconds: float, tick_ms: float)
     Equal calls all grow at once, where the mix's calls end and free pages: opened at the mix's share, 248 of 248
     calls shrank their windows at 250 on the H200; opened below it by their mean growth, 103 still did."""
     share = mix["pool_occupancy_mean"] * mix["pool_pages"] * mix["page_frames"] / sessions - mix["page_frames"] / 2
-    measured = seconds * 1000.0 / tick_ms
-    fits = mix["pool_pages"] // sessions * mix["page_frames"] - SETTLE_TICKS - measured
-    return max(0, round(min(share - SETTLE_TICKS - measured / 2, fits)))
+    fits = mix["pool_pages"] // sessions * mix["page_frames"] - SETTLE_TICKS - seconds * 1000.0 / tick_ms
+    return max(0, round(min(share - mean_growth_frames(seconds, tick_ms), fits)))
+
+
+def mean_growth_frames(seconds: float, tick_ms: float) -> float:
+    """The frames a fixed load's call gains from its opening to the middle of its `seconds` measured."""
+    return SETTLE_TICKS + seconds * 1000.0 / tick_ms / 2
 
 
 async def equal_contexts(engine: Engine, mix: dict, seconds: float) -> dict:
-    """The mix's mean live calls, each holding an equal share of the KV pages the mix held on average, for
+    """The mix's mean live calls, each holding an equal share of the KV frames the mix held on average, for
     `seconds`: the tick the same KV costs without the mix's unequal contexts and arrivals (the issue's 1.05x)."""
-    sessions = max(1, round(mix["sessions_mean"]))
-    context = min(equal_share_frames(mix, sessions, seconds, engine.config.tick_ms), engine.model.config.context)
+    sessions, tick_ms = max(1, round(mix["sessions_mean"])), engine.config.tick_ms
+    context = min(equal_share_frames(mix, sessions, seconds, tick_ms), engine.model.config.context)
     line = {"bench": "call_mix_equal", **await fixed_load(engine, sessions, context, seconds),
-            "context_frames_mean": round(context + SETTLE_TICKS + seconds * 1000.0 / engine.config.tick_ms / 2)}
+            "context_frames_mean": round(context + mean_growth_frames(seconds, tick_ms))}
     for stat in ("p50", "p99"):
         line[f"mix_vs_equal_{stat}"] = round(mix[f"tick_ms_{stat}"] / max(line[f"tick_ms_{stat}"], 1e-9), 4)
     return line

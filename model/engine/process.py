@@ -243,8 +243,8 @@ class WorkerLink:
             indices += block_indices
             texts += block_texts
         # Each block's arrays as they are (msgspec writes a buffer's bytes): one copy, into the message.
-        audio = b"".join(memoryview(audio) for _, _, _, audio, _ in blocks)
-        tokens = b"".join(memoryview(tokens) for _, _, _, _, tokens in blocks)
+        audio = b"".join(memoryview(block[3]) for block in blocks)
+        tokens = b"".join(memoryview(block[4]) for block in blocks)
         self.host.post(self, encode(Tick(next_tick_at, sids, indices, texts, audio, tokens, counters, late,
                                          late_by)))
 
