@@ -9,8 +9,8 @@ Full 7B shape with random bf16 weights. Sessions are real engine sessions (realt
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
 only the (sessions x context) pairs given. With `--over-channel` the sessions are a worker's, served over the engine
 process's channel (model/engine/process.py) on a Unix socket, as the server runs them: the tick's host phases then
-include `hand_off`, the listeners that encode each worker's outputs (the worker's side runs on this process's event
-loop, so it contends for the GIL where a real worker would not); with `--compare-staging` too, each load is
+include `hand_off`, the listeners that encode each worker's outputs (the worker is a process of its own,
+bench/channel_worker.py, as in the server); with `--compare-staging` too, each load is
 measured with the engine process's input staging off, then on, on the same engine (`EngineConfig.stage_inputs`,
 model/engine/staging.py; the lines' `stage_inputs`). One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, input frames staged as
@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import random
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -38,25 +39,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.channel_worker import EndlessSource
 from bench.fullsize import bench_model, gpu_memory_gb, persona, voice_wav
 from model import fused
 from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
-from model.engine.client import RemoteEngine, RemoteSlot
 from model.engine.process import EngineHost
 from model.loading import PersonaPlex
 
-
-class EndlessSource:
-    """A client that always has its next frame ready."""
-
-    def __init__(self, seed: int):
-        self.frame = (0.1 * np.random.default_rng(seed).standard_normal(1920)).astype(np.float32)
-
-    def read_frame(self) -> np.ndarray:
-        return self.frame
-
-    def frames_ready(self) -> int:
-        return 1
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def drop(_: FrameOutput) -> None:
@@ -67,15 +57,37 @@ def fail(error) -> None:
     raise SystemExit(f"session failed: {error}")
 
 
-async def open_sessions(engine: Engine, count: int, params: SessionParams,
-                        worker: RemoteEngine | None = None) -> list[Slot | RemoteSlot]:
-    """`count` sessions on the engine, or through `worker`'s channel to it."""
-    slots: list[Slot | RemoteSlot] = []
+async def open_sessions(engine: Engine, count: int, params: SessionParams) -> list[Slot]:
+    slots: list[Slot] = []
     for i in range(count):
-        slot = engine.reserve() if worker is None else await worker.reserve_wait(0.0)
+        slot = engine.reserve()
         await slot.start(params, EndlessSource(i), drop, fail)
         slots.append(slot)
     return slots
+
+
+class WorkerProcess:
+    """A worker process's sessions on the engine's channel (bench/channel_worker.py), as a server's worker holds
+    them."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    async def command(self, line: str) -> list[str]:
+        self.proc.stdin.write(f"{line}\n".encode())
+        await self.proc.stdin.drain()
+        answer = (await self.proc.stdout.readline()).decode().split()
+        if not answer:
+            raise SystemExit(f"engine_bench: the worker process ended at {line!r} (exit {await self.proc.wait()})")
+        return answer
+
+    async def open(self, count: int) -> None:
+        await self.command(f"open {count}")
+
+    async def close(self) -> None:
+        _, failed = await self.command("close")
+        if int(failed):
+            raise SystemExit(f"engine_bench: {failed} of the worker's sessions failed")
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -83,9 +95,12 @@ def percentiles(values: list[float]) -> tuple[float, float]:
 
 
 async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
-                        worker: RemoteEngine | None = None) -> dict:
-    params = SessionParams(sampling=SamplingParams())
-    slots = await open_sessions(engine, sessions, params, worker)
+                        worker: WorkerProcess | None = None) -> dict:
+    if worker is None:
+        slots = await open_sessions(engine, sessions, SessionParams(sampling=SamplingParams()))
+    else:
+        slots = []
+        await worker.open(sessions)
     await engine.submit(lambda: engine.fill_context(slice(0, sessions), context))
     await asyncio.sleep(1.0)  # settle
     before = engine.stats()
@@ -100,6 +115,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
     for slot in slots:
         slot.close()
     if worker is not None:
+        await worker.close()
         await asyncio.sleep(0.2)  # a worker's closes reach the engine
     totals = [record.ms for record in records]
     parts: dict[str, list[float]] = {}
@@ -181,25 +197,26 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
 
 
 @contextlib.asynccontextmanager
-async def served_worker(engine: Engine, model: PersonaPlex) -> AsyncIterator[RemoteEngine]:
-    """The engine served on its channel, as the engine process serves it, and one worker's client of it."""
+async def served_worker(engine: Engine, model: PersonaPlex) -> AsyncIterator[WorkerProcess]:
+    """The engine served on its channel, as the engine process serves it, and a worker process on it."""
     with tempfile.TemporaryDirectory() as folder:
         path = str(Path(folder) / "engine.sock")
         host = EngineHost(engine, model.info(), path)
         started = asyncio.Event()
         serving = asyncio.ensure_future(host.serve(started))
         await started.wait()
-        worker = RemoteEngine(path, worker=0)
-        running = asyncio.ensure_future(worker.run())
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.channel_worker", path,
+                                                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                    cwd=ROOT)
         try:
-            if not await worker.wait_connected(10.0):
-                raise SystemExit("engine_bench: the worker's client did not connect to the engine's channel")
-            yield worker
+            yield WorkerProcess(proc)
         finally:
-            for task in (running, serving):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
 
 
 async def main_async(args: argparse.Namespace) -> None:
