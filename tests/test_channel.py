@@ -116,3 +116,33 @@ async def test_realtime_input_that_misses_its_tick_is_counted_and_the_lead_grows
         slot.close()
     finally:
         task.cancel()
+
+
+async def test_a_session_the_engine_fails_leaves_its_link_and_the_other_goes_on(served):
+    """A session that the engine fails (here: a frame of NaN) is forgotten by its worker, which sends no Close
+    for it: its link forgets it too, so no later tick counts it, and its slot closes; the worker's other session
+    is not disturbed. (The link kept it until the worker went away, its counters in every tick's message.)"""
+    engine, host, path = served
+    client, task = await connect(path)
+    try:
+        params = SessionParams(voice="NATF2", sampling=GREEDY)
+        bad, bad_out = await client.reserve_wait(0.0), Collector()
+        good, good_out = await client.reserve_wait(0.0), Collector()
+        bad_source = QueueSource(speechlike(3, 5))
+        await bad.start(params, bad_source, bad_out.on_output, bad_out.on_error)
+        await good.start(params, QueueSource(speechlike(60, 6)), good_out.on_output, good_out.on_error)
+        link = next(iter(host.links))
+        await bad_out.wait_for(2)
+        bad_source.push(np.full(1920, np.nan, dtype=np.float32))
+        deadline = time.monotonic() + 10
+        while bad.id in link.sessions or not bad_out.errors:
+            assert time.monotonic() < deadline, (list(link.sessions), bad_out.errors)
+            await asyncio.sleep(0.02)
+        assert "finite" in bad_out.errors[0].message and bad.state == "failed"
+        assert set(link.sessions) == {good.id} and engine.sessions_in_use() == 1
+        before = len(good_out.outputs)
+        await good_out.wait_for(before + 3)
+        assert not good_out.errors and good.stats().frames_out >= before + 3
+        good.close()
+    finally:
+        task.cancel()

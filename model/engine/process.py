@@ -107,6 +107,14 @@ class WorkerLink:
             return
         self.writer.write(data)
 
+    def forget(self, sid: str, failed: bytes) -> None:
+        """A session the engine failed: its worker forgets it as it reads `failed` (its Failed message) and sends
+        no Close, so this link forgets it here, and no later tick counts it."""
+        session = self.sessions.pop(sid, None)
+        if session is not None:
+            session.slot.close()
+        self.send(failed)
+
     def drop(self) -> None:
         if self.closed:
             return
@@ -224,7 +232,7 @@ class WorkerLink:
         sid = session.slot.id
 
         def on_error(error: EngineError) -> None:
-            self.host.post(self, encode(Failed(sid, error.code, error.message, error.cause)))
+            self.host.post_failure(self, sid, encode(Failed(sid, error.code, error.message, error.cause)))
 
         return on_error
 
@@ -274,6 +282,11 @@ class EngineHost:
         """From the engine thread: have the asyncio thread write `data` to `link`."""
         if self._loop is not None and not link.closed:
             self._loop.call_soon_threadsafe(link.send, data)
+
+    def post_failure(self, link: WorkerLink, sid: str, failed: bytes) -> None:
+        """From the engine thread: `link`'s session `sid` failed; the asyncio thread forgets it and sends `failed`."""
+        if self._loop is not None and not link.closed:
+            self._loop.call_soon_threadsafe(link.forget, sid, failed)
 
     def remove_link(self, link: WorkerLink) -> None:
         with self._links_lock:
