@@ -35,9 +35,11 @@ def tick_message(sessions: int, rng: np.random.Generator) -> Tick:
                 tokens=tokens.tobytes(), counters=counters, audio=memoryview(audio.tobytes()))
 
 
-def frames_message(sessions: int, rng: np.random.Generator) -> Frames:
-    audio = rng.standard_normal((sessions, FRAME_SAMPLES)).astype(np.float32)
-    return Frames([f"sid-{i:04d}" for i in range(sessions)], [row.tobytes() for row in audio], time.monotonic())
+def frames_message(sessions: int, rng: np.random.Generator) -> tuple[Frames, list[bytes]]:
+    """A worker's Frames as it sends them: the message, then each session's frame as its tail."""
+    rows = [row.tobytes() for row in rng.standard_normal((sessions, FRAME_SAMPLES)).astype(np.float32)]
+    return Frames(sids=[f"sid-{i:04d}" for i in range(sessions)], deadline=time.monotonic(),
+                  audio=tail(sessions * FRAME_SAMPLES * 4)), rows
 
 
 def cold_ms(run: Callable[[], object], runs: int, sweep: np.ndarray) -> float:
@@ -58,12 +60,14 @@ def joined(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
 
 def measure(sessions: int, runs: int, sweep: np.ndarray) -> dict:
     rng = np.random.default_rng(sessions)
-    tick, frames = tick_message(sessions, rng), frames_message(sessions, rng)
+    tick, (frames, frame_rows) = tick_message(sessions, rng), frames_message(sessions, rng)
+    frames_bytes = len(frame_rows) * FRAME_SAMPLES * 4
     encoder = msgspec.msgpack.Encoder()
     to_worker, to_engine = msgspec.msgpack.Decoder(ToWorker), msgspec.msgpack.Decoder(ToEngine)
     audio_bytes = tick.audio.nbytes
     with_tail = msgspec.structs.replace(tick, audio=tail(audio_bytes))
-    tick_framed, frames_framed = encode(with_tail, audio_bytes) + tick.audio, encode(frames)
+    tick_framed = encode(with_tail, audio_bytes) + tick.audio
+    frames_framed = encode(frames, frames_bytes) + b"".join(frame_rows)
     tick_body, frames_body = bytes(tick_framed[HEADER.size:]), bytes(frames_framed[HEADER.size:])
     # The same message whichever way the audio goes (as the tail, its bin header is always bin 32's).
     assert to_worker.decode(tick_body) == to_worker.decode(joined(tick, encoder)[HEADER.size:])
@@ -74,7 +78,7 @@ def measure(sessions: int, runs: int, sweep: np.ndarray) -> dict:
         "tick_encode_inline_ms": cold_ms(lambda: encode(tick), runs, sweep),
         "tick_encode_joined_ms": cold_ms(lambda: joined(tick, encoder), runs, sweep),
         "tick_decode_ms": cold_ms(lambda: to_worker.decode(tick_body), runs, sweep),
-        "frames_encode_ms": cold_ms(lambda: encode(frames), runs, sweep),
+        "frames_encode_ms": cold_ms(lambda: encode(frames, frames_bytes), runs, sweep),
         "frames_decode_ms": cold_ms(lambda: to_engine.decode(frames_body), runs, sweep),
     }
 

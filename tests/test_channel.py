@@ -13,6 +13,7 @@ import pytest
 from test_engine import GREEDY, Collector, QueueSource, speechlike, tiny_model  # noqa: F401 (fixture)
 
 from model.engine import Engine, EngineConfig, SessionParams
+from model.engine.channel import Frames, encode
 from model.engine.client import LEAD_STEP_S, RemoteEngine
 from model.engine.process import EngineHost
 
@@ -118,10 +119,13 @@ async def test_realtime_input_that_misses_its_tick_is_counted_and_the_lead_grows
         task.cancel()
 
 
-async def test_a_session_the_engine_fails_leaves_its_link_and_the_other_goes_on(served):
-    """A session that the engine fails (here: a frame of NaN) is forgotten by its worker, which sends no Close
-    for it: its link forgets it too, so no later tick counts it, and its slot closes; the worker's other session
-    is not disturbed. (The link kept it until the worker went away, its counters in every tick's message.)"""
+@pytest.mark.parametrize("bad_frame", [np.full(1920, np.nan, dtype=np.float32), np.zeros(1000, dtype=np.float32)],
+                         ids=["nan", "short"])
+async def test_a_session_that_fails_on_its_input_leaves_its_link_and_the_other_goes_on(served, bad_frame):
+    """A frame of NaN fails its session in the engine; a frame of the wrong length, in the worker (frames cross as
+    one block, so none may be short), with the engine's own message. Either way the session leaves its link (the
+    engine's failure: its worker forgets it and sends no Close, and the link kept it, its counters in every tick's
+    message, until the worker went away) and its slot is free; the worker's other session is not disturbed."""
     engine, host, path = served
     client, task = await connect(path)
     try:
@@ -133,16 +137,41 @@ async def test_a_session_the_engine_fails_leaves_its_link_and_the_other_goes_on(
         await good.start(params, QueueSource(speechlike(60, 6)), good_out.on_output, good_out.on_error)
         link = next(iter(host.links))
         await bad_out.wait_for(2)
-        bad_source.push(np.full(1920, np.nan, dtype=np.float32))
+        bad_source.push(bad_frame)
         deadline = time.monotonic() + 10
-        while bad.id in link.sessions or not bad_out.errors:
+        while bad.id in link.sessions or not bad_out.errors or engine.sessions_in_use() > 1:
             assert time.monotonic() < deadline, (list(link.sessions), bad_out.errors)
             await asyncio.sleep(0.02)
-        assert "finite" in bad_out.errors[0].message and bad.state == "failed"
-        assert set(link.sessions) == {good.id} and engine.sessions_in_use() == 1
+        assert "must be 1920 finite samples" in bad_out.errors[0].message and bad.state == "failed"
+        assert set(link.sessions) == {good.id}
         before = len(good_out.outputs)
         await good_out.wait_for(before + 3)
         assert not good_out.errors and good.stats().frames_out >= before + 3
         good.close()
+    finally:
+        task.cancel()
+
+
+async def test_a_worker_whose_frames_do_not_match_their_sessions_is_dropped_and_no_other_notices(served):
+    """A Frames message whose audio block is not one frame per listed session is a broken worker: its link is
+    dropped (the engine closes its connection) and another worker's session goes on."""
+    engine, host, path = served
+    client, task = await connect(path)
+    try:
+        good, good_out = await client.reserve_wait(0.0), Collector()
+        await good.start(SessionParams(voice="NATF2", sampling=GREEDY), QueueSource(speechlike(60, 7)),
+                         good_out.on_output, good_out.on_error)
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(encode(Frames(sids=["slot-nobody", "slot-nobody-else"], audio=memoryview(bytes(7680)))))
+        await writer.drain()
+        deadline = time.monotonic() + 10
+        while await asyncio.wait_for(reader.read(1 << 16), timeout=deadline - time.monotonic()):
+            pass  # the Welcome, then the end of the stream
+        assert len(host.links) == 1
+        before = len(good_out.outputs)
+        await good_out.wait_for(before + 3)
+        assert not good_out.errors
+        good.close()
+        writer.close()
     finally:
         task.cancel()

@@ -67,13 +67,16 @@ class Close(msgspec.Struct, tag=True):
     sid: str
 
 
-class Frames(msgspec.Struct, tag=True):
-    """Input frames, one per listed session: float32 bytes of 1920 samples at 24 kHz; `deadline` is the tick they
-    are meant for (time.monotonic(), 0 for input-clocked frames)."""
+class Frames(msgspec.Struct, tag=True, kw_only=True):
+    """Input frames, one per listed session: row k of `audio` (1920 float32 samples at 24 kHz) is session
+    `sids[k]`'s; `deadline` is the tick they are meant for (time.monotonic(), 0 for input-clocked frames). `audio`
+    is the message's tail (`encode`): each frame goes out as its session gave it, and the engine process reads the
+    rows where they landed (a bytes object per frame, and a copy into the message, were ~0.6 ms a tick of 250 on
+    the two ends, `bench.channel_cost`)."""
 
     sids: list[str]
-    audio: list[bytes]
     deadline: float = 0.0
+    audio: memoryview  # float32 [len(sids), 1920]; last, as a tail must be
 
 
 class StatsRequest(msgspec.Struct, tag=True):

@@ -61,11 +61,13 @@ from model.engine.channel import (
     WorkerCounters,
     WorkerInfo,
     encode,
+    tail,
 )
 from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
 
 log = logging.getLogger(__name__)
 
+FRAME_BYTES = FRAME_SAMPLES * 4  # float32
 OFFLINE_CREDIT = 4      # input-clocked frames sent ahead of the engine's consumption
 OFFLINE_POLL_S = 0.01   # how often input-clocked sources are checked for new frames
 TICK_S = 0.08
@@ -159,8 +161,14 @@ class RemoteSlot:
         frame = self.source.read_frame()
         if frame is None:
             return None
+        data = np.asarray(frame, dtype=np.float32)
+        if data.shape != (FRAME_SAMPLES,):  # as the engine refuses it; here, as frames cross in one block
+            self._engine.forget(self, tell_engine=True)
+            self.fail(SessionFailed(f"input failed: the input frame must be {FRAME_SAMPLES} finite samples",
+                                    "input"))
+            return None
         self.sent += 1
-        return np.asarray(frame, dtype=np.float32).tobytes()
+        return data.tobytes()
 
 
 class RemoteEngine:
@@ -395,8 +403,7 @@ class RemoteEngine:
                 if data is not None:
                     sids.append(slot.id)
                     audio.append(data)
-        if sids and self._writer is not None:
-            self._writer.write(encode(Frames(sids, audio, self._next_tick_at)))
+        self._send_frames(sids, audio, self._next_tick_at)
         if self._writer is not None:
             self._schedule_pump(self._next_tick_at + TICK_S)
 
@@ -407,8 +414,13 @@ class RemoteEngine:
                 while (data := slot.next_frame()) is not None:
                     sids.append(slot.id)
                     audio.append(data)
+        self._send_frames(sids, audio, 0.0)
+
+    def _send_frames(self, sids: list[str], audio: list[bytes], deadline: float) -> None:
+        """One Frames message: its frames, in the order of `sids`, are its tail."""
         if sids and self._writer is not None:
-            self._writer.write(encode(Frames(sids, audio)))
+            size = len(audio) * FRAME_BYTES
+            self._writer.writelines([encode(Frames(sids=sids, deadline=deadline, audio=tail(size)), size), *audio])
 
     async def _offline_pump(self) -> None:
         while True:

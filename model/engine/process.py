@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from model.config import FRAME_SAMPLES
 from model.engine import Engine, EngineError, FrameOutput, OutputRows, Slot
 from model.engine.channel import (
     AddPrompt,
@@ -147,13 +148,16 @@ class WorkerLink:
             if late_by > 0.0:
                 self.late_frames += len(message.sids)
                 self._late_by = max(self._late_by, late_by)
+            if message.audio.nbytes != len(message.sids) * FRAME_SAMPLES * 4:
+                raise ConnectionError(f"a Frames message of {len(message.sids)} sessions and "
+                                      f"{message.audio.nbytes} bytes of audio: the worker is broken")
             sessions = self.sessions
-            for sid, audio in zip(message.sids, message.audio):
+            rows = np.frombuffer(message.audio, dtype=np.float32).reshape(len(message.sids), FRAME_SAMPLES)
+            for sid, frame in zip(message.sids, rows):
                 session = sessions.get(sid)
-                if session is not None:
-                    frame = np.frombuffer(audio, dtype=np.float32)
-                    if not session.slot.offer(frame):  # staged in its input row, off the tick's path
-                        session.source.push(frame)
+                # Staged in its input row, off the tick's path; else queued, a view of the message (kept as it came).
+                if session is not None and not session.slot.offer(frame):
+                    session.source.push(frame)
         elif isinstance(message, Close):
             session = self.sessions.pop(message.sid, None)
             if session is not None:
