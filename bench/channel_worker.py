@@ -1,7 +1,7 @@
 """A worker process for the benches: sessions held on an engine process's channel as a server's worker holds them
 (model/engine/client.py), each fed by a source that always has a frame; driven by lines on stdin.
 
-    python -m bench.channel_worker SOCKET
+    python -m bench.channel_worker SOCKET [WORKER]   (WORKER: its number, as the engine's stats show it; 0)
     stdin "open N"  -> N more realtime sessions started; answers "opened N"
     stdin "close"   -> every session closed; answers "closed F", F the sessions that failed meanwhile
 
@@ -69,8 +69,8 @@ class Sessions:
         pass
 
 
-async def serve(path: str) -> None:
-    engine = RemoteEngine(path, worker=0)
+async def serve(path: str, worker: int) -> None:
+    engine = RemoteEngine(path, worker=worker)
     running = asyncio.ensure_future(engine.run())
     try:
         if not await engine.wait_connected(CONNECT_TIMEOUT_S):
@@ -94,9 +94,9 @@ async def serve(path: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3):
         raise SystemExit(__doc__)
-    asyncio.run(serve(sys.argv[1]))
+    asyncio.run(serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) == 3 else 0))
 
 
 if __name__ == "__main__":

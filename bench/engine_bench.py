@@ -2,17 +2,17 @@
 
     python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
                                  [--loads 1x0 250x1650 144x3000] [--open-background 64] [--opens 5] [--fp8-kv]
-                                 [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16] [--over-channel]
-                                 [--compare-staging] [--tiny]
+                                 [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16]
+                                 [--over-channel [--workers 1] [--compare-staging]] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
 only the (sessions x context) pairs given. With `--over-channel` the sessions are a worker's, served over the engine
 process's channel (model/engine/process.py) on a Unix socket, as the server runs them: the tick's host phases then
-include `hand_off`, the listeners that encode each worker's outputs (the worker is a process of its own,
-bench/channel_worker.py, as in the server); with `--compare-staging` too, each load is
-measured with the engine process's input staging off, then on, on the same engine (`EngineConfig.stage_inputs`,
-model/engine/staging.py; the lines' `stage_inputs`). One JSON line per measurement:
+include `hand_off`, the listeners that encode each worker's outputs (each worker a process of its own,
+bench/channel_worker.py, as in the server; `--workers` of them, the sessions split evenly); with
+`--compare-staging` too, each load is measured with the engine process's input staging off, then on, on the same
+engine (`EngineConfig.stage_inputs`, model/engine/staging.py; the lines' `stage_inputs`). One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, input frames staged as
   they arrived (over the channel), GPU memory, the fused helpers that fell back to eager (`fused_eager`,
   model/fused.py);
@@ -66,28 +66,32 @@ async def open_sessions(engine: Engine, count: int, params: SessionParams) -> li
     return slots
 
 
-class WorkerProcess:
-    """A worker process's sessions on the engine's channel (bench/channel_worker.py), as a server's worker holds
-    them."""
+class WorkerProcesses:
+    """Worker processes' sessions on the engine's channel (bench/channel_worker.py), as a server's workers hold
+    them: a load's sessions split evenly over the workers."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
+    def __init__(self, procs: list[asyncio.subprocess.Process]) -> None:
+        self.procs = procs
 
-    async def command(self, line: str) -> list[str]:
-        self.proc.stdin.write(f"{line}\n".encode())
-        await self.proc.stdin.drain()
-        answer = (await self.proc.stdout.readline()).decode().split()
+    @staticmethod
+    async def command(proc: asyncio.subprocess.Process, line: str) -> list[str]:
+        proc.stdin.write(f"{line}\n".encode())
+        await proc.stdin.drain()
+        answer = (await proc.stdout.readline()).decode().split()
         if not answer:
-            raise SystemExit(f"engine_bench: the worker process ended at {line!r} (exit {await self.proc.wait()})")
+            raise SystemExit(f"engine_bench: a worker process ended at {line!r} (exit {await proc.wait()})")
         return answer
 
     async def open(self, count: int) -> None:
-        await self.command(f"open {count}")
+        n = len(self.procs)
+        for k, proc in enumerate(self.procs):  # one after another: the rows fill in order, as with one worker
+            await self.command(proc, f"open {count // n + (k < count % n)}")
 
     async def close(self) -> None:
-        _, failed = await self.command("close")
-        if int(failed):
-            raise SystemExit(f"engine_bench: {failed} of the worker's sessions failed")
+        answers = await asyncio.gather(*(self.command(proc, "close") for proc in self.procs))
+        failed = sum(int(answer[1]) for answer in answers)
+        if failed:
+            raise SystemExit(f"engine_bench: {failed} of the workers' sessions failed")
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -95,7 +99,7 @@ def percentiles(values: list[float]) -> tuple[float, float]:
 
 
 async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
-                        worker: WorkerProcess | None = None) -> dict:
+                        worker: WorkerProcesses | None = None) -> dict:
     if worker is None:
         slots = await open_sessions(engine, sessions, SessionParams(sampling=SamplingParams()))
     else:
@@ -197,23 +201,24 @@ async def measure_open(engine: Engine, background: int, wav: str, opens: int) ->
 
 
 @contextlib.asynccontextmanager
-async def served_worker(engine: Engine, model: PersonaPlex) -> AsyncIterator[WorkerProcess]:
-    """The engine served on its channel, as the engine process serves it, and a worker process on it."""
+async def served_workers(engine: Engine, model: PersonaPlex, count: int) -> AsyncIterator[WorkerProcesses]:
+    """The engine served on its channel, as the engine process serves it, and `count` worker processes on it."""
     with tempfile.TemporaryDirectory() as folder:
         path = str(Path(folder) / "engine.sock")
         host = EngineHost(engine, model.info(), path)
         started = asyncio.Event()
         serving = asyncio.ensure_future(host.serve(started))
         await started.wait()
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.channel_worker", path,
-                                                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                    cwd=ROOT)
+        procs = [await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.channel_worker", path, str(k),
+                                                      stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                      cwd=ROOT) for k in range(count)]
         try:
-            yield WorkerProcess(proc)
+            yield WorkerProcesses(procs)
         finally:
-            if proc.returncode is None:
-                proc.kill()
-            await proc.wait()
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+                await proc.wait()
             serving.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await serving
@@ -234,14 +239,16 @@ async def main_async(args: argparse.Namespace) -> None:
     contexts = sorted({context for _, context in loads})
     best: dict[int, int] = {}
     async with contextlib.AsyncExitStack() as stack:
-        worker = await stack.enter_async_context(served_worker(engine, model)) if args.over_channel else None
+        worker = (await stack.enter_async_context(served_workers(engine, model, args.workers))
+                  if args.over_channel else None)
         for sessions, context in loads:
             if sessions > args.max_sessions:
                 continue
             for staging in (False, True) if args.compare_staging else (engine.config.stage_inputs,):
                 engine.config.stage_inputs = staging
                 line = await measure_ticks(engine, sessions, context, args.ticks, worker)
-                print(json.dumps({**line, **mimi, "over_channel": args.over_channel, "stage_inputs": staging,
+                print(json.dumps({**line, **mimi, "over_channel": args.over_channel,
+                                  "workers": args.workers if args.over_channel else 0, "stage_inputs": staging,
                                   "fused_eager": fused.fallen_back()}), flush=True)
             if line["tick_ms_p99"] < 80.0:
                 best[context] = max(best.get(context, 0), sessions)
@@ -285,6 +292,8 @@ def main() -> None:
                         help="the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)")
     parser.add_argument("--over-channel", action="store_true",
                         help="the sessions a worker's, over the engine process's channel (module docstring)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="with --over-channel: worker processes, the sessions split evenly over them")
     parser.add_argument("--compare-staging", action="store_true",
                         help="with --over-channel: each load with input staging off, then on (stage_inputs)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
