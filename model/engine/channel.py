@@ -3,8 +3,9 @@
 One Unix stream socket per worker. Each message is a msgpack body (msgspec) behind a 4-byte big-endian length.
 Audio crosses as raw float32 bytes, one frame (1920 samples) per session, batched per tick in both directions:
 a worker sends one `Frames` message a tick for all its realtime sessions, the engine one `Tick` message a tick with
-all that worker's outputs and session counters. Requests (`Reserve`, `Start`, `Restart`, `AddPrompt`,
-`StatsRequest`) carry a request number that their `Reply` echoes.
+all that worker's outputs and session counters. Each carries its frames as one block, the message's tail (`encode`):
+the last field's bytes, written after the body as they are and read where they landed. Requests (`Reserve`,
+`Start`, `Restart`, `AddPrompt`, `StatsRequest`) carry a request number that their `Reply` echoes.
 
 Nothing here imports torch: a worker process needs only this to talk to the engine.
 """
