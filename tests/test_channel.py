@@ -14,7 +14,7 @@ from test_engine import GREEDY, Collector, QueueSource, speechlike, tiny_model  
 
 from model.engine import Engine, EngineConfig, SessionParams
 from model.engine.channel import Frames, encode
-from model.engine.client import LEAD_STEP_S, RemoteEngine
+from model.engine.client import LEAD_STEP_S, RemoteEngine, RemoteSlot
 from model.engine.process import EngineHost
 
 
@@ -39,6 +39,13 @@ async def connect(path: str, lead_s: float = 0.008) -> tuple[RemoteEngine, async
     task = asyncio.ensure_future(client.run())
     assert await client.wait_connected(10.0)
     return client, task
+
+
+async def open_session(client: RemoteEngine, source: QueueSource) -> tuple[RemoteSlot, Collector]:
+    """A realtime session of the worker's client with the default voice, greedy, and its outputs collected."""
+    slot, out = await client.reserve_wait(0.0), Collector()
+    await slot.start(SessionParams(voice="NATF2", sampling=GREEDY), source, out.on_output, out.on_error)
+    return slot, out
 
 
 async def test_a_session_over_the_channel_gives_the_tokens_of_one_in_the_engine(served):
@@ -75,9 +82,7 @@ async def test_a_realtime_session_over_the_channel_stages_its_frames_and_gets_it
     engine, _, path = served
     client, task = await connect(path)
     try:
-        slot, out = await client.reserve_wait(0.0), Collector()
-        await slot.start(SessionParams(voice="NATF2", sampling=GREEDY), QueueSource(speechlike(40, 3)),
-                         out.on_output, out.on_error)
+        slot, out = await open_session(client, QueueSource(speechlike(40, 3)))
         outputs = await out.wait_for(12)
         slot.close()
         assert [o.index for o in outputs] == list(range(12))
@@ -129,12 +134,9 @@ async def test_a_session_that_fails_on_its_input_leaves_its_link_and_the_other_g
     engine, host, path = served
     client, task = await connect(path)
     try:
-        params = SessionParams(voice="NATF2", sampling=GREEDY)
-        bad, bad_out = await client.reserve_wait(0.0), Collector()
-        good, good_out = await client.reserve_wait(0.0), Collector()
         bad_source = QueueSource(speechlike(3, 5))
-        await bad.start(params, bad_source, bad_out.on_output, bad_out.on_error)
-        await good.start(params, QueueSource(speechlike(60, 6)), good_out.on_output, good_out.on_error)
+        bad, bad_out = await open_session(client, bad_source)
+        good, good_out = await open_session(client, QueueSource(speechlike(60, 6)))
         link = next(iter(host.links))
         await bad_out.wait_for(2)
         bad_source.push(bad_frame)
@@ -158,9 +160,7 @@ async def test_a_worker_whose_frames_do_not_match_their_sessions_is_dropped_and_
     engine, host, path = served
     client, task = await connect(path)
     try:
-        good, good_out = await client.reserve_wait(0.0), Collector()
-        await good.start(SessionParams(voice="NATF2", sampling=GREEDY), QueueSource(speechlike(60, 7)),
-                         good_out.on_output, good_out.on_error)
+        good, good_out = await open_session(client, QueueSource(speechlike(60, 7)))
         reader, writer = await asyncio.open_unix_connection(path)
         writer.write(encode(Frames(sids=["slot-nobody", "slot-nobody-else"], audio=memoryview(bytes(7680)))))
         await writer.drain()
