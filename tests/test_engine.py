@@ -29,6 +29,7 @@ from model.engine import (
     SessionParams,
 )
 from model.engine.core import ENGINE_SWITCH_INTERVAL_S
+from model.engine.slots import Slot
 from model.loading import load_model
 from model.precision import Fp8Linear
 from model.tiny import write_tiny_checkpoint
@@ -846,6 +847,35 @@ async def test_a_frame_staged_for_a_closed_session_never_reaches_the_next_sessio
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
     assert "finite" in str(nan_sink.errors[0]) and nan.stats().state == "failed"
+
+
+async def test_a_messages_frames_are_staged_at_once_each_by_the_rules_for_it_alone(make_engine):
+    """`Slot.offer_all`, as an engine process offers a worker's Frames message: one check and one lock for all,
+    and each frame staged or not by the rules for it alone. A finite frame of a session with nothing queued is; one
+    with a non-finite sample, or whose session has a frame queued, is not, and neither stops the others; a row
+    staged already takes no second."""
+    engine = make_engine()
+    slots, sinks, sources = [], [], []
+    for _ in range(3):
+        slot, sink, source = engine.reserve(), Collector(), QueueSource()
+        await slot.start(SessionParams(voice="NATF2", sampling=GREEDY), source, sink.on_output, sink.on_error)
+        slots.append(slot), sinks.append(sink), sources.append(source)
+    frames = np.stack(speechlike(3, 2))
+    frames[1, 7] = np.nan
+    offers = asyncio.get_running_loop().create_future()
+
+    def offer_between_ticks(record, next_tick_at) -> None:
+        if not offers.done() and all(sink.outputs for sink in sinks):
+            sources[2].push(speechlike(1, 1)[0])  # its next frame, queued before this message's
+            staged = engine.stats().input_frames_staged
+            first, second = Slot.offer_all(slots, frames), Slot.offer_all(slots[:1], frames[:1])
+            result = (first, second, engine.stats().input_frames_staged - staged)
+            offers.get_loop().call_soon_threadsafe(offers.set_result, result)
+
+    engine.add_tick_listener(offer_between_ticks)
+    assert await asyncio.wait_for(offers, 30) == ([True, False, False], [False], 1)
+    for slot in slots:
+        slot.close()
 
 
 async def test_an_engine_with_staging_off_queues_every_frame_it_is_offered(make_engine):

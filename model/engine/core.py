@@ -312,15 +312,20 @@ class Engine:
         """The group's sessions' frames go nowhere from now on (they are closing)."""
         self._output_groups.pop(key, None)
 
-    def offer_input(self, session: Session, frame: np.ndarray) -> bool:
-        """Stage a realtime session's next input frame in its row as it arrives (slots.SessionHost, staging.py):
-        True if the next tick will take it from there; False, and the caller queues it in the session's source."""
+    def offer_inputs(self, sessions: list[Session], frames: np.ndarray) -> list[bool]:
+        """Stage realtime sessions' next input frames (`frames[k]` is `sessions[k]`'s) in their rows as they arrive
+        (slots.SessionHost, staging.py): for each, True if the next tick will take it from there; False, and the
+        caller queues it in the session's source."""
+        if not self.config.stage_inputs:
+            return [False] * len(sessions)
+        holds = self.slots.holds
 
-        def admits() -> bool:
-            return (session.live and not session.offline and not session.first_half_pending
-                    and self.slots.holds(session) and session.source.frames_ready() == 0)
+        def admits(k: int) -> bool:
+            session = sessions[k]
+            return (session.live and not session.offline and not session.first_half_pending and holds(session)
+                    and session.source.frames_ready() == 0)
 
-        return self.config.stage_inputs and self.inputs.offer(session.index, frame, admits)
+        return self.inputs.offer([s.index for s in sessions], frames, admits)
 
     def release(self, session: Session) -> None:
         ended = session.state in ENDED

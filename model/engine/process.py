@@ -153,11 +153,12 @@ class WorkerLink:
                                       f"{message.audio.nbytes} bytes of audio: the worker is broken")
             sessions = self.sessions
             rows = np.frombuffer(message.audio, dtype=np.float32).reshape(len(message.sids), FRAME_SAMPLES)
-            for sid, frame in zip(message.sids, rows):
-                session = sessions.get(sid)
-                # Staged in its input row, off the tick's path; else queued, a view of the message (kept as it came).
-                if session is not None and not session.slot.offer(frame):
-                    session.source.push(frame)
+            known = [(k, session) for k, sid in enumerate(message.sids) if (session := sessions.get(sid)) is not None]
+            frames = rows if len(known) == len(rows) else rows[[k for k, _ in known]]
+            # Staged in their input rows, off the tick's path; else queued, views of the message (kept as it came).
+            for (k, session), staged in zip(known, Slot.offer_all([s.slot for _, s in known], frames), strict=True):
+                if not staged:
+                    session.source.push(rows[k])
         elif isinstance(message, Close):
             session = self.sessions.pop(message.sid, None)
             if session is not None:

@@ -129,7 +129,7 @@ class SessionHost(Protocol):
 
     async def add_prompt(self, session: Session, text: str, persona: str | None) -> None: ...
 
-    def offer_input(self, session: Session, frame: np.ndarray) -> bool: ...
+    def offer_inputs(self, sessions: list[Session], frames: np.ndarray) -> list[bool]: ...
 
     def release(self, session: Session) -> None: ...
 
@@ -175,7 +175,15 @@ class Slot:
         """Hand the session's next input frame straight to the next tick if it can take it from there (a realtime
         session with no frame queued in its source, while no tick reads its inputs: model/engine/staging.py); False,
         and the frame belongs in the session's source, behind any queued there."""
-        return self._host.offer_input(self._session, frame)
+        return self.offer_all([self], np.asarray(frame, dtype=np.float32)[None])[0]
+
+    @staticmethod
+    def offer_all(slots: list[Slot], frames: np.ndarray) -> list[bool]:
+        """`offer` for slots of one engine at once, `frames[k]` (float32 [len(slots), 1920]) slot k's: one check
+        of the samples and one lock for them all (a worker's Frames message in an engine process)."""
+        if not slots:
+            return []
+        return slots[0]._host.offer_inputs([slot._session for slot in slots], frames)
 
     def close(self) -> None:
         self._host.release(self._session)
