@@ -14,8 +14,8 @@ bench/channel_worker.py, as in the server; `--workers` of them, the sessions spl
 `--compare-staging` too, each load is measured with the engine process's input staging off, then on, on the same
 engine (`EngineConfig.stage_inputs`, model/engine/staging.py; the lines' `stage_inputs`). One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, input frames staged as
-  they arrived (over the channel), GPU memory, the fused helpers that fell back to eager (`fused_eager`,
-  model/fused.py);
+  they arrived and the engine process's time on each worker's Frames message (over the channel), GPU memory, the
+  fused helpers that fell back to eager (`fused_eager`, model/fused.py);
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
 - "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick: until the
   open returned, and until the session's first frame came out.
@@ -70,8 +70,9 @@ class WorkerProcesses:
     """Worker processes' sessions on the engine's channel (bench/channel_worker.py), as a server's workers hold
     them: a load's sessions split evenly over the workers."""
 
-    def __init__(self, procs: list[asyncio.subprocess.Process]) -> None:
+    def __init__(self, procs: list[asyncio.subprocess.Process], host: EngineHost) -> None:
         self.procs = procs
+        self.host = host
 
     @staticmethod
     async def command(proc: asyncio.subprocess.Process, line: str) -> list[str]:
@@ -108,6 +109,8 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
     await engine.submit(lambda: engine.fill_context(slice(0, sessions), context))
     await asyncio.sleep(1.0)  # settle
     before = engine.stats()
+    if worker is not None:
+        worker.host.frames_dispatch_ms.clear()
     # Read after the run's wall time, not every tick (polling stats() would contend with the tick thread it
     # measures), and again after the time the missing ticks take where an engine below real time made fewer.
     after, missing = before, ticks
@@ -137,6 +140,9 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
             "input_frames_staged": after.input_frames_staged - before.input_frames_staged}
     for name, values in parts.items():
         line[f"{name}_ms_p50"], line[f"{name}_ms_p99"] = percentiles(values)
+    dispatch_ms = list(worker.host.frames_dispatch_ms) if worker is not None else []
+    if dispatch_ms:  # the engine process's asyncio thread, a worker's Frames message each
+        line["frames_dispatch_ms_p50"], line["frames_dispatch_ms_p99"] = percentiles(dispatch_ms)
     return {**line, **gpu_memory_gb()}
 
 
@@ -213,7 +219,7 @@ async def served_workers(engine: Engine, model: PersonaPlex, count: int) -> Asyn
                                                       stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                       cwd=ROOT) for k in range(count)]
         try:
-            yield WorkerProcesses(procs)
+            yield WorkerProcesses(procs, host)
         finally:
             for proc in procs:
                 if proc.returncode is None:

@@ -59,6 +59,7 @@ def test_engine_bench_over_the_channel_times_the_hand_off_to_the_workers() -> No
         assert tick["over_channel"] and tick["workers"] == 2 and tick["ticks"] >= 5 and tick["batch"] == 2, tick
         assert tick["host_hand_off_ms_p99"] >= tick["host_hand_off_ms_p50"] > 0 < tick["host_deliver_ms_p50"], tick
         assert 0 <= tick["host_prepare_inputs_ms_p50"] <= tick["host_prepare_ms_p50"], tick
+        assert 0 < tick["frames_dispatch_ms_p50"] <= tick["frames_dispatch_ms_p99"], tick
 
 
 def test_roofline_prints_each_part_and_the_hosts_phases_from_an_engine_bench_line(tmp_path) -> None:

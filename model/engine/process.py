@@ -143,22 +143,9 @@ class WorkerLink:
 
     def dispatch(self, message: object) -> None:
         if isinstance(message, Frames):
-            # The tick reads its inputs as it starts, at its deadline: frames that come later wait for the next.
-            late_by = time.monotonic() - message.deadline if message.deadline else 0.0
-            if late_by > 0.0:
-                self.late_frames += len(message.sids)
-                self._late_by = max(self._late_by, late_by)
-            if message.audio.nbytes != len(message.sids) * FRAME_SAMPLES * 4:
-                raise ConnectionError(f"a Frames message of {len(message.sids)} sessions and "
-                                      f"{message.audio.nbytes} bytes of audio: the worker is broken")
-            sessions = self.sessions
-            rows = np.frombuffer(message.audio, dtype=np.float32).reshape(len(message.sids), FRAME_SAMPLES)
-            known = [(k, session) for k, sid in enumerate(message.sids) if (session := sessions.get(sid)) is not None]
-            frames = rows if len(known) == len(rows) else rows[[k for k, _ in known]]
-            # Staged in their input rows, off the tick's path; else queued, views of the message (kept as it came).
-            for (k, session), staged in zip(known, Slot.offer_all([s.slot for _, s in known], frames), strict=True):
-                if not staged:
-                    session.source.push(rows[k])
+            started = time.perf_counter()
+            self._take_frames(message)
+            self.host.frames_dispatch_ms.append((time.perf_counter() - started) * 1000.0)
         elif isinstance(message, Close):
             session = self.sessions.pop(message.sid, None)
             if session is not None:
@@ -169,6 +156,25 @@ class WorkerLink:
             self.counters = message.counters
         else:
             self.host.spawn(self.answer(message))
+
+    def _take_frames(self, message: Frames) -> None:
+        """A worker's input frames for the next tick: staged in their rows where they may be, else queued."""
+        # The tick reads its inputs as it starts, at its deadline: frames that come later wait for the next.
+        late_by = time.monotonic() - message.deadline if message.deadline else 0.0
+        if late_by > 0.0:
+            self.late_frames += len(message.sids)
+            self._late_by = max(self._late_by, late_by)
+        if message.audio.nbytes != len(message.sids) * FRAME_SAMPLES * 4:
+            raise ConnectionError(f"a Frames message of {len(message.sids)} sessions and "
+                                  f"{message.audio.nbytes} bytes of audio: the worker is broken")
+        sessions = self.sessions
+        rows = np.frombuffer(message.audio, dtype=np.float32).reshape(len(message.sids), FRAME_SAMPLES)
+        known = [(k, session) for k, sid in enumerate(message.sids) if (session := sessions.get(sid)) is not None]
+        frames = rows if len(known) == len(rows) else rows[[k for k, _ in known]]
+        # Staged in their input rows, off the tick's path; else queued, views of the message (kept as it came).
+        for (k, session), staged in zip(known, Slot.offer_all([s.slot for _, s in known], frames), strict=True):
+            if not staged:
+                session.source.push(rows[k])
 
     async def answer(self, message: object) -> None:
         req = getattr(message, "req", -1)
@@ -279,6 +285,9 @@ class EngineHost:
         self.note = note
         self.max_unsent_bytes = max_unsent_bytes
         self.links: set[WorkerLink] = set()
+        # How long each worker's Frames message took this (asyncio) thread, ms, newest last: it shares the GIL with
+        # the engine thread, and its frames must be staged before the tick's reads begin (bench.engine_bench).
+        self.frames_dispatch_ms: deque[float] = deque(maxlen=4096)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._links_lock = threading.Lock()
