@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from model.config import FRAME_SAMPLES
-from model.engine.channel import HEADER, Counters, Frames, Tick, ToEngine, ToWorker, encode, tail
+from model.engine.channel import FRAME_BYTES, HEADER, Counters, Frames, Tick, ToEngine, ToWorker, encode, tail
 
 CACHE_SWEEP_BYTES = 64 << 20
 
@@ -39,7 +39,7 @@ def frames_message(sessions: int, rng: np.random.Generator) -> tuple[Frames, lis
     """A worker's Frames as it sends them: the message, then each session's frame as its tail."""
     rows = [row.tobytes() for row in rng.standard_normal((sessions, FRAME_SAMPLES)).astype(np.float32)]
     return Frames(sids=[f"sid-{i:04d}" for i in range(sessions)], deadline=time.monotonic(),
-                  audio=tail(sessions * FRAME_SAMPLES * 4)), rows
+                  audio=tail(sessions * FRAME_BYTES)), rows
 
 
 def cold_ms(run: Callable[[], object], runs: int, sweep: np.ndarray) -> float:
@@ -61,7 +61,7 @@ def joined(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
 def measure(sessions: int, runs: int, sweep: np.ndarray) -> dict:
     rng = np.random.default_rng(sessions)
     tick, (frames, frame_rows) = tick_message(sessions, rng), frames_message(sessions, rng)
-    frames_bytes = len(frame_rows) * FRAME_SAMPLES * 4
+    frames_bytes = len(frame_rows) * FRAME_BYTES
     encoder = msgspec.msgpack.Encoder()
     to_worker, to_engine = msgspec.msgpack.Decoder(ToWorker), msgspec.msgpack.Decoder(ToEngine)
     audio_bytes = tick.audio.nbytes

@@ -17,9 +17,11 @@ import struct
 
 import msgspec
 
+from model.config import FRAME_SAMPLES
 from model.engine.api import EngineStats, SessionParams
 
 HEADER = struct.Struct(">I")
+FRAME_BYTES = FRAME_SAMPLES * 4  # one session's frame, float32, in a message's audio
 MAX_MESSAGE_BYTES = 256 << 20  # a tick of 256 sessions is ~2 MB; anything near this is a broken peer
 
 

@@ -41,6 +41,7 @@ from model.engine import (
 )
 from model.engine.api import check_params
 from model.engine.channel import (
+    FRAME_BYTES,
     AddPrompt,
     Close,
     Counters,
@@ -67,7 +68,6 @@ from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
 
 log = logging.getLogger(__name__)
 
-FRAME_BYTES = FRAME_SAMPLES * 4  # float32
 OFFLINE_CREDIT = 4      # input-clocked frames sent ahead of the engine's consumption
 OFFLINE_POLL_S = 0.01   # how often input-clocked sources are checked for new frames
 TICK_S = 0.08

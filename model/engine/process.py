@@ -23,6 +23,7 @@ import numpy as np
 from model.config import FRAME_SAMPLES
 from model.engine import Engine, EngineError, FrameOutput, OutputRows, Slot
 from model.engine.channel import (
+    FRAME_BYTES,
     AddPrompt,
     Close,
     Counters,
@@ -164,7 +165,7 @@ class WorkerLink:
         if late_by > 0.0:
             self.late_frames += len(message.sids)
             self._late_by = max(self._late_by, late_by)
-        if message.audio.nbytes != len(message.sids) * FRAME_SAMPLES * 4:
+        if message.audio.nbytes != len(message.sids) * FRAME_BYTES:
             raise ConnectionError(f"a Frames message of {len(message.sids)} sessions and "
                                   f"{message.audio.nbytes} bytes of audio: the worker is broken")
         sessions = self.sessions
