@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model.engine.api import ResourceExhausted
+from model.engine.api import ResourceExhausted, SessionParams
 from model.engine.slots import MOVES, SlotTable
 
 STATES = tuple(MOVES)
@@ -21,11 +21,33 @@ def test_a_session_goes_from_reserved_through_prefill_to_live_and_closed():
     assert session.state == "reserved" and table.in_use() == 1 and table.holds(session)
     assert not table.move(session, "live")  # no session goes live without its prompt
     assert table.move(session, "prefill") and table.move(session, "live")
-    assert session.live and table.live(offline=False) == [session] and table.live(offline=True) == []
+    assert session.live and table.live(offline=False) == (session,) and table.live(offline=True) == ()
     assert table.move(session, "prefill")  # a restart
-    assert table.live(offline=False) == []
+    assert table.live(offline=False) == ()
     assert table.move(session, "live") and table.move(session, "closed")
     assert not table.holds(session) and table.in_use() == 0
+
+
+def test_the_live_sessions_follow_every_move_by_pacing_and_in_row_order():
+    """live() is kept between moves (the engine asks for it several times a tick): each move shows at once."""
+    table = SlotTable(4)
+    sessions = [table.reserve() for _ in range(4)]
+    for session, pacing in zip(sessions, ["realtime", "input", "realtime", "realtime"], strict=True):
+        session.params = SessionParams(pacing=pacing)
+    for session in reversed(sessions):
+        assert table.live(offline=False) == tuple(s for s in sessions if s.live and not s.offline)
+        assert table.move(session, "prefill") and table.move(session, "live")
+    assert table.live(offline=False) == (sessions[0], sessions[2], sessions[3])
+    assert table.live(offline=True) == (sessions[1],)
+    assert table.move(sessions[2], "prefill")  # a restart leaves the live sessions until it is live again
+    assert table.live(offline=False) == (sessions[0], sessions[3])
+    assert table.move(sessions[2], "live") and table.move(sessions[0], "failed") and table.move(sessions[1], "closed")
+    assert table.live(offline=False) == (sessions[2], sessions[3]) and table.live(offline=True) == ()
+    again = table.reserve()  # row 0 again, not live until its prompt ran
+    assert again.index == 0 and table.live(offline=False) == (sessions[2], sessions[3])
+    again.params = SessionParams(pacing="realtime")
+    assert table.move(again, "prefill") and table.move(again, "live")
+    assert table.live(offline=False) == (again, sessions[2], sessions[3])
 
 
 @pytest.mark.parametrize("ended", ["closed", "failed"])

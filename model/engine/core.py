@@ -661,7 +661,7 @@ class Engine:
                                           "input"))
         return False
 
-    def _first_halves_before_tick(self, realtime: list[Session]) -> float:
+    def _first_halves_before_tick(self, realtime: tuple[Session, ...]) -> float:
         """Run the first halves that the scheduler puts before this tick's batch; seconds spent."""
         started = time.perf_counter()
         chosen = self.scheduler.first_halves_before_tick([s for s in realtime if s.first_half_pending],
@@ -678,20 +678,24 @@ class Engine:
         # The tick's own one-row steps count in its time, and so does reading its inputs (a host phase of ~1 ms at
         # 250 sessions on a 2-core CPU that the tick's time and its "prepare" left out).
         t0 = time.perf_counter() - first_halves_s
-        pending = [s for s in realtime if s.live and s.first_half_pending]
+        pending, ready = [], []  # the first halves this tick runs, in its batch; the sessions that take a frame
+        for session in realtime:
+            if session.live:
+                (pending if session.first_half_pending else ready).append(session)
         self.inputs.hold()  # until the step's outputs, and so its upload of the input rows, have landed
         try:
-            live = pending + self._read_inputs([s for s in realtime if s.live and not s.first_half_pending])
+            read = self._read_inputs(ready)
+            live = pending + read
             inputs_read = time.perf_counter()
             if not live:
                 with self.counters.lock:
                     self.counters.batch = 0
                 return None
+            read_rows = [s.index for s in read]
             n = bucket(max(s.index for s in live) + 1, self.max_sessions)
-            in_batch_first_halves = [s for s in live if s.first_half_pending]
             runner.active_np[:n] = runner.takes_input_np[:n] = False
-            runner.active_np[[s.index for s in live]] = True
-            runner.takes_input_np[[s.index for s in live if not s.first_half_pending]] = True
+            runner.active_np[[s.index for s in pending]] = True
+            runner.active_np[read_rows] = runner.takes_input_np[read_rows] = True
             offline_rows = [s.index for s in self.slots.live(offline=True) if s.index < n]
             starved = set(runner.prepare_batch(n))
             if starved:  # no page, and no context left to shrink: those sessions end, the others step
@@ -710,7 +714,7 @@ class Engine:
             self.inputs.release()
         self._hand_out(live, frames, emitted.tolist(), audio, finite.tolist())
         # Their encoder ran on no input this tick: it meets the first frame fresh.
-        for session in in_batch_first_halves:
+        for session in pending:
             runner.reset_mimi_row(session.index, decoder=False)
             session.first_half_pending = False
         end = time.perf_counter()
