@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from model.config import FRAME_SAMPLES
-from model.engine import Engine, EngineError, FrameOutput, OutputRows, Slot
+from model.engine import Engine, EngineError, FrameOutput, OutputRows, Slot, SlotStats
 from model.engine.channel import (
     FRAME_BYTES,
     AddPrompt,
@@ -77,6 +77,14 @@ class HostSession:
     link: WorkerLink
     source: ChannelSource = field(default_factory=ChannelSource)
     offline: bool = False
+    record: SlotStats = field(init=False)  # the engine's counts of it, read in place after each tick
+
+    def __post_init__(self) -> None:
+        self.record = self.slot.record
+
+    def counters(self, sid: str) -> Counters:
+        r = self.record
+        return Counters(sid, r.frames_in, r.frames_out, r.underruns, r.window_shrinks, r.window_frames)
 
 
 class WorkerLink:
@@ -232,7 +240,7 @@ class WorkerLink:
             audio = frame.audio.astype(np.float32, copy=False).tobytes()
             tick = Tick(next_tick_at=0.0, sids=[sid], indices=[frame.index], texts=[frame.text],
                         tokens=frame.tokens.astype(np.int64, copy=False).tobytes(),
-                        counters=[Counters(sid, *session.slot.counts())], audio=tail(len(audio)))
+                        counters=[session.counters(sid)], audio=tail(len(audio)))
             self.host.post(self, encode(tick, len(audio)), audio)
 
         return on_output
@@ -255,7 +263,8 @@ class WorkerLink:
         """After a tick: this worker's outputs and its realtime sessions' counters, in one message (its pieces, for
         `send`), if it has any."""
         blocks, self.outbox = self.outbox, []
-        counters = [Counters(sid, *s.slot.counts()) for sid, s in list(self.sessions.items()) if not s.offline]
+        # Every realtime session's counts, every tick: its worker paces its input by them.
+        counters = [s.counters(sid) for sid, s in list(self.sessions.items()) if not s.offline]
         total = self.late_frames
         late, self._late_reported = total - self._late_reported, total
         late_by, self._late_by = self._late_by, 0.0

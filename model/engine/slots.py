@@ -200,8 +200,8 @@ class Slot:
     def stats(self) -> SlotStats:
         return SlotStats(**vars(self._session.stats))
 
-    def counts(self) -> tuple[int, int, int, int, int]:
-        """Frames in, frames out, underruns, window shrinks and window frames as they are: for the engine thread,
-        which writes them, after each tick (no snapshot to copy; a copy per session was ~1 us of its hand-off)."""
-        s = self._session.stats
-        return s.frames_in, s.frames_out, s.underruns, s.window_shrinks, s.window_frames
+    @property
+    def record(self) -> SlotStats:
+        """The engine's own record of the session's counts, read in place: for the engine thread, which writes it,
+        after each tick (no snapshot to copy; a copy per session was ~1 us of its hand-off)."""
+        return self._session.stats
