@@ -110,7 +110,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
     await asyncio.sleep(1.0)  # settle
     before = engine.stats()
     if worker is not None:
-        worker.host.frames_dispatch_ms.clear()
+        worker.host.frames_dispatch_s.clear()
     # Read after the run's wall time, not every tick (polling stats() would contend with the tick thread it
     # measures), and again after the time the missing ticks take where an engine below real time made fewer.
     after, missing = before, ticks
@@ -140,7 +140,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
             "input_frames_staged": after.input_frames_staged - before.input_frames_staged}
     for name, values in parts.items():
         line[f"{name}_ms_p50"], line[f"{name}_ms_p99"] = percentiles(values)
-    dispatch_ms = list(worker.host.frames_dispatch_ms) if worker is not None else []
+    dispatch_ms = [1000.0 * s for s in worker.host.frames_dispatch_s] if worker is not None else []
     if dispatch_ms:  # the engine process's asyncio thread, a worker's Frames message each
         line["frames_dispatch_ms_p50"], line["frames_dispatch_ms_p99"] = percentiles(dispatch_ms)
     return {**line, **gpu_memory_gb()}

@@ -88,6 +88,9 @@ async def test_a_realtime_session_over_the_channel_stages_its_frames_and_gets_it
         assert [o.index for o in outputs] == list(range(12))
         assert all(o.audio.shape == (1920,) and o.audio.base is None and o.tokens.shape == (17,) for o in outputs)
         assert engine.stats().input_frames_staged > 0
+        # The engine process's time on the worker's Frames messages reaches the worker with the engine's stats.
+        dispatch = (await client.fresh_stats()).frames_dispatch_ms
+        assert set(dispatch) == {"p50", "p99", "max"} and 0 < dispatch["p50"] <= dispatch["p99"] <= dispatch["max"]
     finally:
         task.cancel()
 

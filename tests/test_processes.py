@@ -72,6 +72,7 @@ async def test_realtime_two_workers_share_sessions_and_one_dying_frees_only_its_
                 return text if admitted in text else ""
             text = await eventually(totals, 10.0, "the admissions of both workers in one /metrics", every_s=0.1)
             assert all(f'personaplex_event_loop_lag_ms{{process="worker-{n}",quantile="0.99"}}' in text for n in (0, 1))
+            assert 'personaplex_engine_frames_dispatch_ms{quantile="0.99"}' in text  # the callers' frames came in
             assert all("loop_lag_ms" in w for w in _workers(report).values())
             os.kill(victim["pid"], signal.SIGKILL)
             killed_at = time.monotonic()

@@ -188,6 +188,10 @@ class Metrics:
         family("personaplex_engine_input_frames_staged_total", "counter",
                "Input frames the engine process wrote into their rows as they arrived, off the tick's path.",
                [("", {}, s.input_frames_staged)])
+        family("personaplex_engine_frames_dispatch_ms", "gauge",
+               "The engine process's time on each worker's input frames message, over the recent ones: its event "
+               "loop shares the GIL with the tick, and a tick's frames must be in before its reads begin.",
+               [("", {"quantile": _QUANTILES[q]}, v) for q, v in s.frames_dispatch_ms.items()])
         family("personaplex_engine_tick_last_ms", "gauge", "Duration of the last tick.", [("", {}, s.tick_ms)])
         family("personaplex_engine_tick_quantile_ms", "gauge", "Tick duration quantiles over a recent window.",
                [("", {"quantile": "0.5"}, s.tick_ms_p50), ("", {"quantile": "0.99"}, s.tick_ms_p99)])

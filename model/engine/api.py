@@ -223,6 +223,9 @@ class EngineStats:
     gc_ms_max: float = 0.0
     # Input frames an engine process wrote into their rows as they arrived (staging.py), of all the ticks read.
     input_frames_staged: int = 0
+    # An engine process's time on each worker's input frames message (quantiles, ms, over the last 4,096): its
+    # event loop thread shares the GIL with the tick, and a tick's frames must be staged before its reads begin.
+    frames_dispatch_ms: dict[str, float] = field(default_factory=dict)
 
 
 def check_params(params: SessionParams, max_top_k_text: int, max_top_k_audio: int) -> None:

@@ -46,6 +46,7 @@ from model.engine.channel import (
     encode,
     tail,
 )
+from model.engine.stats import quantiles_ms
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class WorkerLink:
         if isinstance(message, Frames):
             started = time.perf_counter()
             self._take_frames(message)
-            self.host.frames_dispatch_ms.append((time.perf_counter() - started) * 1000.0)
+            self.host.frames_dispatch_s.append(time.perf_counter() - started)
         elif isinstance(message, Close):
             session = self.sessions.pop(message.sid, None)
             if session is not None:
@@ -295,9 +296,9 @@ class EngineHost:
         self.note = note
         self.max_unsent_bytes = max_unsent_bytes
         self.links: set[WorkerLink] = set()
-        # How long each worker's Frames message took this (asyncio) thread, ms, newest last: it shares the GIL with
-        # the engine thread, and its frames must be staged before the tick's reads begin (bench.engine_bench).
-        self.frames_dispatch_ms: deque[float] = deque(maxlen=4096)
+        # How long each worker's Frames message took this (asyncio) thread, seconds, newest last: it shares the GIL
+        # with the engine thread, and its frames must be staged before the tick's reads begin (EngineStats).
+        self.frames_dispatch_s: deque[float] = deque(maxlen=4096)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._links_lock = threading.Lock()
@@ -342,7 +343,9 @@ class EngineHost:
         links = [link for link in list(self.links) if link.worker >= 0]
         workers = {str(link.worker): WorkerInfo(link.pid, len(link.sessions), link.counters, link.late_frames)
                    for link in links}
-        return Stats(engine=self.engine.stats(), workers=workers, next_tick_at=self.engine.next_tick_at)
+        engine = self.engine.stats()
+        engine.frames_dispatch_ms = quantiles_ms(self.frames_dispatch_s)
+        return Stats(engine=engine, workers=workers, next_tick_at=self.engine.next_tick_at)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = WorkerLink(self, reader, writer)

@@ -8,6 +8,7 @@ import itertools
 import statistics
 import threading
 from collections import Counter, deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -109,14 +110,16 @@ class EngineCounters:
             )
         if ms:
             stats.tick_ms_p50, stats.tick_ms_p99 = (float(v) for v in np.percentile(ms, [50, 99]))
-        stats.start_ms, stats.first_frame_ms = _quantiles_ms(starts), _quantiles_ms(first_frames)
+        stats.start_ms, stats.first_frame_ms = quantiles_ms(starts), quantiles_ms(first_frames)
         stats.tick_ms_buckets = list(zip((*TICK_MS_BUCKETS, float("inf")), itertools.accumulate(counts)))
         stats.open_step_ms = {FIRST_HALF_STEP_LABEL if kind == "first_half" else kind: 1000.0 * statistics.median(runs)
                               for kind, runs in step_seconds.items()}
         return stats
 
 
-def _quantiles_ms(seconds: list[float]) -> dict[str, float]:
+def quantiles_ms(seconds: Iterable[float]) -> dict[str, float]:
+    """p50, p99 and max of durations in seconds, as ms ({} for none)."""
+    seconds = list(seconds)
     if not seconds:
         return {}
     p50, p99 = np.percentile(seconds, [50, 99])
