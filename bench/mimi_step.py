@@ -4,6 +4,7 @@ compute the same thing is checked by this, not assumed).
 
     python3 -m bench.mimi_step --rows 1 64 250 --save base.pt          # on the tree before
     python3 -m bench.mimi_step --rows 1 64 250 --compare base.pt       # on the tree after
+    python3 -m bench.mimi_step --rows 1 64 250 --fused-residuals      # the residual units' kernel beside
 
 Full-size Mimi with seeded random weights (as `random-7b`'s), the engine's precisions (encoder float32 with TF32
 products, decoder bf16 on CUDA), cuDNN's algorithms chosen by its heuristics as in the engine. One JSON line per
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 
@@ -51,10 +53,13 @@ def outputs(mimi: Mimi, rows: int, frames: int) -> dict[str, torch.Tensor]:
 
 def compare(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> dict:
     codes_equal = float((mine["codes"] == theirs["codes"]).float().mean())
-    audio_diff = float((mine["audio"].float() - theirs["audio"].float()).abs().max())
+    error = mine["audio"].float() - theirs["audio"].float()
+    noise = float(error.square().sum())
+    snr = 10 * math.log10(float(theirs["audio"].float().square().sum()) / noise) if noise else None
     return {"bit_equal": bool(torch.equal(mine["codes"], theirs["codes"]) and torch.equal(mine["audio"],
                                                                                           theirs["audio"])),
-            "codes_equal": round(codes_equal, 6), "audio_max_abs_diff": audio_diff}
+            "codes_equal": round(codes_equal, 6), "audio_max_abs_diff": float(error.abs().max()),
+            "audio_snr_db": None if snr is None else round(snr, 2)}
 
 
 def kernels(mimi: Mimi, rows: int) -> dict:
@@ -83,6 +88,9 @@ def main() -> None:
     parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=False,
                         help="cuDNN times its algorithms per shape (a choice that differs between processes); off, as "
                              "the engine's warm-up runs, its heuristics choose, the same in every process")
+    parser.add_argument("--fused-residuals", action="store_true",
+                        help="also the codec with its residual units fused (Mimi.with_fused_residuals, CUDA): a line "
+                             "each, its outputs compared with the codec's own")
     args = parser.parse_args()
     mimi = build_mimi(args.tiny)
     cuda = next(mimi.parameters()).device.type == "cuda"
@@ -102,6 +110,12 @@ def main() -> None:
             line.update(time_mimi(mimi, rows, torch.device("cuda"), args.steps))
             line.update(kernels(mimi, rows))
         print(json.dumps(line), flush=True)
+        if args.fused_residuals and cuda:  # the same codec, its residual units fused: timed, and against the above
+            fused_mimi = mimi.with_fused_residuals()
+            fused_line = {**line, "fused_residuals": True,
+                          **compare(outputs(fused_mimi, rows, args.frames), mine[rows]),
+                          **time_mimi(fused_mimi, rows, torch.device("cuda"), args.steps), **kernels(fused_mimi, rows)}
+            print(json.dumps(fused_line), flush=True)
     if args.save:
         torch.save(mine, args.save)
 

@@ -29,11 +29,13 @@ from model.mimi_modules import (
     KVCache,
     LayerScale,
     MimiTransformer,
+    ResidualBlock,
     SeanetDecoder,
     SeanetEncoder,
     SplitResidualVQ,
 )
 from model.precision import sibling
+from model.residual_kernel import fits
 
 
 @dataclass
@@ -192,6 +194,20 @@ class Mimi(nn.Module):
         x = self.upsample.step(self.quantizer.decode(codes[:, :, None]).to(self.decoder_dtype), buffers)
         x = self.decoder_transformer.step(x.transpose(1, 2), dec.kv).transpose(1, 2)
         return self.decoder.step(x, buffers)[:, 0].float()
+
+    def with_fused_residuals(self) -> Mimi:
+        """This codec with each SEANet residual unit of a width the kernel takes stepping as one Triton kernel on CUDA
+        (model/residual_kernel.py): the encoder's first units and the decoder's last, where the activations are
+        largest. Not bit-equal to the torch path (the hidden activations stay fp32), so a choice, not a default."""
+        other = sibling(self)
+        for name in ("encoder", "decoder"):
+            seanet = copy.deepcopy(getattr(self, name))
+            for block in seanet.modules():
+                if isinstance(block, ResidualBlock):
+                    conv = block.block[1].conv
+                    block.fused = fits(conv.in_channels, conv.out_channels)
+            setattr(other, name, seanet)
+        return other
 
     def compiled(self) -> Mimi:
         """This codec with its two streaming steps compiled whole by Inductor (any batch: one dynamic graph each).

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.fused import fusable
+from model.residual_kernel import fused_residual_step
 from model.rope import apply_rope, rope_rotation
 from model.stream_kernels import overlap_add
 
@@ -152,7 +153,10 @@ class CausalConvTranspose1d(nn.Module):
 
 
 class ResidualBlock(nn.Module):
-    """SEANet residual unit: x + conv1x1(elu(conv_k(elu(x)))), identity skip. Indices 1 and 3 hold the convs."""
+    """SEANet residual unit: x + conv1x1(elu(conv_k(elu(x)))), identity skip. Indices 1 and 3 hold the convs.
+
+    With `fused` set (`Mimi.with_fused_residuals`), a streaming step on CUDA runs as one Triton kernel where its
+    widths and input allow (model/residual_kernel.py)."""
 
     def __init__(self, dim: int, hidden: int, kernel_size: int, dilation: int) -> None:
         super().__init__()
@@ -164,6 +168,7 @@ class ResidualBlock(nn.Module):
                 CausalConv1d(hidden, dim, 1),
             ]
         )
+        self.fused = False
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         return [s for layer in self.block if isinstance(layer, CausalConv1d) for s in layer.buffer_shapes(length)]
@@ -179,6 +184,10 @@ class ResidualBlock(nn.Module):
 
     def step(self, x: Tensor, buffers: Iterator[Tensor]) -> Tensor:
         elu, conv, elu_hidden, conv_1x1 = self.block
+        if self.fused and x.is_cuda and 1 in x.stride()[1:] and x.shape[-1] >= conv.context \
+                and not torch.compiler.is_compiling():
+            window = next(buffers) if conv.context else None
+            return fused_residual_step(x, window, conv.conv, conv_1x1.conv, elu.alpha, elu_hidden.alpha)
         y = conv.step(x, buffers, activation=elu)
         return x + conv_1x1.step(y, buffers, activation=elu_hidden)
 

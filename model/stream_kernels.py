@@ -47,9 +47,14 @@ def overlap_add(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) ->
     output samples t * stride .. t * stride + K - 1): [B, C, T * stride], the kept `tail` [B, C, K - stride] added
     to its start; `tail` then holds the part that overruns this call (without the bias, which the next call adds).
     """
-    b, c, t, k = taps.shape
     if not use_kernel(taps.device) or torch.compiler.is_compiling():
         return overlap_add_reference(taps, tail, bias, stride)
+    return overlap_add_triton(taps, tail, bias, stride)
+
+
+def overlap_add_triton(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) -> Tensor:
+    """overlap_add as the Triton kernel, on whatever device Triton runs (CUDA; the CPU through its interpreter)."""
+    b, c, t, k = taps.shape
     overlap = k - stride
     assert t * stride >= overlap and tail.is_contiguous() and tail.shape[-1] == overlap
     out = torch.empty(b, c, t * stride, device=taps.device, dtype=taps.dtype)

@@ -11,6 +11,15 @@ ephemeral loopback port (real engine, real sockets), and speech-like input audio
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Without CUDA, our Triton kernels run through Triton's interpreter (numpy), so that their tests run on any machine
+# (tests/test_stream_kernels.py). It is read as triton is first imported, which no import above does.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import shutil
 import subprocess
 import tempfile

@@ -155,6 +155,7 @@ def test_mimi_step_saves_outputs_and_compares_them_bit_for_bit(tmp_path: Path) -
     lines = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--compare", str(moved))
     assert [line["bit_equal"] for line in lines] == [True, False]
     assert lines[1]["codes_equal"] == 1.0 and 0 < lines[1]["audio_max_abs_diff"] < 2e-3
+    assert lines[0]["audio_snr_db"] is None and lines[1]["audio_snr_db"] > 40
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal under test is the no-GPU one")

@@ -15,7 +15,6 @@ from torch import Tensor
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.mimi import Mimi, MimiState, checkpoint_key, load_mimi, random_mimi_state_dict
 from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, scale_add, scale_add_layer_norm
-from model.stream_kernels import overlap_add, overlap_add_reference
 
 CFG = TINY_MIMI
 K = CFG.num_codebooks
@@ -473,22 +472,3 @@ def test_a_side_in_bf16_streams_near_float32_and_leaves_the_codec_as_it_was(mimi
     got = stream_decode(half, half.init_state(2, "cpu"), codes)
     assert got.dtype == torch.float32
     assert 10 * math.log10(float(want.square().sum() / (got - want).square().sum())) > 30
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA only")
-@pytest.mark.parametrize(("channels", "frames", "kernel", "stride", "depthwise"),
-                         [(512, 2, 4, 2, True), (512, 2, 16, 8, False), (64, 240, 8, 4, False)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_overlap_add_kernel_equals_reference_on_cuda(channels, frames, kernel, stride, depthwise, dtype) -> None:
-    """Shapes of Mimi's streaming transposed convolutions at 64 rows (the dense taps strided as the GEMM leaves
-    them), float32 and bf16 (summed in float32): output and kept tail equal the torch ops' bit for bit, with and
-    without a bias."""
-    rows = 64
-    taps = torch.randn(rows, channels, frames, kernel, device="cuda", dtype=dtype) if depthwise else torch.randn(
-        rows, frames, channels, kernel, device="cuda", dtype=dtype).transpose(1, 2)
-    for bias in (torch.randn(channels, device="cuda", dtype=dtype), None):
-        tail = torch.randn(rows, channels, kernel - stride, device="cuda", dtype=dtype)
-        tails = [tail.clone(), tail.clone()]
-        got = overlap_add(taps, tails[0], bias, stride)
-        want = overlap_add_reference(taps, tails[1], bias, stride)
-        assert torch.equal(got, want) and torch.equal(tails[0], tails[1])

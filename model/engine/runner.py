@@ -52,12 +52,14 @@ def make_current(device: torch.device) -> None:
 
 def streaming_mimi(mimi: Mimi, config: EngineConfig, device: torch.device) -> Mimi:
     """The codec the engine's steps stream through: `mimi` itself, or on CUDA a copy with a side in bf16 and perhaps
-    its steps compiled (EngineConfig)."""
+    its residual units fused or its steps compiled (EngineConfig)."""
     if device.type != "cuda":
         return mimi
     bf16 = torch.bfloat16
     mimi = mimi.with_precision(bf16 if config.mimi_encoder_bf16 else mimi.encoder_dtype,
                                bf16 if config.mimi_decoder_bf16 else mimi.decoder_dtype)
+    if config.mimi_fused_residuals:
+        mimi = mimi.with_fused_residuals()
     return mimi.compiled() if config.mimi_compiled else mimi
 
 

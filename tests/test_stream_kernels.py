@@ -1,0 +1,102 @@
+"""Mimi's Triton kernels against the torch ops they replace: on CUDA as the engine runs them, and on a machine
+without CUDA through Triton's interpreter (tests/conftest.py sets it), so CI checks them too."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.config import FRAME_SAMPLES, MimiConfig
+from model.mimi_modules import ResidualBlock
+from model.random_model import random_mimi
+from model.residual_kernel import fused_residual_step
+from model.stream_kernels import overlap_add_reference, overlap_add_triton
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+ROWS = 64 if CUDA else 2  # the interpreter runs each program in numpy
+# Triton's interpreter does bf16 its own way (its conversions from fp32 truncate, its bf16 products are wrong):
+# bf16 is checked on CUDA.
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="bf16 is checked on CUDA"))
+
+
+@pytest.mark.parametrize(("channels", "frames", "kernel", "stride", "depthwise"),
+                         [(512, 2, 4, 2, True), (512, 2, 16, 8, False), (64, 240, 8, 4, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_overlap_add_kernel_equals_reference(channels, frames, kernel, stride, depthwise, dtype) -> None:
+    """Shapes of Mimi's streaming transposed convolutions (the dense taps strided as the GEMM leaves them), float32
+    and bf16 (summed in float32): output and kept tail equal the torch ops' bit for bit, with and without a bias.
+    Interpreted, 16 channels: each program is one row's channel, and the interpreter's take ~10 ms each."""
+    channels = channels if CUDA else 16
+    taps = torch.randn(ROWS, channels, frames, kernel, device=DEVICE, dtype=dtype) if depthwise else torch.randn(
+        ROWS, frames, channels, kernel, device=DEVICE, dtype=dtype).transpose(1, 2)
+    for bias in (torch.randn(channels, device=DEVICE, dtype=dtype), None):
+        tail = torch.randn(ROWS, channels, kernel - stride, device=DEVICE, dtype=dtype)
+        tails = [tail.clone(), tail.clone()]
+        got = overlap_add_triton(taps, tails[0], bias, stride)
+        want = overlap_add_reference(taps, tails[1], bias, stride)
+        assert torch.equal(got, want) and torch.equal(tails[0], tails[1])
+
+
+def residual_unit(channels: int, dtype: torch.dtype) -> ResidualBlock:
+    torch.manual_seed(channels)
+    return ResidualBlock(channels, channels // 2, 3, 1).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("channels", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@torch.no_grad()
+def test_a_fused_residual_step_computes_the_units_steps(channels, dtype) -> None:
+    """Steps of several lengths (the last tile partial; one as short as the kept context) and layouts through the
+    fused unit and the torch path, each with its own state: the same outputs within the products' precision (fp32
+    in the interpreter, TF32 or bf16 inputs on CUDA) and the same kept context after every step."""
+    unit = residual_unit(channels, dtype)
+    conv, conv_1x1 = unit.block[1], unit.block[3]
+    shapes = unit.buffer_shapes(200)
+    assert [kept for _, _, kept in shapes] == [2]
+    windows = [torch.zeros(ROWS, c, n, device=DEVICE, dtype=dtype) for c, n, _ in shapes]
+    fused_window = windows[0].clone()
+    tolerance = {torch.float32: 2e-3 if CUDA else 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for length, channels_inner in ((130, False), (64, True), (2, False), (200, True)):
+        # Time contiguous, or channels (as the encoder's strided convolution leaves its product).
+        x = 2 * torch.randn(ROWS, channels, length, device=DEVICE, dtype=dtype)
+        x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
+        want = unit.step(x, iter(windows)).float()
+        got = fused_residual_step(x, fused_window, conv.conv, conv_1x1.conv, 1.0, 1.0).float()
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), length
+        torch.testing.assert_close(fused_window[..., :2], windows[0][..., :2], rtol=1e-6, atol=1e-6)
+
+
+def test_only_the_units_the_kernel_takes_are_fused() -> None:
+    """Full-size Mimi: the encoder's first two units (64 and 128 channels) and the decoder's last two; the wider
+    ones keep the torch path; the codec itself is left as it was."""
+    mimi = random_mimi(MimiConfig(), "cpu")
+    fused = mimi.with_fused_residuals()
+
+    def widths(codec, name: str) -> list[tuple[int, bool]]:
+        units = [m for m in getattr(codec, name).modules() if isinstance(m, ResidualBlock)]
+        return [(unit.block[1].conv.in_channels, unit.fused) for unit in units]
+
+    assert widths(fused, "encoder") == [(64, True), (128, True), (256, False), (512, False)]
+    assert widths(fused, "decoder") == [(512, False), (256, False), (128, True), (64, True)]
+    assert not any(fused for _, fused in widths(mimi, "encoder") + widths(mimi, "decoder"))
+
+
+@pytest.mark.skipif(not CUDA, reason="the codec steps through the kernel on CUDA only")
+@torch.no_grad()
+def test_a_codec_with_fused_residuals_streams_as_the_torch_path_does() -> None:
+    """Full size on CUDA, as the engine's precisions run it (encoder float32 with TF32, decoder bf16): 6 frames at 8
+    rows encode to nearly the same codes, and the same codes decode to audio within 30 dB of the torch path's."""
+    mimi = random_mimi(MimiConfig(), "cuda").with_precision(torch.float32, torch.bfloat16)
+    fused = mimi.with_fused_residuals()
+    pcm = 0.1 * torch.randn(6, 8, FRAME_SAMPLES, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    states = mimi.init_state(8, "cuda"), fused.init_state(8, "cuda")
+    codes = [torch.stack([m.encode_frame(frame, s) for frame in pcm]) for m, s in zip((mimi, fused), states)]
+    assert (codes[0] == codes[1]).float().mean() > 0.9
+    states = mimi.init_state(8, "cuda"), fused.init_state(8, "cuda")
+    audio = [torch.stack([m.decode_frame(c, s) for c in codes[0]]) for m, s in zip((mimi, fused), states)]
+    noise = (audio[1] - audio[0]).square().sum()
+    assert 10 * math.log10(float(audio[0].square().sum() / noise)) > 30
