@@ -4,7 +4,7 @@ compute the same thing is checked by this, not assumed).
 
     python3 -m bench.mimi_step --rows 1 64 250 --save base.pt          # on the tree before
     python3 -m bench.mimi_step --rows 1 64 250 --compare base.pt       # on the tree after
-    python3 -m bench.mimi_step --rows 1 64 250 --fused-residuals      # the residual units' kernel beside
+    python3 -m bench.mimi_step --rows 1 64 250 --residual-tiles 64x4 32x4 128x8   # the fused residual units
 
 Full-size Mimi with seeded random weights (as `random-7b`'s), the engine's precisions (encoder float32 with TF32
 products, decoder bf16 on CUDA), cuDNN's algorithms chosen by its heuristics as in the engine. One JSON line per
@@ -21,7 +21,7 @@ import math
 import torch
 
 from bench.roofline import kernel_profile, time_mimi
-from model import fused
+from model import fused, residual_kernel
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
 from model.engine.api import EngineConfig
 from model.engine.runner import streaming_mimi
@@ -77,6 +77,14 @@ def kernels(mimi: Mimi, rows: int) -> dict:
     return out
 
 
+def residual_tile(text: str) -> residual_kernel.Tile:
+    try:
+        samples, warps = (int(part) for part in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tile is SAMPLESxWARPS, e.g. 64x4: got {text!r}") from None
+    return residual_kernel.Tile(samples, warps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 250])
@@ -88,8 +96,9 @@ def main() -> None:
     parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=False,
                         help="cuDNN times its algorithms per shape (a choice that differs between processes); off, as "
                              "the engine's warm-up runs, its heuristics choose, the same in every process")
-    parser.add_argument("--fused-residuals", action="store_true",
-                        help="also the codec with its residual units fused (Mimi.with_fused_residuals, CUDA): a line "
+    parser.add_argument("--residual-tiles", type=residual_tile, nargs="*", default=[],
+                        help="also the codec with its residual units fused (Mimi.with_fused_residuals, CUDA), with "
+                             "each kernel tile SAMPLESxWARPS (warps per 64 channels; 64x4 as the engine runs): a line "
                              "each, its outputs compared with the codec's own")
     args = parser.parse_args()
     mimi = build_mimi(args.tiny)
@@ -110,9 +119,10 @@ def main() -> None:
             line.update(time_mimi(mimi, rows, torch.device("cuda"), args.steps))
             line.update(kernels(mimi, rows))
         print(json.dumps(line), flush=True)
-        if args.fused_residuals and cuda:  # the same codec, its residual units fused: timed, and against the above
+        for tile in args.residual_tiles if cuda else []:  # the codec with its residual units fused, per tile
+            residual_kernel.TILE = tile
             fused_mimi = mimi.with_fused_residuals()
-            fused_line = {**line, "fused_residuals": True,
+            fused_line = {**line, "fused_residuals": True, "residual_tile": [tile.samples, tile.warps],
                           **compare(outputs(fused_mimi, rows, args.frames), mine[rows]),
                           **time_mimi(fused_mimi, rows, torch.device("cuda"), args.steps), **kernels(fused_mimi, rows)}
             print(json.dumps(fused_line), flush=True)

@@ -15,6 +15,8 @@ float32 than the torch path in bf16. `bench.mimi_step --fused-residuals` measure
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -24,8 +26,19 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-BLOCK_T = 64  # samples a program takes: [channels, BLOCK_T] tiles; a power of two >= 16 (tl.dot)
 FUSED_CHANNELS = (32, 64, 128)  # the unit's channels (hidden: half) whose weights and tiles fit one program
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A program's share: `samples` of one row (a power of two >= 16, for tl.dot) over all channels, with `warps`
+    for each 64 channels. Not tuned on a GPU yet: `bench.mimi_step --residual-tiles` times others."""
+
+    samples: int = 64
+    warps: int = 4
+
+
+TILE = Tile()
 
 
 def fits(channels: int, hidden: int) -> bool:
@@ -51,11 +64,11 @@ def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d,
     out = torch.empty(b, c, length, device=x.device, dtype=x.dtype)
     ieee = x.dtype == torch.float32 and not torch.backends.cudnn.allow_tf32  # else TF32 for float32, as cuDNN's
     window_strides = (0, 0, 0) if window is None else window.stride()  # never read without a context
-    _residual_kernel[(b, triton.cdiv(length, BLOCK_T))](
+    _residual_kernel[(b, triton.cdiv(length, TILE.samples))](
         x, x if window is None else window, conv.weight, conv.bias, conv_1x1.weight, conv_1x1.bias, out, length,
         x.stride(0), x.stride(1), x.stride(2), *window_strides, alpha, alpha_hidden,
-        C=c, H=hidden, K=k, DILATION=dilation, CONTEXT=context, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=BLOCK_T,
-        PRECISION="ieee" if ieee else None, num_warps=4 if c <= 64 else 8,
+        C=c, H=hidden, K=k, DILATION=dilation, CONTEXT=context, CHANNELS_INNER=x.stride(2) != 1,
+        BLOCK_T=TILE.samples, PRECISION="ieee" if ieee else None, num_warps=max(1, TILE.warps * c // 64),
     )
     if context:  # what the next step's first samples convolve with: this step's last, ELU'd
         torch.ops.aten.elu.out(x[..., length - context :], alpha, out=window[..., :context])
