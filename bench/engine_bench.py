@@ -234,7 +234,7 @@ async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
     mimi = {"mimi_encoder_bf16": args.mimi_encoder_bf16, "mimi_decoder_bf16": args.mimi_decoder_bf16,
-            "mimi_compiled": args.mimi_compiled, "mimi_fused_residuals": args.mimi_fused_residuals,
+            "mimi_compiled": args.mimi_compiled, "mimi_fused_seanet": args.mimi_fused_seanet,
             "fp8_weights": args.fp8_weights}
     engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, **mimi))
     engine.start()
@@ -295,9 +295,9 @@ def main() -> None:
                         default=EngineConfig.mimi_decoder_bf16, help="Mimi's streaming decoder in bf16 (CUDA)")
     parser.add_argument("--mimi-compiled", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.mimi_compiled, help="Mimi's streaming steps compiled by Inductor (CUDA)")
-    parser.add_argument("--mimi-fused-residuals", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig.mimi_fused_residuals,
-                        help="Mimi's residual units of 32-128 channels as one Triton kernel each (CUDA)")
+    parser.add_argument("--mimi-fused-seanet", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.mimi_fused_seanet,
+                        help="Mimi's SEANet steps with the largest activations as Triton kernels (CUDA)")
     parser.add_argument("--fp8-weights", action=argparse.BooleanOptionalAction, default=EngineConfig.fp8_weights,
                         help="the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)")
     parser.add_argument("--over-channel", action="store_true",

@@ -4,7 +4,7 @@ compute the same thing is checked by this, not assumed).
 
     python3 -m bench.mimi_step --rows 1 64 250 --save base.pt          # on the tree before
     python3 -m bench.mimi_step --rows 1 64 250 --compare base.pt       # on the tree after
-    python3 -m bench.mimi_step --rows 1 64 250 --residual-tiles 64x4 32x4 128x8   # the fused residual units
+    python3 -m bench.mimi_step --rows 1 64 250 --fused residual strided seanet --residual-tiles 32x4 128x8
 
 Full-size Mimi with seeded random weights (as `random-7b`'s), the engine's precisions (encoder float32 with TF32
 products, decoder bf16 on CUDA), cuDNN's algorithms chosen by its heuristics as in the engine. One JSON line per
@@ -21,7 +21,7 @@ import math
 import torch
 
 from bench.roofline import kernel_profile, time_mimi
-from model import fused, residual_kernel
+from model import fused, residual_kernel, strided_kernel
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
 from model.engine.api import EngineConfig
 from model.engine.runner import streaming_mimi
@@ -77,12 +77,22 @@ def kernels(mimi: Mimi, rows: int) -> dict:
     return out
 
 
-def residual_tile(text: str) -> residual_kernel.Tile:
+def tiles(text: str) -> list[int]:
     try:
-        samples, warps = (int(part) for part in text.split("x"))
+        return [int(part) for part in text.split("x")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a tile is SAMPLESxWARPS, e.g. 64x4: got {text!r}") from None
-    return residual_kernel.Tile(samples, warps)
+        raise argparse.ArgumentTypeError(f"a tile is sizes joined by x, e.g. 64x4: got {text!r}") from None
+
+
+def fused_variants(args: argparse.Namespace) -> list[tuple[dict, bool, bool]]:
+    """(what the line says, residual units fused, strided convolutions fused), each with the tiles it sets."""
+    variants = []
+    for name in args.fused:
+        residual, strided = name in ("residual", "seanet"), name in ("strided", "seanet")
+        variants.append(({"fused": name}, residual, strided))
+    variants += [({"fused": "residual", "residual_tile": t}, True, False) for t in args.residual_tiles]
+    variants += [({"fused": "strided", "strided_tile": t}, False, True) for t in args.strided_tiles]
+    return variants
 
 
 def main() -> None:
@@ -96,10 +106,16 @@ def main() -> None:
     parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=False,
                         help="cuDNN times its algorithms per shape (a choice that differs between processes); off, as "
                              "the engine's warm-up runs, its heuristics choose, the same in every process")
-    parser.add_argument("--residual-tiles", type=residual_tile, nargs="*", default=[],
-                        help="also the codec with its residual units fused (Mimi.with_fused_residuals, CUDA), with "
-                             "each kernel tile SAMPLESxWARPS (warps per 64 channels; 64x4 as the engine runs): a line "
-                             "each, its outputs compared with the codec's own")
+    parser.add_argument("--fused", nargs="*", choices=["residual", "strided", "seanet"], default=[],
+                        help="also the codec with SEANet steps as Triton kernels (Mimi.with_fused_seanet, CUDA): its "
+                             "residual units, its strided convolutions, or both; a line each, outputs compared with "
+                             "the codec's own")
+    parser.add_argument("--residual-tiles", type=tiles, nargs="*", default=[],
+                        help="the residual units fused with each tile SAMPLESxWARPS (warps per 64 channels; "
+                             "residual_kernel.Tile)")
+    parser.add_argument("--strided-tiles", type=tiles, nargs="*", default=[],
+                        help="the strided convolutions fused with each tile FRAMESxCHANNELSxWARPS "
+                             "(strided_kernel.Tile)")
     args = parser.parse_args()
     mimi = build_mimi(args.tiny)
     cuda = next(mimi.parameters()).device.type == "cuda"
@@ -119,11 +135,11 @@ def main() -> None:
             line.update(time_mimi(mimi, rows, torch.device("cuda"), args.steps))
             line.update(kernels(mimi, rows))
         print(json.dumps(line), flush=True)
-        for tile in args.residual_tiles if cuda else []:  # the codec with its residual units fused, per tile
-            residual_kernel.TILE = tile
-            fused_mimi = mimi.with_fused_residuals()
-            fused_line = {**line, "fused_residuals": True, "residual_tile": [tile.samples, tile.warps],
-                          **compare(outputs(fused_mimi, rows, args.frames), mine[rows]),
+        for said, residual, strided in fused_variants(args) if cuda else []:
+            residual_kernel.TILE = residual_kernel.Tile(*said.get("residual_tile", []))
+            strided_kernel.TILE = strided_kernel.Tile(*said.get("strided_tile", []))
+            fused_mimi = mimi.with_fused_seanet(residual=residual, strided=strided)
+            fused_line = {**line, **said, **compare(outputs(fused_mimi, rows, args.frames), mine[rows]),
                           **time_mimi(fused_mimi, rows, torch.device("cuda"), args.steps), **kernels(fused_mimi, rows)}
             print(json.dumps(fused_line), flush=True)
     if args.save:

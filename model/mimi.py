@@ -35,7 +35,8 @@ from model.mimi_modules import (
     SplitResidualVQ,
 )
 from model.precision import sibling
-from model.residual_kernel import fits
+from model.residual_kernel import fits as residual_fits
+from model.strided_kernel import fits as strided_fits
 
 
 @dataclass
@@ -195,17 +196,22 @@ class Mimi(nn.Module):
         x = self.decoder_transformer.step(x.transpose(1, 2), dec.kv).transpose(1, 2)
         return self.decoder.step(x, buffers)[:, 0].float()
 
-    def with_fused_residuals(self) -> Mimi:
-        """This codec with each SEANet residual unit of a width the kernel takes stepping as one Triton kernel on CUDA
-        (model/residual_kernel.py): the encoder's first units and the decoder's last, where the activations are
-        largest. Not bit-equal to the torch path (the hidden activations stay fp32), so a choice, not a default."""
+    def with_fused_seanet(self, residual: bool = True, strided: bool = True) -> Mimi:
+        """This codec with some SEANet steps as one Triton kernel each on CUDA, where the activations are largest:
+        the residual units of 32-128 channels (`residual`: the encoder's first two, the decoder's last two;
+        model/residual_kernel.py) and the encoder's first two downsampling convolutions with the ELU before them
+        (`strided`; model/strided_kernel.py). Not bit-equal to the torch path, so a choice, not a default."""
         other = sibling(self)
         for name in ("encoder", "decoder"):
             seanet = copy.deepcopy(getattr(self, name))
-            for block in seanet.modules():
-                if isinstance(block, ResidualBlock):
-                    conv = block.block[1].conv
-                    block.fused = fits(conv.in_channels, conv.out_channels)
+            for layer in seanet.model:
+                if isinstance(layer, ResidualBlock):
+                    conv = layer.block[1].conv
+                    layer.fused = residual and residual_fits(conv.in_channels, conv.out_channels)
+                elif isinstance(layer, CausalConv1d):
+                    conv = layer.conv
+                    layer.fused = strided and layer.pad_mode == "constant" and strided_fits(
+                        conv.in_channels, conv.out_channels, conv.stride[0])
             setattr(other, name, seanet)
         return other
 

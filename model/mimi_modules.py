@@ -19,6 +19,7 @@ from model.fused import fusable
 from model.residual_kernel import fused_residual_step
 from model.rope import apply_rope, rope_rotation
 from model.stream_kernels import overlap_add
+from model.strided_kernel import fused_strided_step
 
 NORM_EPS = 1e-5
 CODEBOOK_EPS = 1e-5
@@ -56,6 +57,7 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride, dilation=dilation, bias=bias)
         self.pad_mode = pad_mode
         self.context = (kernel_size - 1) * dilation + 1 - stride
+        self.fused = False  # a strided one's steps on CUDA as one Triton kernel (Mimi.with_fused_seanet)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The streaming state for steps of up to `length` input samples: (channels, samples, samples carried from
@@ -87,6 +89,9 @@ class CausalConv1d(nn.Module):
         `activation` (the ELU before this convolution) is applied as the input is written into the window."""
         if self.context == 0:
             return self._step_conv(x if activation is None else activation(x))
+        if self.fused and x.is_cuda and 1 in x.stride()[1:] and x.shape[-1] % self.conv.stride[0] == 0 \
+                and x.shape[-1] >= self.context and not torch.compiler.is_compiling():
+            return fused_strided_step(x, next(buffers), self.conv, None if activation is None else activation.alpha)
         window = next(buffers)
         kept, length = self.context, x.shape[-1]
         if kept + length > window.shape[-1]:
@@ -155,7 +160,7 @@ class CausalConvTranspose1d(nn.Module):
 class ResidualBlock(nn.Module):
     """SEANet residual unit: x + conv1x1(elu(conv_k(elu(x)))), identity skip. Indices 1 and 3 hold the convs.
 
-    With `fused` set (`Mimi.with_fused_residuals`), a streaming step on CUDA runs as one Triton kernel where its
+    With `fused` set (`Mimi.with_fused_seanet`), a streaming step on CUDA runs as one Triton kernel where its
     widths and input allow (model/residual_kernel.py)."""
 
     def __init__(self, dim: int, hidden: int, kernel_size: int, dilation: int) -> None:

@@ -1,4 +1,4 @@
-"""A SEANet residual unit's streaming step as one Triton kernel (opt-in: `Mimi.with_fused_residuals`).
+"""A SEANet residual unit's streaming step as one Triton kernel (opt-in: `Mimi.with_fused_seanet`).
 
 The unit is x + conv1x1(elu(conv_k(elu(x)))). Step by step in torch it is five passes over its activations: the ELU
 written into the first convolution's window, that convolution, the hidden ELU, the 1x1 convolution, the residual
@@ -10,7 +10,7 @@ needs comes from cache), the output written once, and the hidden activations nev
 Arithmetic: both products accumulate in fp32 (TF32 inputs for a float32 unit where cuDNN's convolutions use TF32,
 bf16 inputs for a bf16 unit), and the hidden activations stay fp32 between them where the torch path rounds them to
 the unit's dtype. So the outputs are not bit-equal to the torch path's: within TF32's rounding in float32, closer to
-float32 than the torch path in bf16. `bench.mimi_step --fused-residuals` measures both paths' time and agreement.
+float32 than the torch path in bf16. `bench.mimi_step --fused residual` measures both paths' time and agreement.
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from model.config import FRAME_SAMPLES, MimiConfig
-from model.mimi_modules import ResidualBlock
+from model.mimi_modules import CausalConv1d, ResidualBlock
 from model.random_model import random_mimi
 from model.residual_kernel import fused_residual_step
 from model.stream_kernels import overlap_add_reference, overlap_add_triton
+from model.strided_kernel import fused_strided_step
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -70,28 +71,63 @@ def test_a_fused_residual_step_computes_the_units_steps(channels, dtype) -> None
         torch.testing.assert_close(fused_window[..., :2], windows[0][..., :2], rtol=1e-6, atol=1e-6)
 
 
-def test_only_the_units_the_kernel_takes_are_fused() -> None:
-    """Full-size Mimi: the encoder's first two units (64 and 128 channels) and the decoder's last two; the wider
-    ones keep the torch path; the codec itself is left as it was."""
+@pytest.mark.parametrize(("channels", "kernel", "stride"), [(64, 8, 4), (128, 10, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@torch.no_grad()
+def test_a_fused_strided_step_computes_the_convolutions_steps(channels, kernel, stride, dtype) -> None:
+    """The encoder's first two downsampling convolutions (with the ELU before them, and one without), steps of
+    several lengths and both layouts, fused and through the torch path with their own state: the same outputs
+    within the product's precision and the same kept context after every step."""
+    torch.manual_seed(kernel)
+    conv = CausalConv1d(channels, 2 * channels, kernel, stride=stride).to(DEVICE, dtype)
+    elu = torch.nn.ELU()
+    (shape,) = conv.buffer_shapes(40 * stride)
+    window = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
+    fused_window = window.clone()
+    tolerance = {torch.float32: 2e-3 if CUDA else 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for frames, channels_inner, activation in ((40, False, elu), (7, True, elu), (1, False, None), (33, True, elu)):
+        x = 2 * torch.randn(ROWS, channels, frames * stride, device=DEVICE, dtype=dtype)
+        x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
+        want = conv.step(x, iter([window]), activation=activation).float()
+        got = fused_strided_step(x, fused_window, conv.conv, None if activation is None else activation.alpha)
+        assert got.is_contiguous() and got.shape == want.shape
+        assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), frames
+        torch.testing.assert_close(fused_window[..., :stride], window[..., :stride], rtol=1e-6, atol=1e-6)
+
+
+def test_only_the_steps_the_kernels_take_are_fused() -> None:
+    """Full-size Mimi: the residual units of the encoder's first two stages (64 and 128 channels) and the decoder's
+    last two, and the encoder's first two downsampling convolutions; the wider ones keep the torch path, as does
+    every part that either choice leaves out; the codec itself is left as it was."""
     mimi = random_mimi(MimiConfig(), "cpu")
-    fused = mimi.with_fused_residuals()
 
-    def widths(codec, name: str) -> list[tuple[int, bool]]:
-        units = [m for m in getattr(codec, name).modules() if isinstance(m, ResidualBlock)]
-        return [(unit.block[1].conv.in_channels, unit.fused) for unit in units]
+    def fused(codec, name: str) -> list[tuple[str, int, bool]]:
+        return [(type(layer).__name__, layer.conv.in_channels if isinstance(layer, CausalConv1d)
+                 else layer.block[1].conv.in_channels, layer.fused)
+                for layer in getattr(codec, name).model if isinstance(layer, (ResidualBlock, CausalConv1d))]
 
-    assert widths(fused, "encoder") == [(64, True), (128, True), (256, False), (512, False)]
-    assert widths(fused, "decoder") == [(512, False), (256, False), (128, True), (64, True)]
-    assert not any(fused for _, fused in widths(mimi, "encoder") + widths(mimi, "decoder"))
+    both = mimi.with_fused_seanet()
+    assert fused(both, "encoder") == [
+        ("CausalConv1d", 1, False), ("ResidualBlock", 64, True), ("CausalConv1d", 64, True),
+        ("ResidualBlock", 128, True), ("CausalConv1d", 128, True), ("ResidualBlock", 256, False),
+        ("CausalConv1d", 256, False), ("ResidualBlock", 512, False), ("CausalConv1d", 512, False),
+        ("CausalConv1d", 1024, False)]
+    assert [(kind, width) for kind, width, on in fused(both, "decoder") if on] == [
+        ("ResidualBlock", 128), ("ResidualBlock", 64)]
+    for residual, strided in ((True, False), (False, True)):
+        one = mimi.with_fused_seanet(residual=residual, strided=strided)
+        assert [(kind, on) for kind, _, on in fused(one, "encoder")] == [
+            (kind, on and (residual if kind == "ResidualBlock" else strided)) for kind, _, on in fused(both, "encoder")]
+    assert not any(on for part in ("encoder", "decoder") for _, _, on in fused(mimi, part))
 
 
 @pytest.mark.skipif(not CUDA, reason="the codec steps through the kernel on CUDA only")
 @torch.no_grad()
-def test_a_codec_with_fused_residuals_streams_as_the_torch_path_does() -> None:
+def test_a_codec_with_fused_seanet_streams_as_the_torch_path_does() -> None:
     """Full size on CUDA, as the engine's precisions run it (encoder float32 with TF32, decoder bf16): 6 frames at 8
     rows encode to nearly the same codes, and the same codes decode to audio within 30 dB of the torch path's."""
     mimi = random_mimi(MimiConfig(), "cuda").with_precision(torch.float32, torch.bfloat16)
-    fused = mimi.with_fused_residuals()
+    fused = mimi.with_fused_seanet()
     pcm = 0.1 * torch.randn(6, 8, FRAME_SAMPLES, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     states = mimi.init_state(8, "cuda"), fused.init_state(8, "cuda")
     codes = [torch.stack([m.encode_frame(frame, s) for frame in pcm]) for m, s in zip((mimi, fused), states)]

@@ -136,10 +136,11 @@ class EngineConfig:
     # On CUDA, Mimi's two streaming steps compiled whole by Inductor (`Mimi.compiled`): the glue between its
     # products fused into generated kernels. Not bit-exact (Inductor orders some sums its own way).
     mimi_compiled: bool = False
-    # On CUDA, each of Mimi's SEANet residual units of 32-128 channels (the encoder's first two, the decoder's last
-    # two: its largest activations) steps as one Triton kernel (`Mimi.with_fused_residuals`, residual_kernel.py).
-    # Not bit-exact (the hidden activations stay fp32 between the unit's two products); off until measured.
-    mimi_fused_residuals: bool = False
+    # On CUDA, Mimi's SEANet steps where its activations are largest as one Triton kernel each: the residual units
+    # of 32-128 channels and the encoder's first two downsampling convolutions (`Mimi.with_fused_seanet`;
+    # residual_kernel.py, strided_kernel.py). Not bit-exact (other sum orders; the residual units' hidden
+    # activations stay fp32); off until measured on the GPU.
+    mimi_fused_seanet: bool = False
     # The temporal transformer's products with e4m3 weights (a scale per output channel) and inputs quantized per
     # row (`LM.with_fp8_weights`): half the bytes of the weights a tick reads, at the fp8 tensor-core rate (CUDA
     # compute capability 8.9+; on the CPU it runs, slowly, for tests). Greedy tokens move (docs/fidelity.md), and
