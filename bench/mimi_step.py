@@ -21,7 +21,7 @@ import math
 import torch
 
 from bench.roofline import kernel_profile, time_mimi
-from model import fused, residual_kernel, strided_kernel
+from model import fused, residual_kernel, strided_kernel, transposed_kernel
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
 from model.engine.api import EngineConfig
 from model.engine.runner import streaming_mimi
@@ -92,6 +92,7 @@ def fused_variants(args: argparse.Namespace) -> list[tuple[dict, bool, bool]]:
         variants.append(({"fused": name}, residual, strided))
     variants += [({"fused": "residual", "residual_tile": t}, True, False) for t in args.residual_tiles]
     variants += [({"fused": "strided", "strided_tile": t}, False, True) for t in args.strided_tiles]
+    variants += [({"fused": "strided", "transposed_tile": t}, False, True) for t in args.transposed_tiles]
     return variants
 
 
@@ -108,14 +109,17 @@ def main() -> None:
                              "the engine's warm-up runs, its heuristics choose, the same in every process")
     parser.add_argument("--fused", nargs="*", choices=["residual", "strided", "seanet"], default=[],
                         help="also the codec with SEANet steps as Triton kernels (Mimi.with_fused_seanet, CUDA): its "
-                             "residual units, its strided convolutions, or both; a line each, outputs compared with "
-                             "the codec's own")
+                             "residual units, its strided convolutions (down and up), or both; a line each, outputs "
+                             "compared with the codec's own")
     parser.add_argument("--residual-tiles", type=tiles, nargs="*", default=[],
                         help="the residual units fused with each tile SAMPLESxWARPS (warps per 64 channels; "
                              "residual_kernel.Tile)")
     parser.add_argument("--strided-tiles", type=tiles, nargs="*", default=[],
-                        help="the strided convolutions fused with each tile FRAMESxCHANNELSxWARPS "
+                        help="the strided convolutions fused with each downsampling tile FRAMESxCHANNELSxWARPS "
                              "(strided_kernel.Tile)")
+    parser.add_argument("--transposed-tiles", type=tiles, nargs="*", default=[],
+                        help="the strided convolutions fused with each upsampling tile FRAMESxCHANNELSxWARPS "
+                             "(transposed_kernel.Tile)")
     args = parser.parse_args()
     mimi = build_mimi(args.tiny)
     cuda = next(mimi.parameters()).device.type == "cuda"
@@ -138,6 +142,7 @@ def main() -> None:
         for said, residual, strided in fused_variants(args) if cuda else []:
             residual_kernel.TILE = residual_kernel.Tile(*said.get("residual_tile", []))
             strided_kernel.TILE = strided_kernel.Tile(*said.get("strided_tile", []))
+            transposed_kernel.TILE = transposed_kernel.Tile(*said.get("transposed_tile", []))
             fused_mimi = mimi.with_fused_seanet(residual=residual, strided=strided)
             fused_line = {**line, **said, **compare(outputs(fused_mimi, rows, args.frames), mine[rows]),
                           **time_mimi(fused_mimi, rows, torch.device("cuda"), args.steps), **kernels(fused_mimi, rows)}

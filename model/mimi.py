@@ -37,6 +37,7 @@ from model.mimi_modules import (
 from model.precision import sibling
 from model.residual_kernel import fits as residual_fits
 from model.strided_kernel import fits as strided_fits
+from model.transposed_kernel import fits as transposed_fits
 
 
 @dataclass
@@ -199,8 +200,9 @@ class Mimi(nn.Module):
     def with_fused_seanet(self, residual: bool = True, strided: bool = True) -> Mimi:
         """This codec with some SEANet steps as one Triton kernel each on CUDA, where the activations are largest:
         the residual units of 32-128 channels (`residual`: the encoder's first two, the decoder's last two;
-        model/residual_kernel.py) and the encoder's first two downsampling convolutions with the ELU before them
-        (`strided`; model/strided_kernel.py). Not bit-equal to the torch path, so a choice, not a default."""
+        model/residual_kernel.py), and the strided convolutions with the ELU before them (`strided`): the encoder's
+        first two downsampling ones (model/strided_kernel.py) and the decoder's last two upsampling ones
+        (model/transposed_kernel.py). Not bit-equal to the torch path, so a choice, not a default."""
         other = sibling(self)
         for name in ("encoder", "decoder"):
             seanet = copy.deepcopy(getattr(self, name))
@@ -212,6 +214,10 @@ class Mimi(nn.Module):
                     conv = layer.conv
                     layer.fused = strided and layer.pad_mode == "constant" and strided_fits(
                         conv.in_channels, conv.out_channels, conv.stride[0])
+                elif isinstance(layer, CausalConvTranspose1d):
+                    convtr = layer.convtr
+                    layer.fused = strided and transposed_fits(convtr.in_channels, convtr.out_channels,
+                                                              convtr.kernel_size[0], convtr.stride[0], convtr.groups)
             setattr(other, name, seanet)
         return other
 

@@ -20,6 +20,7 @@ from model.residual_kernel import fused_residual_step
 from model.rope import apply_rope, rope_rotation
 from model.stream_kernels import overlap_add
 from model.strided_kernel import fused_strided_step
+from model.transposed_kernel import fused_transposed_step
 
 NORM_EPS = 1e-5
 CODEBOOK_EPS = 1e-5
@@ -132,6 +133,7 @@ class CausalConvTranspose1d(nn.Module):
         self.convtr = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride, groups=groups, bias=bias)
         self.stride = stride
         self.overlap = kernel_size - stride
+        self.fused = False  # its steps on CUDA as one Triton kernel (Mimi.with_fused_seanet)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The overlap tail, whatever the step's length, all of it carried."""
@@ -153,8 +155,14 @@ class CausalConvTranspose1d(nn.Module):
             return (x.transpose(1, 2).reshape(b * t, c_in) @ w.reshape(c_in, -1)).view(b, t, -1, k).transpose(1, 2)
         return x.unsqueeze(-1) * w.view(1, c_in, 1, k)
 
-    def step(self, x: Tensor, buffers: Iterator[Tensor]) -> Tensor:
-        return overlap_add(self._taps(x), next(buffers), self.convtr.bias, self.stride)
+    def step(self, x: Tensor, buffers: Iterator[Tensor], activation: nn.ELU | None = None) -> Tensor:
+        """`activation` (the ELU before this convolution) is applied to the input first."""
+        if self.fused and x.is_cuda and 1 in x.stride()[1:] and x.shape[-1] * self.stride >= self.overlap \
+                and not torch.compiler.is_compiling():
+            alpha = None if activation is None else activation.alpha
+            return fused_transposed_step(x, next(buffers), self.convtr, alpha)
+        return overlap_add(self._taps(x if activation is None else activation(x)), next(buffers), self.convtr.bias,
+                           self.stride)
 
 
 class ResidualBlock(nn.Module):
@@ -224,7 +232,7 @@ class _Seanet(nn.Module):
         for layer in self.model:
             if isinstance(layer, nn.ELU):
                 activation = layer
-            elif isinstance(layer, CausalConv1d):
+            elif isinstance(layer, (CausalConv1d, CausalConvTranspose1d)):
                 x, activation = layer.step(x, buffers, activation=activation), None
             else:
                 x, activation = layer.step(x if activation is None else activation(x), buffers), None

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from model.config import FRAME_SAMPLES, MimiConfig
-from model.mimi_modules import CausalConv1d, ResidualBlock
+from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, ResidualBlock
 from model.random_model import random_mimi
 from model.residual_kernel import fused_residual_step
 from model.stream_kernels import overlap_add_reference, overlap_add_triton
 from model.strided_kernel import fused_strided_step
+from model.transposed_kernel import fused_transposed_step
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -95,16 +96,44 @@ def test_a_fused_strided_step_computes_the_convolutions_steps(channels, kernel, 
         torch.testing.assert_close(fused_window[..., :stride], window[..., :stride], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(("channels", "kernel", "stride"), [(128, 8, 4), (256, 10, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@torch.no_grad()
+def test_a_fused_transposed_step_computes_the_convolutions_steps(channels, kernel, stride, dtype) -> None:
+    """The decoder's last two upsampling convolutions (with the ELU before them, and one without), steps of several
+    lengths (one as short as the overlap allows) and both layouts, fused and through the torch path (taps and
+    overlap-add) with their own tails: the same outputs and tails within the product's precision."""
+    torch.manual_seed(kernel)
+    convtr = CausalConvTranspose1d(channels, channels // 2, kernel, stride).to(DEVICE, dtype)
+    elu = torch.nn.ELU()
+    (shape,) = convtr.buffer_shapes(40)
+    tail = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
+    fused_tail = tail.clone()
+    tolerance = {torch.float32: 2e-3 if CUDA else 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for frames, channels_inner, activation in ((40, False, elu), (3, True, elu), (1, False, None), (33, True, elu)):
+        x = 2 * torch.randn(ROWS, channels, frames, device=DEVICE, dtype=dtype)
+        x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
+        want = convtr.step(x, iter([tail]), activation=activation).float()
+        got = fused_transposed_step(x, fused_tail, convtr.convtr, None if activation is None else activation.alpha)
+        assert got.is_contiguous() and got.shape == want.shape
+        assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), frames
+        assert (fused_tail.float() - tail.float()).abs().max() <= tolerance * want.abs().max(), frames
+
+
 def test_only_the_steps_the_kernels_take_are_fused() -> None:
     """Full-size Mimi: the residual units of the encoder's first two stages (64 and 128 channels) and the decoder's
-    last two, and the encoder's first two downsampling convolutions; the wider ones keep the torch path, as does
-    every part that either choice leaves out; the codec itself is left as it was."""
+    last two, the encoder's first two downsampling convolutions and the decoder's last two upsampling ones; the
+    wider ones keep the torch path, as does every part that either choice leaves out; the codec itself is left as
+    it was."""
     mimi = random_mimi(MimiConfig(), "cpu")
 
     def fused(codec, name: str) -> list[tuple[str, int, bool]]:
-        return [(type(layer).__name__, layer.conv.in_channels if isinstance(layer, CausalConv1d)
-                 else layer.block[1].conv.in_channels, layer.fused)
-                for layer in getattr(codec, name).model if isinstance(layer, (ResidualBlock, CausalConv1d))]
+        def width(layer) -> int:
+            conv = layer.block[1] if isinstance(layer, ResidualBlock) else layer
+            return (conv.convtr if isinstance(conv, CausalConvTranspose1d) else conv.conv).in_channels
+
+        return [(type(layer).__name__, width(layer), layer.fused) for layer in getattr(codec, name).model
+                if isinstance(layer, (ResidualBlock, CausalConv1d, CausalConvTranspose1d))]
 
     both = mimi.with_fused_seanet()
     assert fused(both, "encoder") == [
@@ -113,11 +142,12 @@ def test_only_the_steps_the_kernels_take_are_fused() -> None:
         ("CausalConv1d", 256, False), ("ResidualBlock", 512, False), ("CausalConv1d", 512, False),
         ("CausalConv1d", 1024, False)]
     assert [(kind, width) for kind, width, on in fused(both, "decoder") if on] == [
-        ("ResidualBlock", 128), ("ResidualBlock", 64)]
+        ("CausalConvTranspose1d", 256), ("ResidualBlock", 128), ("CausalConvTranspose1d", 128), ("ResidualBlock", 64)]
     for residual, strided in ((True, False), (False, True)):
         one = mimi.with_fused_seanet(residual=residual, strided=strided)
-        assert [(kind, on) for kind, _, on in fused(one, "encoder")] == [
-            (kind, on and (residual if kind == "ResidualBlock" else strided)) for kind, _, on in fused(both, "encoder")]
+        for part in ("encoder", "decoder"):
+            assert [(kind, on) for kind, _, on in fused(one, part)] == [
+                (kind, on and (residual if kind == "ResidualBlock" else strided)) for kind, _, on in fused(both, part)]
     assert not any(on for part in ("encoder", "decoder") for _, _, on in fused(mimi, part))
 
 
