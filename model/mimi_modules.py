@@ -445,23 +445,30 @@ class MimiTransformer(nn.Module):
 
 
 class Codebook(nn.Module):
-    """Euclidean codebook stored as running sums: centroid = embedding_sum / max(cluster_usage, eps)."""
+    """Euclidean codebook stored as running sums: centroid = embedding_sum / max(cluster_usage, eps), computed once
+    as the sums load (a division of the whole codebook at every lookup was 48 kernels of each tick's codec)."""
 
     def __init__(self, bins: int, dim: int) -> None:
         super().__init__()
         self.register_buffer("_initialized", torch.zeros(1))
         self.register_buffer("cluster_usage", torch.ones(bins))
         self.register_buffer("embedding_sum", torch.zeros(bins, dim))
+        self.register_buffer("centroids", self._centroids(), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _: module.update_centroids())
 
-    def embedding(self) -> Tensor:
+    def _centroids(self) -> Tensor:
         return self.embedding_sum / self.cluster_usage.clamp(min=CODEBOOK_EPS)[:, None]
+
+    def update_centroids(self) -> None:
+        """The centroids from the sums as they are now (done as a state dict loads)."""
+        self.centroids = self._centroids()
 
     def encode(self, x: Tensor) -> Tensor:
         """x [N, D] -> index of the nearest centroid (L2) [N]."""
-        return torch.cdist(x[None], self.embedding()[None], p=2)[0].argmin(dim=-1)
+        return torch.cdist(x[None], self.centroids[None], p=2)[0].argmin(dim=-1)
 
     def decode(self, codes: Tensor) -> Tensor:
-        return F.embedding(codes, self.embedding())
+        return F.embedding(codes, self.centroids)
 
 
 class ResidualVQ(nn.Module):

@@ -328,6 +328,13 @@ def test_random_checkpoint_round_trip(tmp_path: Path) -> None:
         assert torch.equal(value, sd[key]), key
     assert not model.training
     assert model.encode(audio(1, 2, seed=12)).shape == (1, K, 2)
+    # Each codebook's centroids, computed once as its sums loaded, are the sums over the usage (floored at eps).
+    codebook = model.quantizer.rvq_rest.layers[3]
+    usage = sd["quantizer.rvq_rest.vq.layers.3._codebook.cluster_usage"]
+    want = sd["quantizer.rvq_rest.vq.layers.3._codebook.embedding_sum"] / usage.clamp(min=1e-5)[:, None]
+    assert torch.equal(codebook.centroids, want) and "centroids" not in "".join(model.state_dict())
+    codebook.load_state_dict({**codebook.state_dict(), "cluster_usage": 2 * usage})
+    assert torch.equal(codebook.centroids, codebook.embedding_sum / (2 * usage).clamp(min=1e-5)[:, None])
 
 
 def test_small_structure_has_reference_key_count() -> None:
