@@ -118,7 +118,7 @@ def main() -> None:
                         help="the strided convolutions fused with each downsampling tile FRAMESxCHANNELSxWARPS "
                              "(strided_kernel.Tile)")
     parser.add_argument("--transposed-tiles", type=tiles, nargs="*", default=[],
-                        help="the strided convolutions fused with each upsampling tile FRAMESxCHANNELSxWARPS "
+                        help="the strided convolutions fused with each upsampling tile FRAMESxROWSxWARPS "
                              "(transposed_kernel.Tile)")
     args = parser.parse_args()
     mimi = build_mimi(args.tiny)

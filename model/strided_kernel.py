@@ -36,7 +36,7 @@ class Tile:
 
     frames: int = 32
     channels: int = 128
-    warps: int = 4
+    warps: int = 8
 
 
 TILE = Tile()

@@ -31,22 +31,31 @@ INPUT_BLOCK = 64  # input channels a product takes at once
 
 @dataclass(frozen=True)
 class Tile:
-    """A program's share: `frames` input frames (a power of two >= 16, for tl.dot) of `channels` output channels
-    (each with its `stride` offsets, padded to a power of two), with `warps`. Not tuned on a GPU yet."""
+    """A program's share: `frames` output frames (a power of two >= 16, for tl.dot) of as many output channels as
+    give `rows` product rows (a channel's `stride` offsets, padded to a power of two, are its rows), with `warps`.
+    Not tuned on a GPU yet."""
 
     frames: int = 32
-    channels: int = 64
+    rows: int = 256
     warps: int = 8
+
+    def channels(self, stride: int) -> int:
+        return self.rows // padded(stride)
 
 
 TILE = Tile()
+
+
+def padded(stride: int) -> int:
+    """The stride rounded up to a power of two (tl.arange's sizes are)."""
+    return 1 << (stride - 1).bit_length()
 
 
 def fits(in_channels: int, out_channels: int, kernel: int, stride: int, groups: int) -> bool:
     """Whether a transposed convolution can run as the kernel: dense, the kernel a multiple of the stride, and the
     decoder's last two (256 -> 128 and 128 -> 64 channels, the widest activations)."""
     return (groups == 1 and kernel % stride == 0 and in_channels in (128, 256)
-            and out_channels % TILE.channels == 0)
+            and out_channels % TILE.channels(stride) == 0)
 
 
 def fused_transposed_step(x: Tensor, tail: Tensor, convtr: torch.nn.ConvTranspose1d, alpha: float | None) -> Tensor:
@@ -63,12 +72,13 @@ def fused_transposed_step(x: Tensor, tail: Tensor, convtr: torch.nn.ConvTranspos
     out = torch.empty(b, c_out, frames * stride, device=x.device, dtype=x.dtype)
     new_tail = torch.empty_like(tail)  # the programs of the first frames still read the old one
     ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32  # as the torch path's product
-    grid = (b, triton.cdiv(frames + shifts - 1, TILE.frames), c_out // TILE.channels)
+    block_co = TILE.channels(stride)
+    grid = (b, triton.cdiv(frames + shifts - 1, TILE.frames), c_out // block_co)
     _transposed_kernel[grid](
         x, tail, new_tail, convtr.weight, convtr.bias, out, frames, x.stride(0), x.stride(1), x.stride(2),
         1.0 if alpha is None else alpha, C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride,
-        PADDED_STRIDE=triton.next_power_of_2(stride), SHIFTS=shifts, HAS_ELU=alpha is not None,
-        CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=TILE.frames, BLOCK_CO=TILE.channels, BLOCK_CI=INPUT_BLOCK,
+        PADDED_STRIDE=padded(stride), SHIFTS=shifts, HAS_ELU=alpha is not None,
+        CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=TILE.frames, BLOCK_CO=block_co, BLOCK_CI=INPUT_BLOCK,
         PRECISION="ieee" if ieee else None, num_warps=TILE.warps,
     )
     tail.copy_(new_tail)
