@@ -7,6 +7,7 @@ their state buffers from an iterator, in the order `buffer_shapes(length)` lists
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -24,6 +25,16 @@ from model.transposed_kernel import fused_transposed_step
 
 NORM_EPS = 1e-5
 CODEBOOK_EPS = 1e-5
+
+
+# Triton's interpreter runs kernels on the CPU (tests/conftest.py sets it where there is no GPU), so the fused steps
+# below can be tested anywhere; the engine fuses them on CUDA only (model/engine/runner.py).
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernel_takes(x: Tensor) -> bool:
+    """Whether a fused SEANet step's Triton kernel can take x [B, C, L] (time or channels contiguous) here."""
+    return (x.is_cuda or TRITON_INTERPRETED) and 1 in x.stride()[1:] and not torch.compiler.is_compiling()
 
 
 class CausalConv1d(nn.Module):
@@ -58,7 +69,7 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride, dilation=dilation, bias=bias)
         self.pad_mode = pad_mode
         self.context = (kernel_size - 1) * dilation + 1 - stride
-        self.fused = False  # a strided one's steps on CUDA as one Triton kernel (Mimi.with_fused_seanet)
+        self.fused = False  # a strided one's steps as one Triton kernel (Mimi.with_fused_seanet)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The streaming state for steps of up to `length` input samples: (channels, samples, samples carried from
@@ -90,8 +101,7 @@ class CausalConv1d(nn.Module):
         `activation` (the ELU before this convolution) is applied as the input is written into the window."""
         if self.context == 0:
             return self._step_conv(x if activation is None else activation(x))
-        if self.fused and x.is_cuda and 1 in x.stride()[1:] and x.shape[-1] % self.conv.stride[0] == 0 \
-                and x.shape[-1] >= self.context and not torch.compiler.is_compiling():
+        if self.fused and _kernel_takes(x) and x.shape[-1] % self.conv.stride[0] == 0 and x.shape[-1] >= self.context:
             return fused_strided_step(x, next(buffers), self.conv, None if activation is None else activation.alpha)
         window = next(buffers)
         kept, length = self.context, x.shape[-1]
@@ -133,7 +143,7 @@ class CausalConvTranspose1d(nn.Module):
         self.convtr = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride, groups=groups, bias=bias)
         self.stride = stride
         self.overlap = kernel_size - stride
-        self.fused = False  # its steps on CUDA as one Triton kernel (Mimi.with_fused_seanet)
+        self.fused = False  # its steps as one Triton kernel (Mimi.with_fused_seanet)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The overlap tail, whatever the step's length, all of it carried."""
@@ -157,8 +167,7 @@ class CausalConvTranspose1d(nn.Module):
 
     def step(self, x: Tensor, buffers: Iterator[Tensor], activation: nn.ELU | None = None) -> Tensor:
         """`activation` (the ELU before this convolution) is applied to the input first."""
-        if self.fused and x.is_cuda and 1 in x.stride()[1:] and x.shape[-1] * self.stride >= self.overlap \
-                and not torch.compiler.is_compiling():
+        if self.fused and _kernel_takes(x) and x.shape[-1] * self.stride >= self.overlap:
             alpha = None if activation is None else activation.alpha
             return fused_transposed_step(x, next(buffers), self.convtr, alpha)
         return overlap_add(self._taps(x if activation is None else activation(x)), next(buffers), self.convtr.bias,
@@ -168,8 +177,8 @@ class CausalConvTranspose1d(nn.Module):
 class ResidualBlock(nn.Module):
     """SEANet residual unit: x + conv1x1(elu(conv_k(elu(x)))), identity skip. Indices 1 and 3 hold the convs.
 
-    With `fused` set (`Mimi.with_fused_seanet`), a streaming step on CUDA runs as one Triton kernel where its
-    widths and input allow (model/residual_kernel.py)."""
+    With `fused` set (`Mimi.with_fused_seanet`), a streaming step runs as one Triton kernel where its widths and
+    input allow (model/residual_kernel.py)."""
 
     def __init__(self, dim: int, hidden: int, kernel_size: int, dilation: int) -> None:
         super().__init__()
@@ -197,8 +206,7 @@ class ResidualBlock(nn.Module):
 
     def step(self, x: Tensor, buffers: Iterator[Tensor]) -> Tensor:
         elu, conv, elu_hidden, conv_1x1 = self.block
-        if self.fused and x.is_cuda and 1 in x.stride()[1:] and x.shape[-1] >= conv.context \
-                and not torch.compiler.is_compiling():
+        if self.fused and _kernel_takes(x) and x.shape[-1] >= conv.context:
             window = next(buffers) if conv.context else None
             return fused_residual_step(x, window, conv.conv, conv_1x1.conv, elu.alpha, elu_hidden.alpha)
         y = conv.step(x, buffers, activation=elu)
