@@ -21,7 +21,7 @@ import math
 import torch
 
 from bench.roofline import kernel_profile, time_mimi
-from model import fused, residual_kernel, strided_kernel, transposed_kernel
+from model import fused, seanet_kernels
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
 from model.engine.api import EngineConfig
 from model.engine.runner import streaming_mimi
@@ -113,13 +113,13 @@ def main() -> None:
                              "compared with the codec's own")
     parser.add_argument("--residual-tiles", type=tiles, nargs="*", default=[],
                         help="the residual units fused with each tile SAMPLESxWARPS (warps per 64 channels; "
-                             "residual_kernel.Tile)")
+                             "ResidualTile)")
     parser.add_argument("--strided-tiles", type=tiles, nargs="*", default=[],
                         help="the strided convolutions fused with each downsampling tile FRAMESxCHANNELSxWARPS "
-                             "(strided_kernel.Tile)")
+                             "(StridedTile)")
     parser.add_argument("--transposed-tiles", type=tiles, nargs="*", default=[],
                         help="the strided convolutions fused with each upsampling tile FRAMESxROWSxWARPS "
-                             "(transposed_kernel.Tile)")
+                             "(TransposedTile)")
     args = parser.parse_args()
     mimi = build_mimi(args.tiny)
     cuda = next(mimi.parameters()).device.type == "cuda"
@@ -140,9 +140,9 @@ def main() -> None:
             line.update(kernels(mimi, rows))
         print(json.dumps(line), flush=True)
         for said, residual, strided in fused_variants(args) if cuda else []:
-            residual_kernel.TILE = residual_kernel.Tile(*said.get("residual_tile", []))
-            strided_kernel.TILE = strided_kernel.Tile(*said.get("strided_tile", []))
-            transposed_kernel.TILE = transposed_kernel.Tile(*said.get("transposed_tile", []))
+            seanet_kernels.RESIDUAL_TILE = seanet_kernels.ResidualTile(*said.get("residual_tile", []))
+            seanet_kernels.STRIDED_TILE = seanet_kernels.StridedTile(*said.get("strided_tile", []))
+            seanet_kernels.TRANSPOSED_TILE = seanet_kernels.TransposedTile(*said.get("transposed_tile", []))
             fused_mimi = mimi.with_fused_seanet(residual=residual, strided=strided)
             fused_line = {**line, **said, **compare(outputs(fused_mimi, rows, args.frames), mine[rows]),
                           **time_mimi(fused_mimi, rows, torch.device("cuda"), args.steps), **kernels(fused_mimi, rows)}

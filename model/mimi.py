@@ -35,9 +35,7 @@ from model.mimi_modules import (
     SplitResidualVQ,
 )
 from model.precision import sibling
-from model.residual_kernel import fits as residual_fits
-from model.strided_kernel import fits as strided_fits
-from model.transposed_kernel import fits as transposed_fits
+from model.seanet_kernels import residual_fits, strided_fits, transposed_fits
 
 
 @dataclass
@@ -198,11 +196,11 @@ class Mimi(nn.Module):
         return self.decoder.step(x, buffers)[:, 0].float()
 
     def with_fused_seanet(self, residual: bool = True, strided: bool = True) -> Mimi:
-        """This codec with some SEANet steps as one Triton kernel each on CUDA, where the activations are largest:
-        the residual units of 32-128 channels (`residual`: the encoder's first two, the decoder's last two;
-        model/residual_kernel.py), and the strided convolutions with the ELU before them (`strided`): the encoder's
-        first two downsampling ones (model/strided_kernel.py) and the decoder's last two upsampling ones
-        (model/transposed_kernel.py). Not bit-equal to the torch path, so a choice, not a default."""
+        """This codec with some SEANet steps as one Triton kernel each (model/seanet_kernels.py), where the
+        activations are largest: the residual units of 32-128 channels (`residual`: the encoder's first two, the
+        decoder's last two), and the strided convolutions with the ELU before them (`strided`: the encoder's first two
+        downsampling ones, the decoder's last two upsampling ones). Not bit-equal to the torch path, so a choice, not
+        a default."""
         other = sibling(self)
         for name in ("encoder", "decoder"):
             seanet = copy.deepcopy(getattr(self, name))

@@ -17,11 +17,9 @@ from torch import Tensor, nn
 
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.fused import fusable
-from model.residual_kernel import fused_residual_step
 from model.rope import apply_rope, rope_rotation
+from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_transposed_step
 from model.stream_kernels import overlap_add
-from model.strided_kernel import fused_strided_step
-from model.transposed_kernel import fused_transposed_step
 
 NORM_EPS = 1e-5
 CODEBOOK_EPS = 1e-5
@@ -178,7 +176,7 @@ class ResidualBlock(nn.Module):
     """SEANet residual unit: x + conv1x1(elu(conv_k(elu(x)))), identity skip. Indices 1 and 3 hold the convs.
 
     With `fused` set (`Mimi.with_fused_seanet`), a streaming step runs as one Triton kernel where its widths and
-    input allow (model/residual_kernel.py)."""
+    input allow (model/seanet_kernels.py)."""
 
     def __init__(self, dim: int, hidden: int, kernel_size: int, dilation: int) -> None:
         super().__init__()

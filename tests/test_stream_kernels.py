@@ -11,10 +11,8 @@ import torch
 from model.config import FRAME_SAMPLES, MimiConfig
 from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, ResidualBlock
 from model.random_model import random_mimi
-from model.residual_kernel import fused_residual_step
+from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_transposed_step
 from model.stream_kernels import overlap_add_reference, overlap_add_triton
-from model.strided_kernel import fused_strided_step
-from model.transposed_kernel import fused_transposed_step
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
