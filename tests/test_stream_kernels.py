@@ -21,6 +21,9 @@ ROWS = 64 if CUDA else 2  # the interpreter runs each program in numpy
 # Triton's interpreter does bf16 its own way (its conversions from fp32 truncate, its bf16 products are wrong):
 # bf16 is checked on CUDA.
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="bf16 is checked on CUDA"))
+# A fused step's largest difference from the torch path's, of the output's largest magnitude: both paths' products
+# take TF32 or bf16 inputs on CUDA, in other orders; the interpreter's are fp32.
+TOLERANCE = {torch.float32: 5e-3 if CUDA else 1e-5, torch.bfloat16: 3e-2}
 
 
 @pytest.mark.parametrize(("channels", "frames", "kernel", "stride", "depthwise"),
@@ -59,7 +62,7 @@ def test_a_fused_residual_step_computes_the_units_steps(channels, dtype) -> None
     assert [kept for _, _, kept in shapes] == [2]
     windows = [torch.zeros(ROWS, c, n, device=DEVICE, dtype=dtype) for c, n, _ in shapes]
     fused_window = windows[0].clone()
-    tolerance = {torch.float32: 2e-3 if CUDA else 1e-5, torch.bfloat16: 3e-2}[dtype]
+    tolerance = TOLERANCE[dtype]
     for length, channels_inner in ((130, False), (64, True), (2, False), (200, True)):
         # Time contiguous, or channels (as the encoder's strided convolution leaves its product).
         x = 2 * torch.randn(ROWS, channels, length, device=DEVICE, dtype=dtype)
@@ -83,7 +86,7 @@ def test_a_fused_strided_step_computes_the_convolutions_steps(channels, kernel, 
     (shape,) = conv.buffer_shapes(40 * stride)
     window = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
     fused_window = window.clone()
-    tolerance = {torch.float32: 2e-3 if CUDA else 1e-5, torch.bfloat16: 3e-2}[dtype]
+    tolerance = TOLERANCE[dtype]
     for frames, channels_inner, activation in ((40, False, elu), (7, True, elu), (1, False, None), (33, True, elu)):
         x = 2 * torch.randn(ROWS, channels, frames * stride, device=DEVICE, dtype=dtype)
         x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
@@ -107,7 +110,7 @@ def test_a_fused_transposed_step_computes_the_convolutions_steps(channels, kerne
     (shape,) = convtr.buffer_shapes(40)
     tail = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
     fused_tail = tail.clone()
-    tolerance = {torch.float32: 2e-3 if CUDA else 1e-5, torch.bfloat16: 3e-2}[dtype]
+    tolerance = TOLERANCE[dtype]
     for frames, channels_inner, activation in ((40, False, elu), (3, True, elu), (1, False, None), (33, True, elu)):
         x = 2 * torch.randn(ROWS, channels, frames, device=DEVICE, dtype=dtype)
         x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
