@@ -44,11 +44,6 @@ def test_overlap_add_kernel_equals_reference(channels, frames, kernel, stride, d
         assert torch.equal(got, want) and torch.equal(tails[0], tails[1])
 
 
-def residual_unit(channels: int, dtype: torch.dtype) -> ResidualBlock:
-    torch.manual_seed(channels)
-    return ResidualBlock(channels, channels // 2, 3, 1).to(DEVICE, dtype)
-
-
 @pytest.mark.parametrize("channels", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @torch.no_grad()
@@ -56,7 +51,8 @@ def test_a_fused_residual_step_computes_the_units_steps(channels, dtype) -> None
     """Steps of several lengths (the last tile partial; one as short as the kept context) and layouts through the
     fused unit and the torch path, each with its own state: the same outputs within the products' precision (fp32
     in the interpreter, TF32 or bf16 inputs on CUDA) and the same kept context after every step."""
-    unit = residual_unit(channels, dtype)
+    torch.manual_seed(channels)
+    unit = ResidualBlock(channels, channels // 2, 3, 1).to(DEVICE, dtype)
     conv, conv_1x1 = unit.block[1], unit.block[3]
     shapes = unit.buffer_shapes(200)
     assert [kept for _, _, kept in shapes] == [2]
