@@ -20,8 +20,9 @@ BARESIP = shutil.which("baresip")
 MODULES = Path("/usr/lib/baresip/modules")
 
 
-def free_port(kind: int = socket.SOCK_DGRAM, pair: bool = False) -> int:
-    """A port free for UDP and TCP (and, with `pair`, an even one whose next port is free too)."""
+def free_port(pair: bool = False) -> int:
+    """A port free for UDP and TCP (and, with `pair`, an even one whose next port is free for both too: an RTP and
+    RTCP pair, or baresip's SIP port, whose next it always takes for TLS)."""
     for _ in range(200):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
             u.bind(("127.0.0.1", 0))
@@ -29,11 +30,12 @@ def free_port(kind: int = socket.SOCK_DGRAM, pair: bool = False) -> int:
             if pair and port % 2:
                 continue
             try:
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
-                    t.bind(("127.0.0.1", port))
-                if pair:
-                    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as n:
-                        n.bind(("127.0.0.1", port + 1))
+                for candidate in (port, port + 1) if pair else (port,):
+                    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+                        if (candidate, kind) == (port, socket.SOCK_DGRAM):
+                            continue  # held by `u`, just bound
+                        with socket.socket(socket.AF_INET, kind) as other:
+                            other.bind(("127.0.0.1", candidate))
             except OSError:
                 continue
             return port
@@ -77,7 +79,7 @@ async def baresip_call(folder: Path, uri: str, *, seconds: float, codec: str = "
     src_rate = 8000 if rate == 8000 else 16000
     t = np.arange(int(src_rate * (seconds + 5))) / src_rate
     write_wav(folder / "source.wav", 0.3 * np.sin(2 * np.pi * tone_hz * t), src_rate)
-    sip_port = sip_port or free_port()
+    sip_port = sip_port or free_port(pair=True)  # baresip listens for TLS on the next port
     rtp_port = rtp_port or free_port(pair=True)
     modules = "\n".join(f"module\t\t\t{m}" for m in ("g711.so", "g722.so", "opus.so", "aufile.so", "sndfile.so",
                                                       "alsa.so"))
