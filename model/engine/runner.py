@@ -52,7 +52,7 @@ def make_current(device: torch.device) -> None:
 
 def streaming_mimi(mimi: Mimi, config: EngineConfig, device: torch.device) -> Mimi:
     """The codec the engine's steps stream through: `mimi` itself, or on CUDA a copy with a side in bf16 and perhaps
-    its residual units fused or its steps compiled (EngineConfig)."""
+    its SEANet steps fused or its steps compiled (EngineConfig)."""
     if device.type != "cuda":
         return mimi
     bf16 = torch.bfloat16
