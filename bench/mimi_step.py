@@ -4,7 +4,7 @@ compute the same thing is checked by this, not assumed).
 
     python3 -m bench.mimi_step --rows 1 64 250 --save base.pt          # on the tree before
     python3 -m bench.mimi_step --rows 1 64 250 --compare base.pt       # on the tree after
-    python3 -m bench.mimi_step --rows 1 64 250 --fused residual strided seanet --residual-tiles 32x4 128x8
+    python3 -m bench.mimi_step --rows 1 64 250 --fused residual strided ends seanet --residual-tiles 32x4
 
 Full-size Mimi with seeded random weights (as `random-7b`'s), the engine's precisions (encoder float32 with TF32
 products, decoder bf16 on CUDA), cuDNN's algorithms chosen by its heuristics as in the engine. One JSON line per
@@ -84,15 +84,15 @@ def tiles(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"a tile is sizes joined by x, e.g. 64x4: got {text!r}") from None
 
 
-def fused_variants(args: argparse.Namespace) -> list[tuple[dict, bool, bool]]:
-    """(what the line says, residual units fused, strided convolutions fused), each with the tiles it sets."""
-    variants = []
-    for name in args.fused:
-        residual, strided = name in ("residual", "seanet"), name in ("strided", "seanet")
-        variants.append(({"fused": name}, residual, strided))
-    variants += [({"fused": "residual", "residual_tile": t}, True, False) for t in args.residual_tiles]
-    variants += [({"fused": "strided", "strided_tile": t}, False, True) for t in args.strided_tiles]
-    variants += [({"fused": "strided", "transposed_tile": t}, False, True) for t in args.transposed_tiles]
+def fused_variants(args: argparse.Namespace) -> list[tuple[dict, dict[str, bool]]]:
+    """(what the line says, which of Mimi.with_fused_seanet's parts are fused), each with the tiles it sets."""
+    parts = ("residual", "strided", "ends")
+    variants = [({"fused": name}, {part: name in (part, "seanet") for part in parts}) for name in args.fused]
+    for part, key, given in (("residual", "residual_tile", args.residual_tiles),
+                             ("strided", "strided_tile", args.strided_tiles),
+                             ("strided", "transposed_tile", args.transposed_tiles),
+                             ("ends", "thin_tile", args.thin_tiles)):
+        variants += [({"fused": part, key: tile}, {p: p == part for p in parts}) for tile in given]
     return variants
 
 
@@ -107,10 +107,10 @@ def main() -> None:
     parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=False,
                         help="cuDNN times its algorithms per shape (a choice that differs between processes); off, as "
                              "the engine's warm-up runs, its heuristics choose, the same in every process")
-    parser.add_argument("--fused", nargs="*", choices=["residual", "strided", "seanet"], default=[],
+    parser.add_argument("--fused", nargs="*", choices=["residual", "strided", "ends", "seanet"], default=[],
                         help="also the codec with SEANet steps as Triton kernels (Mimi.with_fused_seanet, CUDA): its "
-                             "residual units, its strided convolutions (down and up), or both; a line each, outputs "
-                             "compared with the codec's own")
+                             "residual units, its strided convolutions (down and up), its convolutions from and to "
+                             "audio, or all; a line each, outputs compared with the codec's own")
     parser.add_argument("--residual-tiles", type=tiles, nargs="*", default=[],
                         help="the residual units fused with each tile SAMPLESxWARPS (warps per 64 channels; "
                              "ResidualTile)")
@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--transposed-tiles", type=tiles, nargs="*", default=[],
                         help="the strided convolutions fused with each upsampling tile FRAMESxROWSxWARPS "
                              "(TransposedTile)")
+    parser.add_argument("--thin-tiles", type=tiles, nargs="*", default=[],
+                        help="the convolutions from and to audio fused with each tile SAMPLESxWARPS (ThinTile)")
     args = parser.parse_args()
     mimi = build_mimi(args.tiny)
     cuda = next(mimi.parameters()).device.type == "cuda"
@@ -139,11 +141,12 @@ def main() -> None:
             line.update(time_mimi(mimi, rows, torch.device("cuda"), args.steps))
             line.update(kernels(mimi, rows))
         print(json.dumps(line), flush=True)
-        for said, residual, strided in fused_variants(args) if cuda else []:
+        for said, parts in fused_variants(args) if cuda else []:
             seanet_kernels.RESIDUAL_TILE = seanet_kernels.ResidualTile(*said.get("residual_tile", []))
             seanet_kernels.STRIDED_TILE = seanet_kernels.StridedTile(*said.get("strided_tile", []))
             seanet_kernels.TRANSPOSED_TILE = seanet_kernels.TransposedTile(*said.get("transposed_tile", []))
-            fused_mimi = mimi.with_fused_seanet(residual=residual, strided=strided)
+            seanet_kernels.THIN_TILE = seanet_kernels.ThinTile(*said.get("thin_tile", []))
+            fused_mimi = mimi.with_fused_seanet(**parts)
             fused_line = {**line, **said, **compare(outputs(fused_mimi, rows, args.frames), mine[rows]),
                           **time_mimi(fused_mimi, rows, torch.device("cuda"), args.steps), **kernels(fused_mimi, rows)}
             print(json.dumps(fused_line), flush=True)

@@ -35,7 +35,7 @@ from model.mimi_modules import (
     SplitResidualVQ,
 )
 from model.precision import sibling
-from model.seanet_kernels import residual_fits, strided_fits, transposed_fits
+from model.seanet_kernels import residual_fits, strided_fits, thin_fits, transposed_fits
 
 
 @dataclass
@@ -195,12 +195,12 @@ class Mimi(nn.Module):
         x = self.decoder_transformer.step(x.transpose(1, 2), dec.kv).transpose(1, 2)
         return self.decoder.step(x, buffers)[:, 0].float()
 
-    def with_fused_seanet(self, residual: bool = True, strided: bool = True) -> Mimi:
+    def with_fused_seanet(self, residual: bool = True, strided: bool = True, ends: bool = True) -> Mimi:
         """This codec with some SEANet steps as one Triton kernel each (model/seanet_kernels.py), where the
         activations are largest: the residual units of 32-128 channels (`residual`: the encoder's first two, the
-        decoder's last two), and the strided convolutions with the ELU before them (`strided`: the encoder's first two
-        downsampling ones, the decoder's last two upsampling ones). Not bit-equal to the torch path, so a choice, not
-        a default."""
+        decoder's last two), the strided convolutions with the ELU before them (`strided`: the encoder's first two
+        downsampling ones, the decoder's last two upsampling ones), and the convolutions from and to audio (`ends`).
+        Not bit-equal to the torch path, so a choice, not a default."""
         other = sibling(self)
         for name in ("encoder", "decoder"):
             seanet = copy.deepcopy(getattr(self, name))
@@ -208,10 +208,11 @@ class Mimi(nn.Module):
                 if isinstance(layer, ResidualBlock):
                     conv = layer.block[1].conv
                     layer.fused = residual and residual_fits(conv.in_channels, conv.out_channels)
-                elif isinstance(layer, CausalConv1d):
+                elif isinstance(layer, CausalConv1d) and layer.pad_mode == "constant":
                     conv = layer.conv
-                    layer.fused = strided and layer.pad_mode == "constant" and strided_fits(
-                        conv.in_channels, conv.out_channels, conv.stride[0])
+                    layer.fused = (strided and strided_fits(conv.in_channels, conv.out_channels, conv.stride[0])
+                                   or ends and thin_fits(conv.in_channels, conv.out_channels, conv.stride[0],
+                                                         conv.dilation[0]))
                 elif isinstance(layer, CausalConvTranspose1d):
                     convtr = layer.convtr
                     layer.fused = strided and transposed_fits(convtr.in_channels, convtr.out_channels,

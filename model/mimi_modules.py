@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
-from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_transposed_step
+from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_thin_step, fused_transposed_step
 from model.stream_kernels import overlap_add
 
 NORM_EPS = 1e-5
@@ -67,7 +67,7 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride, dilation=dilation, bias=bias)
         self.pad_mode = pad_mode
         self.context = (kernel_size - 1) * dilation + 1 - stride
-        self.fused = False  # a strided one's steps as one Triton kernel (Mimi.with_fused_seanet)
+        self.fused = False  # its steps as one Triton kernel, by its shape (Mimi.with_fused_seanet)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The streaming state for steps of up to `length` input samples: (channels, samples, samples carried from
@@ -100,7 +100,8 @@ class CausalConv1d(nn.Module):
         if self.context == 0:
             return self._step_conv(x if activation is None else activation(x))
         if self.fused and _kernel_takes(x) and x.shape[-1] % self.conv.stride[0] == 0 and x.shape[-1] >= self.context:
-            return fused_strided_step(x, next(buffers), self.conv, None if activation is None else activation.alpha)
+            fused_step = fused_strided_step if self.conv.stride[0] > 1 else fused_thin_step
+            return fused_step(x, next(buffers), self.conv, None if activation is None else activation.alpha)
         window = next(buffers)
         kept, length = self.context, x.shape[-1]
         if kept + length > window.shape[-1]:

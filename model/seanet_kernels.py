@@ -13,7 +13,10 @@ tile of a row through a whole step in registers, reading its input once and writ
   (`fused_strided_step`; the encoder's first two);
 - an upsampling (transposed) convolution with the ELU before it: one product per kernel shift whose rows are an
   output channel's stride offsets, the bias and the kept tail added as it stores (`fused_transposed_step`; the
-  decoder's last two).
+  decoder's last two);
+- a convolution to or from one channel, the encoder's first (audio -> 64 channels) and the decoder's last (64
+  channels -> audio, with the ELU before it), as sums over broadcast products (`fused_thin_step`): cuDNN converts
+  the decoder's 64-channel input to its own layout and back.
 
 Each keeps the torch path's streaming state (model/mimi_modules.py), so either path can take a step. The products
 accumulate in fp32 (TF32 inputs for float32 steps where the torch path's products use TF32, bf16 inputs for bf16
@@ -58,6 +61,14 @@ class StridedTile:
 
 
 @dataclass(frozen=True)
+class ThinTile:
+    """A one-channel convolution's program: `samples` of one row, with `warps`."""
+
+    samples: int = 128
+    warps: int = 4
+
+
+@dataclass(frozen=True)
 class TransposedTile:
     """An upsampling program's share: `frames` output frames (a power of two >= 16) of as many output channels as
     give `rows` product rows (a channel's stride offsets, padded to a power of two, are its rows), with `warps`."""
@@ -70,7 +81,7 @@ class TransposedTile:
         return self.rows // padded(stride)
 
 
-RESIDUAL_TILE, STRIDED_TILE, TRANSPOSED_TILE = ResidualTile(), StridedTile(), TransposedTile()
+RESIDUAL_TILE, STRIDED_TILE, TRANSPOSED_TILE, THIN_TILE = ResidualTile(), StridedTile(), TransposedTile(), ThinTile()
 
 
 def padded(stride: int) -> int:
@@ -87,6 +98,13 @@ def strided_fits(in_channels: int, out_channels: int, stride: int) -> bool:
     """Whether a strided convolution can run as the kernel: the encoder's first two (64 -> 128 and 128 -> 256
     channels, the widest activations); the later ones' few frames gain little from it."""
     return stride > 1 and in_channels in (64, 128) and out_channels % STRIDED_TILE.channels == 0
+
+
+def thin_fits(in_channels: int, out_channels: int, stride: int, dilation: int) -> bool:
+    """Whether a convolution can run as the one-channel kernel: to or from one channel, the other side 64 at most
+    (its [channels, samples] tile is the program's), neither strided nor dilated."""
+    return (stride == dilation == 1 and 1 in (in_channels, out_channels)
+            and max(in_channels, out_channels) in (1, 2, 4, 8, 16, 32, 64))
 
 
 def transposed_fits(in_channels: int, out_channels: int, kernel: int, stride: int, groups: int) -> bool:
@@ -159,6 +177,27 @@ def fused_strided_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: 
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, CONTEXT=context, HAS_ELU=alpha is not None,
         CHANNELS_INNER=x.stride(2) != 1, BLOCK_L=tile.frames, BLOCK_CO=tile.channels, BLOCK_CI=INPUT_BLOCK,
         PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), num_warps=tile.warps,
+    )
+    _keep(x, window, context, alpha)
+    return out
+
+
+def fused_thin_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: float | None) -> Tensor:
+    """One streaming step of a causal convolution to or from one channel over x [B, C_in, L] (time or channels
+    contiguous; L >= the context), the ELU of `alpha` applied to x first when given: the output [B, C_out, L],
+    contiguous. `window` as for a residual unit."""
+    b, c_in, length = x.shape
+    c_out, _, k = conv.weight.shape
+    context = k - 1
+    assert 1 in x.stride()[1:] and length >= context > 0
+    assert thin_fits(c_in, c_out, conv.stride[0], conv.dilation[0]) and conv.bias is not None
+    assert conv.weight.is_contiguous()
+    out = torch.empty(b, c_out, length, device=x.device, dtype=x.dtype)
+    tile = THIN_TILE
+    _thin_kernel[(b, triton.cdiv(length, tile.samples))](
+        x, window, conv.weight, conv.bias, out, length, *x.stride(), *window.stride(), 1.0 if alpha is None else alpha,
+        C_IN=c_in, C_OUT=c_out, K=k, CONTEXT=context, HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1,
+        BLOCK_T=tile.samples, num_warps=tile.warps,
     )
     _keep(x, window, context, alpha)
     return out
@@ -264,6 +303,24 @@ if triton is not None:
         acc += tl.load(BIAS + co).to(tl.float32)[:, None]
         tl.store(OUT + row * (C_OUT * L_OUT) + co[:, None] * L_OUT + frame[None, :], acc.to(OUT.dtype.element_ty),
                  mask=inside)
+
+    @triton.jit
+    def _thin_kernel(X, WINDOW, W, BIAS, OUT, L, sxb, sxc, sxt, swb, swc, swt, alpha, C_IN: tl.constexpr,
+                     C_OUT: tl.constexpr, K: tl.constexpr, CONTEXT: tl.constexpr, HAS_ELU: tl.constexpr,
+                     CHANNELS_INNER: tl.constexpr, BLOCK_T: tl.constexpr):
+        row = tl.program_id(0)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        ci = tl.arange(0, C_IN)
+        co = tl.arange(0, C_OUT)
+        inside = (t < L)[None, :]
+        acc = tl.zeros([C_OUT, BLOCK_T], dtype=tl.float32)
+        for tap in tl.static_range(K):
+            taken = _window_tile(X, WINDOW, row, ci, t + tap - CONTEXT, inside, sxb, sxc, sxt, swb, swc, swt, alpha,
+                                 CONTEXT, HAS_ELU, CHANNELS_INNER)  # [C_IN, BLOCK_T]
+            weight = tl.load(W + co[:, None] * (C_IN * K) + ci[None, :] * K + tap).to(tl.float32)  # [C_OUT, C_IN]
+            acc += tl.sum(weight[:, :, None] * taken[None, :, :], axis=1)  # one side is one channel: no product
+        acc += tl.load(BIAS + co).to(tl.float32)[:, None]
+        tl.store(OUT + row * (C_OUT * L) + co[:, None] * L + t[None, :], acc.to(OUT.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _transposed_kernel(X, TAIL, NEW_TAIL, W, BIAS, OUT, T, sxb, sxc, sxt, alpha,

@@ -11,7 +11,7 @@ import torch
 from model.config import FRAME_SAMPLES, MimiConfig
 from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, ResidualBlock
 from model.random_model import random_mimi
-from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_transposed_step
+from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_thin_step, fused_transposed_step
 from model.stream_kernels import overlap_add_reference, overlap_add_triton
 
 pytest.importorskip("triton")
@@ -117,11 +117,35 @@ def test_a_fused_transposed_step_computes_the_convolutions_steps(channels, kerne
         assert (fused_tail.float() - tail.float()).abs().max() <= tolerance * want.abs().max(), frames
 
 
+@pytest.mark.parametrize(("channels_in", "channels_out", "kernel", "elu"), [(1, 64, 7, False), (64, 1, 3, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@torch.no_grad()
+def test_a_fused_thin_step_computes_the_convolutions_steps(channels_in, channels_out, kernel, elu, dtype) -> None:
+    """The encoder's first convolution (audio in) and the decoder's last (audio out, the ELU before it), steps of
+    several lengths (one as short as the kept context) and both layouts, fused and through the torch path with
+    their own state: the same outputs within the products' precision and the same kept context after every step."""
+    torch.manual_seed(kernel)
+    conv = CausalConv1d(channels_in, channels_out, kernel).to(DEVICE, dtype)
+    activation = torch.nn.ELU() if elu else None
+    (shape,) = conv.buffer_shapes(300)
+    window = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
+    fused_window = window.clone()
+    tolerance = TOLERANCE[dtype]
+    for length, channels_inner in ((300, False), (kernel - 1, True), (129, False)):
+        x = 2 * torch.randn(ROWS, channels_in, length, device=DEVICE, dtype=dtype)
+        x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
+        want = conv.step(x, iter([window]), activation=activation).float()
+        got = fused_thin_step(x, fused_window, conv.conv, None if activation is None else activation.alpha)
+        assert got.is_contiguous() and got.shape == want.shape
+        assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), length
+        torch.testing.assert_close(fused_window[..., : kernel - 1], window[..., : kernel - 1], rtol=1e-6, atol=1e-6)
+
+
 def test_only_the_steps_the_kernels_take_are_fused() -> None:
     """Full-size Mimi: the residual units of the encoder's first two stages (64 and 128 channels) and the decoder's
-    last two, the encoder's first two downsampling convolutions and the decoder's last two upsampling ones; the
-    wider ones keep the torch path, as does every part that either choice leaves out; the codec itself is left as
-    it was."""
+    last two, the encoder's first two downsampling convolutions and the decoder's last two upsampling ones, the
+    convolutions from and to audio; the wider ones keep the torch path, as does every part that a choice leaves
+    out; the codec itself is left as it was."""
     mimi = random_mimi(MimiConfig(), "cpu")
 
     def fused(codec, name: str) -> list[tuple[str, int, bool]]:
@@ -134,17 +158,26 @@ def test_only_the_steps_the_kernels_take_are_fused() -> None:
 
     both = mimi.with_fused_seanet()
     assert fused(both, "encoder") == [
-        ("CausalConv1d", 1, False), ("ResidualBlock", 64, True), ("CausalConv1d", 64, True),
+        ("CausalConv1d", 1, True), ("ResidualBlock", 64, True), ("CausalConv1d", 64, True),
         ("ResidualBlock", 128, True), ("CausalConv1d", 128, True), ("ResidualBlock", 256, False),
         ("CausalConv1d", 256, False), ("ResidualBlock", 512, False), ("CausalConv1d", 512, False),
         ("CausalConv1d", 1024, False)]
     assert [(kind, width) for kind, width, on in fused(both, "decoder") if on] == [
-        ("CausalConvTranspose1d", 256), ("ResidualBlock", 128), ("CausalConvTranspose1d", 128), ("ResidualBlock", 64)]
-    for residual, strided in ((True, False), (False, True)):
-        one = mimi.with_fused_seanet(residual=residual, strided=strided)
+        ("CausalConvTranspose1d", 256), ("ResidualBlock", 128), ("CausalConvTranspose1d", 128), ("ResidualBlock", 64),
+        ("CausalConv1d", 64)]
+
+    def choice(layer) -> str:  # which of with_fused_seanet's choices a layer falls under
+        if isinstance(layer, ResidualBlock):
+            return "residual"
+        return "strided" if isinstance(layer, CausalConvTranspose1d) or layer.conv.stride[0] > 1 else "ends"
+
+    for chosen in ("residual", "strided", "ends"):
+        one = mimi.with_fused_seanet(**{part: part == chosen for part in ("residual", "strided", "ends")})
         for part in ("encoder", "decoder"):
-            assert [(kind, on) for kind, _, on in fused(one, part)] == [
-                (kind, on and (residual if kind == "ResidualBlock" else strided)) for kind, _, on in fused(both, part)]
+            layers = [layer for layer in getattr(both, part).model
+                      if isinstance(layer, (ResidualBlock, CausalConv1d, CausalConvTranspose1d))]
+            assert [on for _, _, on in fused(one, part)] == [
+                layer.fused and choice(layer) == chosen for layer in layers]
     assert not any(on for part in ("encoder", "decoder") for _, _, on in fused(mimi, part))
 
 

@@ -137,9 +137,9 @@ class EngineConfig:
     # products fused into generated kernels. Not bit-exact (Inductor orders some sums its own way).
     mimi_compiled: bool = False
     # On CUDA, Mimi's SEANet steps where its activations are largest as one Triton kernel each: the residual units
-    # of 32-128 channels, the encoder's first two downsampling convolutions and the decoder's last two upsampling
-    # ones (`Mimi.with_fused_seanet`, model/seanet_kernels.py). Not bit-exact (other sum orders, fewer roundings);
-    # off until measured on the GPU.
+    # of 32-128 channels, the encoder's first two downsampling convolutions, the decoder's last two upsampling ones,
+    # and the convolutions from and to audio (`Mimi.with_fused_seanet`, model/seanet_kernels.py). Not bit-exact
+    # (other sum orders, fewer roundings); off until measured on the GPU.
     mimi_fused_seanet: bool = False
     # The temporal transformer's products with e4m3 weights (a scale per output channel) and inputs quantized per
     # row (`LM.with_fp8_weights`): half the bytes of the weights a tick reads, at the fp8 tensor-core rate (CUDA
