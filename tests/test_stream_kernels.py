@@ -69,28 +69,33 @@ def test_a_fused_residual_step_computes_the_units_steps(channels, dtype) -> None
         torch.testing.assert_close(fused_window[..., :2], windows[0][..., :2], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize(("channels", "kernel", "stride"), [(64, 8, 4), (128, 10, 5)])
+@pytest.mark.parametrize(("channels_in", "channels_out", "kernel", "stride"),
+                         [(64, 128, 8, 4), (128, 256, 10, 5), (1, 64, 7, 1), (64, 1, 3, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @torch.no_grad()
-def test_a_fused_strided_step_computes_the_convolutions_steps(channels, kernel, stride, dtype) -> None:
-    """The encoder's first two downsampling convolutions (with the ELU before them, and one without), steps of
-    several lengths and both layouts, fused and through the torch path with their own state: the same outputs
-    within the product's precision and the same kept context after every step."""
+def test_a_fused_convolution_step_computes_the_convolutions_steps(channels_in, channels_out, kernel, stride,
+                                                                   dtype) -> None:
+    """The encoder's first two downsampling convolutions, its first and the decoder's last (from and to audio),
+    steps of several lengths (one as short as the kept context), both layouts, with the ELU before them and
+    without, fused and through the torch path with their own state: the same outputs within the products'
+    precision and the same kept context after every step."""
     torch.manual_seed(kernel)
-    conv = CausalConv1d(channels, 2 * channels, kernel, stride=stride).to(DEVICE, dtype)
-    elu = torch.nn.ELU()
+    conv = CausalConv1d(channels_in, channels_out, kernel, stride=stride).to(DEVICE, dtype)
+    fused_step = fused_strided_step if stride > 1 else fused_thin_step
+    context = kernel - stride
     (shape,) = conv.buffer_shapes(40 * stride)
     window = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
     fused_window = window.clone()
-    tolerance = TOLERANCE[dtype]
-    for frames, channels_inner, activation in ((40, False, elu), (7, True, elu), (1, False, None), (33, True, elu)):
-        x = 2 * torch.randn(ROWS, channels, frames * stride, device=DEVICE, dtype=dtype)
+    shortest = -(-context // stride)  # frames
+    for frames, channels_inner, elu in ((40, False, True), (7, True, True), (shortest, False, False), (33, True, True)):
+        x = 2 * torch.randn(ROWS, channels_in, frames * stride, device=DEVICE, dtype=dtype)
         x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
+        activation = torch.nn.ELU() if elu else None
         want = conv.step(x, iter([window]), activation=activation).float()
-        got = fused_strided_step(x, fused_window, conv.conv, None if activation is None else activation.alpha)
+        got = fused_step(x, fused_window, conv.conv, None if activation is None else activation.alpha)
         assert got.is_contiguous() and got.shape == want.shape
-        assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), frames
-        torch.testing.assert_close(fused_window[..., :stride], window[..., :stride], rtol=1e-6, atol=1e-6)
+        assert (got.float() - want).abs().max() <= TOLERANCE[dtype] * want.abs().max(), frames
+        torch.testing.assert_close(fused_window[..., :context], window[..., :context], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(("channels", "kernel", "stride"), [(128, 8, 4), (256, 10, 5)])
@@ -115,30 +120,6 @@ def test_a_fused_transposed_step_computes_the_convolutions_steps(channels, kerne
         assert got.is_contiguous() and got.shape == want.shape
         assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), frames
         assert (fused_tail.float() - tail.float()).abs().max() <= tolerance * want.abs().max(), frames
-
-
-@pytest.mark.parametrize(("channels_in", "channels_out", "kernel", "elu"), [(1, 64, 7, False), (64, 1, 3, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@torch.no_grad()
-def test_a_fused_thin_step_computes_the_convolutions_steps(channels_in, channels_out, kernel, elu, dtype) -> None:
-    """The encoder's first convolution (audio in) and the decoder's last (audio out, the ELU before it), steps of
-    several lengths (one as short as the kept context) and both layouts, fused and through the torch path with
-    their own state: the same outputs within the products' precision and the same kept context after every step."""
-    torch.manual_seed(kernel)
-    conv = CausalConv1d(channels_in, channels_out, kernel).to(DEVICE, dtype)
-    activation = torch.nn.ELU() if elu else None
-    (shape,) = conv.buffer_shapes(300)
-    window = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
-    fused_window = window.clone()
-    tolerance = TOLERANCE[dtype]
-    for length, channels_inner in ((300, False), (kernel - 1, True), (129, False)):
-        x = 2 * torch.randn(ROWS, channels_in, length, device=DEVICE, dtype=dtype)
-        x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
-        want = conv.step(x, iter([window]), activation=activation).float()
-        got = fused_thin_step(x, fused_window, conv.conv, None if activation is None else activation.alpha)
-        assert got.is_contiguous() and got.shape == want.shape
-        assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), length
-        torch.testing.assert_close(fused_window[..., : kernel - 1], window[..., : kernel - 1], rtol=1e-6, atol=1e-6)
 
 
 def test_only_the_steps_the_kernels_take_are_fused() -> None:
