@@ -104,7 +104,7 @@ def thin_fits(in_channels: int, out_channels: int, stride: int, dilation: int) -
     """Whether a convolution can run as the one-channel kernel: to or from one channel, the other side 64 at most
     (its [channels, samples] tile is the program's), neither strided nor dilated."""
     return (stride == dilation == 1 and 1 in (in_channels, out_channels)
-            and max(in_channels, out_channels) in (1, 2, 4, 8, 16, 32, 64))
+            and max(in_channels, out_channels) in (2, 4, 8, 16, 32, 64))
 
 
 def transposed_fits(in_channels: int, out_channels: int, kernel: int, stride: int, groups: int) -> bool:
@@ -130,6 +130,13 @@ def _keep(x: Tensor, window: Tensor, context: int, alpha: float | None) -> None:
         torch.ops.aten.elu.out(kept, alpha, out=window[..., :context])
 
 
+def _taps_first(weight: Tensor) -> Tensor:
+    """A convolution's weight [C_out, C_in, K] as [K, C_out, C_in], contiguous: a kernel's [C_out, C_in] tile of
+    one tap is then read along C_in, where torch's layout puts its neighbours K apart. Every program reads the whole
+    weight; the copy is the weight's size, once a step."""
+    return weight.permute(2, 0, 1).contiguous()
+
+
 def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d, conv_1x1: torch.nn.Conv1d,
                         alpha: float, alpha_hidden: float) -> Tensor:
     """One streaming step of a residual unit over x [B, C, L] (time or channels contiguous, as a strided
@@ -144,14 +151,14 @@ def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d,
     context = (k - 1) * dilation
     assert 1 in x.stride()[1:] and length >= context and (window is not None or not context)
     assert residual_fits(c, hidden) and conv.bias is not None and conv_1x1.bias is not None
-    assert conv.weight.is_contiguous()
+    assert conv_1x1.weight.is_contiguous()
     out = torch.empty(b, c, length, device=x.device, dtype=x.dtype)
     window_strides = (0, 0, 0) if window is None else window.stride()  # never read without a context
     tile = RESIDUAL_TILE
     _residual_kernel[(b, triton.cdiv(length, tile.samples))](
-        x, x if window is None else window, conv.weight, conv.bias, conv_1x1.weight, conv_1x1.bias, out, length,
-        *x.stride(), *window_strides, alpha, alpha_hidden, C=c, H=hidden, K=k, DILATION=dilation, CONTEXT=context,
-        CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.samples,
+        x, x if window is None else window, _taps_first(conv.weight), conv.bias, conv_1x1.weight, conv_1x1.bias, out,
+        length, *x.stride(), *window_strides, alpha, alpha_hidden, C=c, H=hidden, K=k, DILATION=dilation,
+        CONTEXT=context, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.samples,
         PRECISION=_precision(x, torch.backends.cudnn.allow_tf32), num_warps=max(1, tile.warps * c // 64),
     )
     if context:
@@ -169,11 +176,12 @@ def fused_strided_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: 
     context = k - stride
     frames = length // stride
     assert 1 in x.stride()[1:] and length == frames * stride and length >= context > 0
-    assert strided_fits(c_in, c_out, stride) and conv.bias is not None and conv.weight.is_contiguous()
+    assert strided_fits(c_in, c_out, stride) and conv.bias is not None
     out = torch.empty(b, c_out, frames, device=x.device, dtype=x.dtype)
     tile = STRIDED_TILE
     _strided_kernel[(b, triton.cdiv(frames, tile.frames), c_out // tile.channels)](
-        x, window, conv.weight, conv.bias, out, frames, *x.stride(), *window.stride(), 1.0 if alpha is None else alpha,
+        x, window, _taps_first(conv.weight), conv.bias, out, frames, *x.stride(), *window.stride(),
+        1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, CONTEXT=context, HAS_ELU=alpha is not None,
         CHANNELS_INNER=x.stride(2) != 1, BLOCK_L=tile.frames, BLOCK_CO=tile.channels, BLOCK_CI=INPUT_BLOCK,
         PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), num_warps=tile.warps,
@@ -191,11 +199,11 @@ def fused_thin_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: flo
     context = k - 1
     assert 1 in x.stride()[1:] and length >= context > 0
     assert thin_fits(c_in, c_out, conv.stride[0], conv.dilation[0]) and conv.bias is not None
-    assert conv.weight.is_contiguous()
     out = torch.empty(b, c_out, length, device=x.device, dtype=x.dtype)
     tile = THIN_TILE
     _thin_kernel[(b, triton.cdiv(length, tile.samples))](
-        x, window, conv.weight, conv.bias, out, length, *x.stride(), *window.stride(), 1.0 if alpha is None else alpha,
+        x, window, _taps_first(conv.weight), conv.bias, out, length, *x.stride(), *window.stride(),
+        1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, CONTEXT=context, HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1,
         BLOCK_T=tile.samples, num_warps=tile.warps,
     )
@@ -214,13 +222,13 @@ def fused_transposed_step(x: Tensor, tail: Tensor, convtr: torch.nn.ConvTranspos
     shifts = k // stride
     assert 1 in x.stride()[1:] and tail.is_contiguous() and frames * stride >= k - stride
     assert transposed_fits(c_in, c_out, k, stride, convtr.groups) and convtr.bias is not None
-    assert convtr.weight.is_contiguous()
     out = torch.empty(b, c_out, frames * stride, device=x.device, dtype=x.dtype)
     new_tail = torch.empty_like(tail)  # the programs of the first frames still read the old one
     tile = TRANSPOSED_TILE
     block_co = tile.channels(stride)
     _transposed_kernel[(b, triton.cdiv(frames + shifts - 1, tile.frames), c_out // block_co)](
-        x, tail, new_tail, convtr.weight, convtr.bias, out, frames, *x.stride(), 1.0 if alpha is None else alpha,
+        x, tail, new_tail, convtr.weight.permute(1, 2, 0).contiguous(), convtr.bias, out, frames, *x.stride(),
+        1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, PADDED_STRIDE=padded(stride), SHIFTS=shifts,
         HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.frames, BLOCK_CO=block_co,
         BLOCK_CI=INPUT_BLOCK, PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), num_warps=tile.warps,
@@ -272,7 +280,7 @@ if triton is not None:
         for tap in tl.static_range(K):
             taken = _window_tile(X, WINDOW, row, c, t + tap * DILATION - CONTEXT, inside, sxb, sxc, sxt, swb, swc,
                                  swt, alpha, CONTEXT, True, CHANNELS_INNER)
-            weight = tl.load(W1 + h[:, None] * (C * K) + c[None, :] * K + tap)  # W1 [H, C, K]
+            weight = tl.load(W1 + tap * (H * C) + h[:, None] * C + c[None, :])  # W1 [K, H, C]
             hidden = tl.dot(weight, taken.to(dtype), hidden, input_precision=PRECISION)
         hidden = _elu(hidden + tl.load(B1 + h).to(tl.float32)[:, None], alpha_hidden)
         weight = tl.load(W2 + c[:, None] * H + h[None, :])  # W2 [C, H, 1]
@@ -298,29 +306,47 @@ if triton is not None:
             for tap in tl.static_range(K):
                 taken = _window_tile(X, WINDOW, row, ci, frame * STRIDE + tap - CONTEXT, inside, sxb, sxc, sxt, swb,
                                      swc, swt, alpha, CONTEXT, HAS_ELU, CHANNELS_INNER)
-                weight = tl.load(W + co[:, None] * (C_IN * K) + ci[None, :] * K + tap)  # W [C_out, C_in, K]
+                weight = tl.load(W + tap * (C_OUT * C_IN) + co[:, None] * C_IN + ci[None, :])  # W [K, C_out, C_in]
                 acc = tl.dot(weight, taken.to(dtype), acc, input_precision=PRECISION)
         acc += tl.load(BIAS + co).to(tl.float32)[:, None]
         tl.store(OUT + row * (C_OUT * L_OUT) + co[:, None] * L_OUT + frame[None, :], acc.to(OUT.dtype.element_ty),
                  mask=inside)
 
+    # A convolution from one channel (the encoder's first: C_OUT wide) or to one (the decoder's last: C_IN wide) as
+    # broadcast products summed over taps, or over taps and channels: no product has a side wider than one, and no
+    # tile has a dimension of one.
     @triton.jit
     def _thin_kernel(X, WINDOW, W, BIAS, OUT, L, sxb, sxc, sxt, swb, swc, swt, alpha, C_IN: tl.constexpr,
                      C_OUT: tl.constexpr, K: tl.constexpr, CONTEXT: tl.constexpr, HAS_ELU: tl.constexpr,
                      CHANNELS_INNER: tl.constexpr, BLOCK_T: tl.constexpr):
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        ci = tl.arange(0, C_IN)
-        co = tl.arange(0, C_OUT)
-        inside = (t < L)[None, :]
-        acc = tl.zeros([C_OUT, BLOCK_T], dtype=tl.float32)
-        for tap in tl.static_range(K):
-            taken = _window_tile(X, WINDOW, row, ci, t + tap - CONTEXT, inside, sxb, sxc, sxt, swb, swc, swt, alpha,
-                                 CONTEXT, HAS_ELU, CHANNELS_INNER)  # [C_IN, BLOCK_T]
-            weight = tl.load(W + co[:, None] * (C_IN * K) + ci[None, :] * K + tap).to(tl.float32)  # [C_OUT, C_IN]
-            acc += tl.sum(weight[:, :, None] * taken[None, :, :], axis=1)  # one side is one channel: no product
-        acc += tl.load(BIAS + co).to(tl.float32)[:, None]
-        tl.store(OUT + row * (C_OUT * L) + co[:, None] * L + t[None, :], acc.to(OUT.dtype.element_ty), mask=inside)
+        if C_IN == 1:
+            co = tl.arange(0, C_OUT)
+            acc = tl.zeros([C_OUT, BLOCK_T], dtype=tl.float32)
+            for tap in tl.static_range(K):
+                src = t + tap - CONTEXT
+                kept = src < 0
+                sample = tl.load(X + row * sxb + src * sxt, mask=(t < L) & ~kept, other=0.0).to(tl.float32)
+                if HAS_ELU:
+                    sample = _elu(sample, alpha)
+                old = tl.load(WINDOW + row * swb + (src + CONTEXT) * swt, mask=(t < L) & kept, other=0.0)
+                sample = tl.where(kept, old.to(tl.float32), sample)
+                weight = tl.load(W + tap * C_OUT + co).to(tl.float32)  # W [K, C_OUT, 1]
+                acc += weight[:, None] * sample[None, :]
+            acc += tl.load(BIAS + co).to(tl.float32)[:, None]
+            tl.store(OUT + row * (C_OUT * L) + co[:, None] * L + t[None, :], acc.to(OUT.dtype.element_ty),
+                     mask=(t < L)[None, :])
+        else:
+            ci = tl.arange(0, C_IN)
+            acc = tl.zeros([C_IN, BLOCK_T], dtype=tl.float32)
+            for tap in tl.static_range(K):
+                taken = _window_tile(X, WINDOW, row, ci, t + tap - CONTEXT, (t < L)[None, :], sxb, sxc, sxt, swb,
+                                     swc, swt, alpha, CONTEXT, HAS_ELU, CHANNELS_INNER)  # [C_IN, BLOCK_T]
+                weight = tl.load(W + tap * C_IN + ci).to(tl.float32)  # W [K, 1, C_IN]
+                acc += weight[:, None] * taken
+            y = tl.sum(acc, axis=0) + tl.load(BIAS).to(tl.float32)
+            tl.store(OUT + row * L + t, y.to(OUT.dtype.element_ty), mask=t < L)
 
     @triton.jit
     def _transposed_kernel(X, TAIL, NEW_TAIL, W, BIAS, OUT, T, sxb, sxc, sxt, alpha,
@@ -346,8 +372,8 @@ if triton is not None:
                             mask=((src >= 0) & (src < T))[None, :], other=0.0).to(tl.float32)
                 if HAS_ELU:
                     a = _elu(a, alpha)
-                # W [C_in, C_out, K]: tap shift * STRIDE + offset of channel co, as rows (co, offset).
-                weight = tl.load(W + ci[None, :] * (C_OUT * K) + co[:, None] * K + (shift * STRIDE + offset)[:, None],
+                # W [C_out, K, C_in]: tap shift * STRIDE + offset of channel co, as rows (co, offset).
+                weight = tl.load(W + co[:, None] * (K * C_IN) + (shift * STRIDE + offset)[:, None] * C_IN + ci[None, :],
                                  mask=real, other=0.0)
                 acc = tl.dot(weight, a.to(dtype), acc, input_precision=PRECISION)
         overlap = K - STRIDE
