@@ -234,7 +234,8 @@ async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
     mimi = {"mimi_encoder_bf16": args.mimi_encoder_bf16, "mimi_decoder_bf16": args.mimi_decoder_bf16,
-            "mimi_compiled": args.mimi_compiled, "mimi_fused_seanet": args.mimi_fused_seanet,
+            "mimi_compiled": args.mimi_compiled, "mimi_fused_encoder": args.mimi_fused_encoder,
+            "mimi_fused_decoder": args.mimi_fused_decoder,
             "fp8_weights": args.fp8_weights}
     engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, **mimi))
     engine.start()
@@ -295,9 +296,10 @@ def main() -> None:
                         default=EngineConfig.mimi_decoder_bf16, help="Mimi's streaming decoder in bf16 (CUDA)")
     parser.add_argument("--mimi-compiled", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.mimi_compiled, help="Mimi's streaming steps compiled by Inductor (CUDA)")
-    parser.add_argument("--mimi-fused-seanet", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig.mimi_fused_seanet,
-                        help="Mimi's SEANet steps with the largest activations as Triton kernels (CUDA)")
+    for side in ("encoder", "decoder"):
+        parser.add_argument(f"--mimi-fused-{side}", action=argparse.BooleanOptionalAction,
+                            default=getattr(EngineConfig, f"mimi_fused_{side}"),
+                            help=f"the {side}'s SEANet steps with the largest activations as Triton kernels (CUDA)")
     parser.add_argument("--fp8-weights", action=argparse.BooleanOptionalAction, default=EngineConfig.fp8_weights,
                         help="the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)")
     parser.add_argument("--over-channel", action="store_true",

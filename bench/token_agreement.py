@@ -56,12 +56,15 @@ CANDIDATES = {"decoder_bf16": {"mimi_decoder_bf16": True}, "encoder_bf16": {"mim
               "bf16": {"mimi_encoder_bf16": True, "mimi_decoder_bf16": True},
               "compiled": {"mimi_compiled": True},
               "decoder_bf16_compiled": {"mimi_decoder_bf16": True, "mimi_compiled": True},
-              "fused_seanet": {"mimi_fused_seanet": True},
-              "decoder_bf16_fused_seanet": {"mimi_decoder_bf16": True, "mimi_fused_seanet": True},
+              "fused_seanet": {"mimi_fused_encoder": True, "mimi_fused_decoder": True},
+              "fused_encoder": {"mimi_fused_encoder": True},
+              "decoder_bf16_fused_decoder": {"mimi_decoder_bf16": True, "mimi_fused_decoder": True},
+              "decoder_bf16_fused_seanet": {"mimi_decoder_bf16": True, "mimi_fused_encoder": True,
+                                            "mimi_fused_decoder": True},
               "fp8_weights": {"fp8_weights": True}, "decoder_bf16_fp8_weights": {"mimi_decoder_bf16": True,
                                                                                  "fp8_weights": True}}
 REFERENCE = {"mimi_encoder_bf16": False, "mimi_decoder_bf16": False, "mimi_compiled": False,
-             "mimi_fused_seanet": False, "fp8_weights": False}
+             "mimi_fused_encoder": False, "mimi_fused_decoder": False, "fp8_weights": False}
 STREAMS = {"text": slice(0, 1), "agent": slice(1, 9), "user_codes": slice(9, 17)}
 
 

@@ -195,14 +195,15 @@ class Mimi(nn.Module):
         x = self.decoder_transformer.step(x.transpose(1, 2), dec.kv).transpose(1, 2)
         return self.decoder.step(x, buffers)[:, 0].float()
 
-    def with_fused_seanet(self, residual: bool = True, strided: bool = True, ends: bool = True) -> Mimi:
+    def with_fused_seanet(self, residual: bool = True, strided: bool = True, ends: bool = True,
+                          encoder: bool = True, decoder: bool = True) -> Mimi:
         """This codec with some SEANet steps as one Triton kernel each (model/seanet_kernels.py), where the
         activations are largest: the residual units of 32-128 channels (`residual`: the encoder's first two, the
         decoder's last two), the strided convolutions with the ELU before them (`strided`: the encoder's first two
-        downsampling ones, the decoder's last two upsampling ones), and the convolutions from and to audio (`ends`).
-        Not bit-equal to the torch path, so a choice, not a default."""
+        downsampling ones, the decoder's last two upsampling ones), and the convolutions from and to audio (`ends`),
+        in the `encoder`, the `decoder` or both. Not bit-equal to the torch path, so a choice, not a default."""
         other = sibling(self)
-        for name in ("encoder", "decoder"):
+        for name in [name for name, chosen in (("encoder", encoder), ("decoder", decoder)) if chosen]:
             seanet = copy.deepcopy(getattr(self, name))
             for layer in seanet.model:
                 if isinstance(layer, ResidualBlock):

@@ -126,7 +126,7 @@ def test_only_the_steps_the_kernels_take_are_fused() -> None:
     """Full-size Mimi: the residual units of the encoder's first two stages (64 and 128 channels) and the decoder's
     last two, the encoder's first two downsampling convolutions and the decoder's last two upsampling ones, the
     convolutions from and to audio; the wider ones keep the torch path, as does every part that a choice leaves
-    out; the codec itself is left as it was."""
+    out or a side left out (encoder or decoder); the codec itself is left as it was."""
     mimi = random_mimi(MimiConfig(), "cpu")
 
     def fused(codec, name: str) -> list[tuple[str, int, bool]]:
@@ -159,6 +159,10 @@ def test_only_the_steps_the_kernels_take_are_fused() -> None:
                       if isinstance(layer, (ResidualBlock, CausalConv1d, CausalConvTranspose1d))]
             assert [on for _, _, on in fused(one, part)] == [
                 layer.fused and choice(layer) == chosen for layer in layers]
+    for side in ("encoder", "decoder"):  # one side only: the other as it was
+        one = mimi.with_fused_seanet(**{other: other == side for other in ("encoder", "decoder")})
+        for part in ("encoder", "decoder"):
+            assert fused(one, part) == (fused(both, part) if part == side else fused(mimi, part))
     assert not any(on for part in ("encoder", "decoder") for _, _, on in fused(mimi, part))
 
 

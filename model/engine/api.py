@@ -139,8 +139,10 @@ class EngineConfig:
     # On CUDA, Mimi's SEANet steps where its activations are largest as one Triton kernel each: the residual units
     # of 32-128 channels, the encoder's first two downsampling convolutions, the decoder's last two upsampling ones,
     # and the convolutions from and to audio (`Mimi.with_fused_seanet`, model/seanet_kernels.py). Not bit-exact
-    # (other sum orders, fewer roundings); off until measured on the GPU.
-    mimi_fused_seanet: bool = False
+    # (other sum orders, fewer roundings). The encoder's codes feed the model, so its kernels move tokens; the
+    # decoder's only move the audio. Off until measured on the GPU.
+    mimi_fused_encoder: bool = False
+    mimi_fused_decoder: bool = False
     # The temporal transformer's products with e4m3 weights (a scale per output channel) and inputs quantized per
     # row (`LM.with_fp8_weights`): half the bytes of the weights a tick reads, at the fp8 tensor-core rate (CUDA
     # compute capability 8.9+; on the CPU it runs, slowly, for tests). Greedy tokens move (docs/fidelity.md), and

@@ -58,8 +58,8 @@ def streaming_mimi(mimi: Mimi, config: EngineConfig, device: torch.device) -> Mi
     bf16 = torch.bfloat16
     mimi = mimi.with_precision(bf16 if config.mimi_encoder_bf16 else mimi.encoder_dtype,
                                bf16 if config.mimi_decoder_bf16 else mimi.decoder_dtype)
-    if config.mimi_fused_seanet:
-        mimi = mimi.with_fused_seanet()
+    if config.mimi_fused_encoder or config.mimi_fused_decoder:
+        mimi = mimi.with_fused_seanet(encoder=config.mimi_fused_encoder, decoder=config.mimi_fused_decoder)
     return mimi.compiled() if config.mimi_compiled else mimi
 
 
