@@ -36,18 +36,20 @@ def build_mimi(tiny: bool) -> Mimi:
                           torch.device(device))
 
 
-def outputs(mimi: Mimi, rows: int, frames: int) -> dict[str, torch.Tensor]:
-    """Codes and audio of `frames` streaming steps over seeded noise at `rows` rows, on the host."""
+def outputs(mimi: Mimi, rows: int, frames: int, decoded: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Codes and audio of `frames` streaming steps over seeded noise at `rows` rows, on the host: the audio of its
+    own codes, or of `decoded` (another codec's [frames, rows, codebooks]), so that the audio's difference is the
+    decoder's own and not the codes'."""
     device = next(mimi.parameters()).device
     generator = torch.Generator().manual_seed(rows)
     state = mimi.init_state(rows, device)
     codes, audio = [], []
     with torch.no_grad():
-        for _ in range(frames):
+        for frame in range(frames):
             pcm = (0.1 * torch.randn(rows, FRAME_SAMPLES, generator=generator)).to(device)
             step_codes = mimi.encode_frame(pcm, state)
             codes.append(step_codes.cpu())
-            audio.append(mimi.decode_frame(step_codes, state).cpu())
+            audio.append(mimi.decode_frame(step_codes if decoded is None else decoded[frame].to(device), state).cpu())
     return {"codes": torch.stack(codes), "audio": torch.stack(audio)}
 
 
@@ -110,7 +112,8 @@ def main() -> None:
     parser.add_argument("--fused", nargs="*", choices=["residual", "strided", "ends", "seanet"], default=[],
                         help="also the codec with SEANet steps as Triton kernels (Mimi.with_fused_seanet, CUDA): its "
                              "residual units, its strided convolutions (down and up), its convolutions from and to "
-                             "audio, or all; a line each, outputs compared with the codec's own")
+                             "audio, or all; a line each, outputs compared with the codec's own (its codes with "
+                             "the codec's, its audio of the codec's codes with the codec's)")
     parser.add_argument("--residual-tiles", type=tiles, nargs="*", default=[],
                         help="the residual units fused with each tile SAMPLESxWARPS (warps per 64 channels; "
                              "ResidualTile)")
@@ -147,7 +150,8 @@ def main() -> None:
             seanet_kernels.TRANSPOSED_TILE = seanet_kernels.TransposedTile(*said.get("transposed_tile", []))
             seanet_kernels.THIN_TILE = seanet_kernels.ThinTile(*said.get("thin_tile", []))
             fused_mimi = mimi.with_fused_seanet(**parts)
-            fused_line = {**line, **said, **compare(outputs(fused_mimi, rows, args.frames), mine[rows]),
+            fused_outputs = outputs(fused_mimi, rows, args.frames, decoded=mine[rows]["codes"])
+            fused_line = {**line, **said, **compare(fused_outputs, mine[rows]),
                           **time_mimi(fused_mimi, rows, torch.device("cuda"), args.steps), **kernels(fused_mimi, rows)}
             print(json.dumps(fused_line), flush=True)
     if args.save:
