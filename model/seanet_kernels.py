@@ -21,8 +21,9 @@ tile of a row through a whole step in registers, reading its input once and writ
 Each keeps the torch path's streaming state (model/mimi_modules.py), so either path can take a step. The products
 accumulate in fp32 (TF32 inputs for float32 steps where the torch path's products use TF32, bf16 inputs for bf16
 steps), in other orders than cuDNN's and cuBLAS's, and nothing is rounded to the activations' dtype between a
-step's parts: outputs agree with the torch path's within that rounding, not bit for bit. The tiles are first
-guesses, not tuned on a GPU: `bench.mimi_step --fused ... --residual-tiles ...` times others.
+step's parts: outputs agree with the torch path's within that rounding, not bit for bit. The default tiles were
+the fastest of the few timed on the H200 at 250 rows (`bench.mimi_step --fused ... --residual-tiles ...`;
+docs/benchmarks.md): the residual units and the convolution to audio gain, the strided ones break even.
 """
 
 from __future__ import annotations
@@ -312,9 +313,10 @@ if triton is not None:
         tl.store(OUT + row * (C_OUT * L_OUT) + co[:, None] * L_OUT + frame[None, :], acc.to(OUT.dtype.element_ty),
                  mask=inside)
 
-    # A convolution from one channel (the encoder's first: C_OUT wide) or to one (the decoder's last: C_IN wide) as
-    # broadcast products summed over taps, or over taps and channels: no product has a side wider than one, and no
-    # tile has a dimension of one.
+    # A convolution from one channel (the encoder's first: C_OUT wide) or to one (the decoder's last: C_IN wide):
+    # with one side a single channel there is no product to take, only broadcast multiplies summed over the taps
+    # (and for the decoder's, over its channels once at the end). No tile has a dimension of one: with [C_OUT, 1,
+    # T] broadcasts reduced over that axis, CUDA's code gave wrong outputs where the interpreter's were right.
     @triton.jit
     def _thin_kernel(X, WINDOW, W, BIAS, OUT, L, sxb, sxc, sxt, swb, swc, swt, alpha, C_IN: tl.constexpr,
                      C_OUT: tl.constexpr, K: tl.constexpr, CONTEXT: tl.constexpr, HAS_ELU: tl.constexpr,
