@@ -201,7 +201,8 @@ class Mimi(nn.Module):
         activations are largest: the residual units of 32-128 channels (`residual`: the encoder's first two, the
         decoder's last two), the strided convolutions with the ELU before them (`strided`: the encoder's first two
         downsampling ones, the decoder's last two upsampling ones), and the convolutions from and to audio (`ends`),
-        in the `encoder`, the `decoder` or both. Not bit-equal to the torch path, so a choice, not a default."""
+        in the `encoder`, the `decoder` or both. Not bit-equal to the torch path: the engine fuses the decoder's,
+        whose audio is never fed back, and not the encoder's, whose codes are (EngineConfig)."""
         other = sibling(self)
         for name in [name for name, chosen in (("encoder", encoder), ("decoder", decoder)) if chosen]:
             seanet = copy.deepcopy(getattr(self, name))

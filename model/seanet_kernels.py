@@ -1,5 +1,5 @@
-"""Mimi's SEANet streaming steps where its activations are largest, each as one Triton kernel (opt-in:
-`Mimi.with_fused_seanet`, `EngineConfig.mimi_fused_encoder` and `mimi_fused_decoder`).
+"""Mimi's SEANet streaming steps where its activations are largest, each as one Triton kernel
+(`Mimi.with_fused_seanet`; `EngineConfig.mimi_fused_decoder`, on, and `mimi_fused_encoder`, off).
 
 At 250 rows the encoder's first stage holds 64 channels x 1,920 samples a row (123 MB in float32) and the decoder's
 last the same in bf16, and the torch path makes several passes over each: an ELU written into a convolution's
