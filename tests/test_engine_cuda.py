@@ -81,9 +81,15 @@ def test_graphs_replay_the_eager_step(cuda_model):
     assert all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
-def test_the_default_cuda_engine_decodes_in_bf16_and_encodes_in_float32(cuda_model):
+def fused_layers(seanet) -> list[str]:
+    return [type(layer).__name__ for layer in seanet.model if getattr(layer, "fused", False)]
+
+
+def test_the_default_cuda_engine_decodes_in_bf16_through_the_kernels_and_encodes_in_float32(cuda_model):
     engine = Engine(cuda_model, EngineConfig(max_sessions=1))
     assert (engine.runner.mimi.encoder_dtype, engine.runner.mimi.decoder_dtype) == (torch.float32, torch.bfloat16)
+    # Of the tiny decoder the kernels take an upsampling convolution, two residual units and the one to audio.
+    assert fused_layers(engine.runner.mimi.encoder) == [] and "CausalConv1d" in fused_layers(engine.runner.mimi.decoder)
     exact = Engine(cuda_model, EngineConfig(max_sessions=1, mimi_decoder_bf16=False))
     assert exact.runner.mimi.decoder_dtype == torch.float32
 
