@@ -43,8 +43,10 @@ def test_mimi_decoder_precision_is_a_choice_and_reaches_the_engine(tiny_checkpoi
     tiny_model = load_model(str(tiny_checkpoint))
     assert parse_settings([], {}).mimi_decoder == "bf16"
     settings = parse_settings(["--mimi-decoder", "float32"], {})
-    assert build_engine(settings, tiny_model).config.mimi_decoder_bf16 is False
-    assert build_engine(parse_settings([], {}), tiny_model).config.mimi_decoder_bf16 is True
+    exact = build_engine(settings, tiny_model).config
+    assert (exact.mimi_decoder_bf16, exact.mimi_fused_decoder) == (False, False)  # the reference's torch path
+    default = build_engine(parse_settings([], {}), tiny_model).config
+    assert (default.mimi_decoder_bf16, default.mimi_fused_decoder) == (True, True)
     with pytest.raises(SystemExit, match="PERSONAPLEX_MIMI_DECODER must be one of bf16, float32"):
         parse_settings([], {"PERSONAPLEX_MIMI_DECODER": "fp16"})
 

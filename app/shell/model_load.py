@@ -68,4 +68,5 @@ def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
         logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)
     return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda",
                                       stalled_after_s=settings.engine_stalled_s,
-                                      mimi_decoder_bf16=settings.mimi_decoder == "bf16"))
+                                      mimi_decoder_bf16=settings.mimi_decoder == "bf16",
+                                      mimi_fused_decoder=settings.mimi_decoder == "bf16"))
