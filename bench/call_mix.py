@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from bench.engine_bench import EndlessSource, drop, percentiles
-from bench.fullsize import bench_model, gpu_memory_gb
+from bench.fullsize import add_arithmetic_flags, arithmetic_config, bench_model, gpu_memory_gb
 from model.engine import Engine, EngineConfig, EngineError, ResourceExhausted, SamplingParams, SessionParams, Slot
 
 PARAMS = SessionParams(persona="You are a helpful agent.", sampling=SamplingParams())
@@ -259,12 +259,12 @@ async def main_async(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     config = EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, kv_pages=args.kv_pages,
                           kv_page_frames=args.page_frames, kv_floor_frames=args.floor_frames,
-                          kv_free_gib=args.kv_free_gib, fp8_weights=args.fp8_weights)
+                          kv_free_gib=args.kv_free_gib, **arithmetic_config(args))
     engine = Engine(model, config)
     engine.start()
     memory = gpu_memory_gb()
     print(json.dumps({"bench": "call_mix_start", "max_sessions": args.max_sessions,
-                      "kv": "fp8" if args.fp8_kv else "bf16", "fp8_weights": args.fp8_weights,
+                      "kv": "fp8" if args.fp8_kv else "bf16", **arithmetic_config(args),
                       "pool_pages": engine.stats().kv_pages,
                       "page_frames": engine.lm_state.kv.page, "start_s": round(time.perf_counter() - started, 1),
                       **memory, **memory_parts_gb(engine)}), flush=True)
@@ -299,7 +299,7 @@ def main() -> None:
     parser.add_argument("--floor-frames", type=int, default=EngineConfig.kv_floor_frames,
                         help="the smallest context window a shrink leaves")
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
-    parser.add_argument("--fp8-weights", action="store_true", help="e4m3 temporal products (LM.with_fp8_weights)")
+    add_arithmetic_flags(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()

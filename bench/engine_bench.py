@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from bench.channel_worker import EndlessSource
-from bench.fullsize import bench_model, gpu_memory_gb, persona, voice_wav
+from bench.fullsize import add_arithmetic_flags, arithmetic_config, bench_model, gpu_memory_gb, persona, voice_wav
 from model import fused
 from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
 from model.engine.process import EngineHost
@@ -233,14 +233,11 @@ async def served_workers(engine: Engine, model: PersonaPlex, count: int) -> Asyn
 async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
-    mimi = {"mimi_encoder_bf16": args.mimi_encoder_bf16, "mimi_decoder_bf16": args.mimi_decoder_bf16,
-            "mimi_compiled": args.mimi_compiled, "mimi_fused_encoder": args.mimi_fused_encoder,
-            "mimi_fused_decoder": args.mimi_fused_decoder,
-            "fp8_weights": args.fp8_weights}
-    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, **mimi))
+    arithmetic = arithmetic_config(args)
+    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, **arithmetic))
     engine.start()
     kv = "fp8" if args.fp8_kv else "bf16"
-    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **mimi,
+    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **arithmetic,
                       "graph_capture_s": round(time.perf_counter() - started, 1), "fused_eager": fused.fallen_back(),
                       **gpu_memory_gb()}), flush=True)
     loads = args.loads or [(sessions, context) for context in args.contexts for sessions in args.sessions]
@@ -255,7 +252,7 @@ async def main_async(args: argparse.Namespace) -> None:
             for staging in (False, True) if args.compare_staging else (engine.config.stage_inputs,):
                 engine.config.stage_inputs = staging
                 line = await measure_ticks(engine, sessions, context, args.ticks, worker)
-                print(json.dumps({**line, **mimi, "over_channel": args.over_channel,
+                print(json.dumps({**line, **arithmetic, "over_channel": args.over_channel,
                                   "workers": args.workers if args.over_channel else 0, "stage_inputs": staging,
                                   "fused_eager": fused.fallen_back()}), flush=True)
             if line["tick_ms_p99"] < 80.0:
@@ -290,18 +287,7 @@ def main() -> None:
     parser.add_argument("--opens", type=int, default=5, help="opens of each kind to time (0: none)")
     parser.add_argument("--loads", type=load, nargs="+", help="SESSIONSxCONTEXT pairs instead of every pair")
     parser.add_argument("--fp8-kv", action="store_true", help="FP8 (e4m3) KV cache")
-    parser.add_argument("--mimi-encoder-bf16", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig.mimi_encoder_bf16, help="Mimi's streaming encoder in bf16 (CUDA)")
-    parser.add_argument("--mimi-decoder-bf16", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig.mimi_decoder_bf16, help="Mimi's streaming decoder in bf16 (CUDA)")
-    parser.add_argument("--mimi-compiled", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig.mimi_compiled, help="Mimi's streaming steps compiled by Inductor (CUDA)")
-    for side in ("encoder", "decoder"):
-        parser.add_argument(f"--mimi-fused-{side}", action=argparse.BooleanOptionalAction,
-                            default=getattr(EngineConfig, f"mimi_fused_{side}"),
-                            help=f"the {side}'s SEANet steps with the largest activations as Triton kernels (CUDA)")
-    parser.add_argument("--fp8-weights", action=argparse.BooleanOptionalAction, default=EngineConfig.fp8_weights,
-                        help="the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)")
+    add_arithmetic_flags(parser)
     parser.add_argument("--over-channel", action="store_true",
                         help="the sessions a worker's, over the engine process's channel (module docstring)")
     parser.add_argument("--workers", type=int, default=1,

@@ -6,6 +6,7 @@ checkpoint on the CPU stands in where a script is only being tried (`--tiny`, an
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 
 from model.audio import write_wav
 from model.config import SAMPLE_RATE
+from model.engine.api import EngineConfig
 from model.loading import PersonaPlex, load_model
 from model.random_model import random_personaplex
 from model.tiny import synthetic_voice, write_tiny_checkpoint
@@ -24,6 +26,29 @@ def bench_model(tiny: bool) -> PersonaPlex:
     if tiny:
         return load_model(str(write_tiny_checkpoint(Path(tempfile.mkdtemp()), seed=0)))
     return random_personaplex()
+
+
+# The engine's arithmetic choices a bench can turn each way (EngineConfig's fields of these names).
+ARITHMETIC_FLAGS = {
+    "mimi_encoder_bf16": "Mimi's streaming encoder in bf16 (CUDA)",
+    "mimi_decoder_bf16": "Mimi's streaming decoder in bf16 (CUDA)",
+    "mimi_compiled": "Mimi's streaming steps compiled by Inductor (CUDA)",
+    "mimi_fused_encoder": "the encoder's SEANet steps with the largest activations as Triton kernels (CUDA)",
+    "mimi_fused_decoder": "the decoder's SEANet steps with the largest activations as Triton kernels (CUDA)",
+    "fp8_weights": "the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)",
+}
+
+
+def add_arithmetic_flags(parser: argparse.ArgumentParser) -> None:
+    """A --(no-)FLAG for each arithmetic choice of ARITHMETIC_FLAGS, defaulting to the engine's."""
+    for name, help_text in ARITHMETIC_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                            default=getattr(EngineConfig, name), help=help_text)
+
+
+def arithmetic_config(args: argparse.Namespace) -> dict[str, bool]:
+    """The EngineConfig fields of ARITHMETIC_FLAGS as the arguments set them (also what a bench's JSON reports)."""
+    return {name: getattr(args, name) for name in ARITHMETIC_FLAGS}
 
 
 def voice_wav(seconds: float = 4.0) -> str:

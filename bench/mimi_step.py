@@ -7,7 +7,8 @@ compute the same thing is checked by this, not assumed).
     python3 -m bench.mimi_step --rows 1 64 250 --fused residual strided ends seanet --residual-tiles 32x4
 
 Full-size Mimi with seeded random weights (as `random-7b`'s), the engine's precisions (encoder float32 with TF32
-products, decoder bf16 on CUDA), cuDNN's algorithms chosen by its heuristics as in the engine. One JSON line per
+products, decoder bf16 on CUDA) on the torch path (the engine runs the decoder's SEANet steps as kernels: the
+`--fused` lines), cuDNN's algorithms chosen by its heuristics as in the engine. One JSON line per
 batch size: encode/decode p50 ms of `--steps` graph replays, kernels per step, and with `--compare` whether every
 code and audio sample of `--frames` frames equals the saved ones.
 """
@@ -30,10 +31,11 @@ from model.random_model import random_mimi
 
 
 def build_mimi(tiny: bool) -> Mimi:
-    """The codec the engine would run: full size on CUDA (random weights), the tiny one on the CPU."""
+    """The codec in the engine's precisions on the torch path (no SEANet kernel, which the `--fused` lines add):
+    full size on CUDA (random weights), the tiny one on the CPU."""
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
-    return streaming_mimi(random_mimi(TINY_MIMI if tiny else MimiConfig(), device), EngineConfig(),
-                          torch.device(device))
+    config = EngineConfig(mimi_fused_encoder=False, mimi_fused_decoder=False)
+    return streaming_mimi(random_mimi(TINY_MIMI if tiny else MimiConfig(), device), config, torch.device(device))
 
 
 def outputs(mimi: Mimi, rows: int, frames: int, decoded: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.engine_bench import load
-from bench.fullsize import bench_model
+from bench.fullsize import add_arithmetic_flags, arithmetic_config, bench_model
 from model import fused
 from model.batch_step import BatchStep, bucket
 from model.config import FRAME_SAMPLES
@@ -316,11 +316,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=10, help="kernels listed per part (0: none)")
     parser.add_argument("--fp8-kv", action="store_true")
-    parser.add_argument("--mimi-encoder-bf16", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig.mimi_encoder_bf16)
-    parser.add_argument("--mimi-decoder-bf16", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig.mimi_decoder_bf16)
-    parser.add_argument("--mimi-compiled", action=argparse.BooleanOptionalAction, default=EngineConfig.mimi_compiled)
+    add_arithmetic_flags(parser)
     parser.add_argument("--mimi-variants", action="store_true",
                         help="also time Mimi alone in three precisions, eager and compiled")
     parser.add_argument("--engine-json", help="engine_bench JSON lines whose host p50 to take for each load")
@@ -345,14 +341,10 @@ def main() -> None:
         for rows in batches:
             for line in mimi_variants(model.mimi, rows, model.device, args.steps, args.top):
                 print(json.dumps(line), flush=True)
-    config = EngineConfig(max_sessions=max(s for s, _ in args.loads), fp8_kv=args.fp8_kv,
-                          mimi_encoder_bf16=args.mimi_encoder_bf16, mimi_decoder_bf16=args.mimi_decoder_bf16,
-                          mimi_compiled=args.mimi_compiled)
-    engine = Engine(model, config)
-    print(json.dumps({"bench": "roofline_start", "fp8_kv": args.fp8_kv, "mimi_encoder_bf16": args.mimi_encoder_bf16,
-                      "mimi_decoder_bf16": args.mimi_decoder_bf16, "mimi_compiled": args.mimi_compiled,
-                      "peak_tbs": args.peak_tbs, "peak_bf16_tflops": args.peak_bf16_tflops,
-                      "peak_tf32_tflops": args.peak_tf32_tflops}),
+    arithmetic = arithmetic_config(args)
+    engine = Engine(model, EngineConfig(max_sessions=max(s for s, _ in args.loads), fp8_kv=args.fp8_kv, **arithmetic))
+    print(json.dumps({"bench": "roofline_start", "fp8_kv": args.fp8_kv, **arithmetic, "peak_tbs": args.peak_tbs,
+                      "peak_bf16_tflops": args.peak_bf16_tflops, "peak_tf32_tflops": args.peak_tf32_tflops}),
           flush=True)
     row_flops = mimi_row_flops(engine.runner.mimi, engine.device)
     for sessions, context in args.loads:
