@@ -10,7 +10,10 @@ Full-size Mimi with seeded random weights (as `random-7b`'s), the engine's preci
 products, decoder bf16 on CUDA) on the torch path (the engine runs the decoder's SEANet steps as kernels: the
 `--fused` lines), cuDNN's algorithms chosen by its heuristics as in the engine. One JSON line per
 batch size: encode/decode p50 ms of `--steps` graph replays, kernels per step, and with `--compare` whether every
-code and audio sample of `--frames` frames equals the saved ones.
+code and audio sample of `--frames` frames equals the saved ones. Row r hears the same noise at every batch size,
+and a "mimi_across_batches" line compares each smaller batch's rows with the same rows of the largest batch, for
+the torch path and each `--fused` kind: whether a session's codes depend on how many calls share its step (cuBLAS
+and cuDNN choose their kernels, and so their sums' order, by shape; the SEANet kernels run one program per row).
 """
 
 from __future__ import annotations
@@ -38,18 +41,23 @@ def build_mimi(tiny: bool) -> Mimi:
     return streaming_mimi(random_mimi(TINY_MIMI if tiny else MimiConfig(), device), config, torch.device(device))
 
 
+def row_noise(rows: int, frames: int) -> torch.Tensor:
+    """[frames, rows, FRAME_SAMPLES] of noise, row r's seeded by r: a row hears the same at every batch size."""
+    return torch.stack([0.1 * torch.randn(frames, FRAME_SAMPLES, generator=torch.Generator().manual_seed(row))
+                        for row in range(rows)], dim=1)
+
+
 def outputs(mimi: Mimi, rows: int, frames: int, decoded: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Codes and audio of `frames` streaming steps over seeded noise at `rows` rows, on the host: the audio of its
+    """Codes and audio of `frames` streaming steps over `row_noise` at `rows` rows, on the host: the audio of its
     own codes, or of `decoded` (another codec's [frames, rows, codebooks]), so that the audio's difference is the
     decoder's own and not the codes'."""
     device = next(mimi.parameters()).device
-    generator = torch.Generator().manual_seed(rows)
+    noise = row_noise(rows, frames).to(device)
     state = mimi.init_state(rows, device)
     codes, audio = [], []
     with torch.no_grad():
         for frame in range(frames):
-            pcm = (0.1 * torch.randn(rows, FRAME_SAMPLES, generator=generator)).to(device)
-            step_codes = mimi.encode_frame(pcm, state)
+            step_codes = mimi.encode_frame(noise[frame], state)
             codes.append(step_codes.cpu())
             audio.append(mimi.decode_frame(step_codes if decoded is None else decoded[frame].to(device), state).cpu())
     return {"codes": torch.stack(codes), "audio": torch.stack(audio)}
@@ -64,6 +72,15 @@ def compare(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> d
                                                                                           theirs["audio"])),
             "codes_equal": round(codes_equal, 6), "audio_max_abs_diff": float(error.abs().max()),
             "audio_snr_db": None if snr is None else round(snr, 2)}
+
+
+def across_batches(codec: str, by_rows: dict[int, dict[str, torch.Tensor]]) -> list[dict]:
+    """A codec's rows at each smaller batch size against the same rows (the same audio) at the largest: whether its
+    codes and audio depend on how many rows share the step, as a session's would on how many calls are live."""
+    largest = max(by_rows)
+    return [{"bench": "mimi_across_batches", "codec": codec, "rows": rows, "against_rows": largest,
+             **compare(out, {name: value[:, :rows] for name, value in by_rows[largest].items()})}
+            for rows, out in sorted(by_rows.items()) if rows < largest]
 
 
 def kernels(mimi: Mimi, rows: int) -> dict:
@@ -135,7 +152,8 @@ def main() -> None:
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
         fused.enable()
     saved = torch.load(args.compare) if args.compare else {}
-    mine = {}
+    mine: dict[int, dict[str, torch.Tensor]] = {}
+    fused_by_rows: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for rows in args.rows:
         line: dict = {"bench": "mimi_step", "rows": rows, "device": str(next(mimi.parameters()).device),
                       "cudnn_benchmark": args.cudnn_benchmark}
@@ -153,9 +171,14 @@ def main() -> None:
             seanet_kernels.THIN_TILE = seanet_kernels.ThinTile(*said.get("thin_tile", []))
             fused_mimi = mimi.with_fused_seanet(**parts)
             fused_outputs = outputs(fused_mimi, rows, args.frames, decoded=mine[rows]["codes"])
+            if len(said) == 1:  # a kind of kernel with its default tiles
+                fused_by_rows.setdefault(said["fused"], {})[rows] = outputs(fused_mimi, rows, args.frames)
             fused_line = {**line, **said, **compare(fused_outputs, mine[rows]),
                           **time_mimi(fused_mimi, rows, torch.device("cuda"), args.steps), **kernels(fused_mimi, rows)}
             print(json.dumps(fused_line), flush=True)
+    for codec, by_rows in (("torch", mine), *fused_by_rows.items()):
+        for line in across_batches(codec, by_rows):
+            print(json.dumps(line), flush=True)
     if args.save:
         torch.save(mine, args.save)
 

@@ -143,16 +143,21 @@ def test_jitter_phase_bench_prints_the_added_latency_at_each_read_phase() -> Non
 
 
 def test_mimi_step_saves_outputs_and_compares_them_bit_for_bit(tmp_path: Path) -> None:
-    """What one tree's codec computed, saved; the same tree agrees with it exactly, and one moved sample shows."""
+    """What one tree's codec computed, saved; the same tree agrees with it exactly, and one moved sample shows. A row
+    hears the same at every batch size, and its codes and audio there are the same but for rounding."""
     saved, moved = tmp_path / "saved.pt", tmp_path / "moved.pt"
     first = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--save", str(saved))
-    assert [line["rows"] for line in first] == [1, 3] and all("bit_equal" not in line for line in first)
-    same = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--compare", str(saved))
+    steps, (across,) = first[:2], first[2:]
+    assert [line["rows"] for line in steps] == [1, 3] and all("bit_equal" not in line for line in steps)
+    assert (across["bench"], across["codec"], across["rows"], across["against_rows"]) == ("mimi_across_batches",
+                                                                                          "torch", 1, 3)
+    assert across["codes_equal"] == 1.0 and (across["audio_snr_db"] is None or across["audio_snr_db"] > 80)
+    same = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--compare", str(saved))[:2]
     assert all(line["bit_equal"] and line["codes_equal"] == 1.0 for line in same)
     outputs = torch.load(saved)
     outputs[3]["audio"][1, 2, 100] += 1e-3
     torch.save(outputs, moved)
-    lines = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--compare", str(moved))
+    lines = bench_lines("bench.mimi_step", "--rows", "1", "3", "--frames", "2", "--compare", str(moved))[:2]
     assert [line["bit_equal"] for line in lines] == [True, False]
     assert lines[1]["codes_equal"] == 1.0 and 0 < lines[1]["audio_max_abs_diff"] < 2e-3
     assert lines[0]["audio_snr_db"] is None and lines[1]["audio_snr_db"] > 40
