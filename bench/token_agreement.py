@@ -1,13 +1,18 @@
 """Greedy tokens of engines on faster numeric paths against today's path, frame by frame, on the same input.
 
-    python -m bench.token_agreement --fp8-kv [--rows 64] [--frames 2000] [--candidates decoder_bf16 bf16] [--tiny]
+    python -m bench.token_agreement --fp8-kv [--rows 64] [--frames 2000] [--candidates decoder_bf16 bf16]
+                                    [--wider 186] [--tiny]
 
-Engines over one model (full 7B shape, random bf16 weights): the reference (Mimi in float32, as the reference
-computes it) and one per candidate: `decoder_bf16` (Mimi's streaming decoder in bf16), `encoder_bf16`, `bf16`
-(both), `fp8_weights` (the temporal products with e4m3 weights, `LM.with_fp8_weights`). All step `--rows` fresh
-greedy rows through `--frames` frames of the same speech-like input (a voiced, pitch-gliding signal with pauses and
-noise, different for every row), and every emitted frame's 17 tokens (text, 8 agent codes, 8 user codes: the Mimi
-encoder's) are compared. One JSON line per candidate, "token_agreement":
+Engines over one model (full 7B shape, random bf16 weights): the reference (Mimi in float32 on the torch path, as
+the reference computes it: every choice of bench/fullsize.py's ARITHMETIC_FLAGS off) and one per candidate, the
+reference with its own choices on: `decoder_bf16` (Mimi's streaming decoder in bf16), `encoder_bf16`, `bf16`
+(both), `fused_encoder` / `fused_seanet` (Mimi's SEANet kernels), `fp8_weights` (the temporal products with e4m3
+weights, `LM.with_fp8_weights`), and the other CANDIDATES. With `--wider N` one more: the reference's own arithmetic
+stepping N more rows (other input) beside the compared ones, in a larger batch, where cuBLAS and cuDNN may choose
+other kernels: how much a row's tokens move with the number of calls beside it, today's path against itself. All
+step `--rows` fresh greedy rows through `--frames` frames of the same speech-like input (a voiced, pitch-gliding
+signal with pauses and noise, different for every row), and every emitted frame's 17 tokens (text, 8 agent codes,
+8 user codes: the Mimi encoder's) are compared. One JSON line per candidate, "token_agreement":
 frames compared and equal (all 17 tokens), per stream (text, agent, user codes), rows that ever diverged and their
 first divergent frame, and the audio: the candidate's decoded audio against the reference's, as an SNR in dB per
 row over the frames before that row's first divergence (where both decoded the same codes).
@@ -23,7 +28,7 @@ import time
 
 import numpy as np
 
-from bench.fullsize import bench_model
+from bench.fullsize import ARITHMETIC_FLAGS, bench_model
 from model.config import FRAME_SAMPLES, SAMPLE_RATE
 from model.engine import Engine, EngineConfig
 
@@ -63,8 +68,8 @@ CANDIDATES = {"decoder_bf16": {"mimi_decoder_bf16": True}, "encoder_bf16": {"mim
                                             "mimi_fused_decoder": True},
               "fp8_weights": {"fp8_weights": True}, "decoder_bf16_fp8_weights": {"mimi_decoder_bf16": True,
                                                                                  "fp8_weights": True}}
-REFERENCE = {"mimi_encoder_bf16": False, "mimi_decoder_bf16": False, "mimi_compiled": False,
-             "mimi_fused_encoder": False, "mimi_fused_decoder": False, "fp8_weights": False}
+# Every arithmetic choice off: the reference's float32 Mimi on the torch path; a candidate turns on its own.
+REFERENCE = dict.fromkeys(ARITHMETIC_FLAGS, False)
 STREAMS = {"text": slice(0, 1), "agent": slice(1, 9), "user_codes": slice(9, 17)}
 
 
@@ -122,6 +127,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--frames", type=int, default=2000)
     parser.add_argument("--candidates", nargs="+", choices=sorted(CANDIDATES), default=["decoder_bf16", "bf16"])
+    parser.add_argument("--wider", type=int, default=0,
+                        help="also the reference's own arithmetic stepping this many more rows (other input) beside "
+                             "the compared ones: whether a row's tokens depend on how many rows share its step")
     parser.add_argument("--fp8-kv", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
@@ -129,20 +137,31 @@ def main() -> None:
     model = bench_model(args.tiny)
     rows, frames = args.rows, args.frames
     context, page = model.config.context, EngineConfig.kv_page_frames
-    # Every row's frames (a ring at most), in pages of at most kv_page_frames (a divisor of the context).
-    pages = rows * math.ceil(min(frames + 8, context) / min(page, context)) + rows
-    engines = [Engine(model, EngineConfig(max_sessions=rows, fp8_kv=args.fp8_kv, kv_pages=pages, **flags))
-               for flags in [REFERENCE, *(CANDIDATES[name] for name in args.candidates)]]
-    agreements = [Agreement(rows) for _ in args.candidates]
+    # (name, arithmetic, rows stepped) of each candidate; the first `rows` rows are compared.
+    candidates = [(name, {**REFERENCE, **CANDIDATES[name]}, rows) for name in args.candidates]
+    if args.wider:
+        candidates.append((f"batch_of_{rows + args.wider}", REFERENCE, rows + args.wider))
+
+    def engine(flags: dict[str, bool], stepped: int) -> Engine:
+        # Every row's frames (a ring at most), in pages of at most kv_page_frames (a divisor of the context).
+        pages = stepped * math.ceil(min(frames + 8, context) / min(page, context)) + stepped
+        return Engine(model, EngineConfig(max_sessions=stepped, fp8_kv=args.fp8_kv, kv_pages=pages, **flags))
+
+    reference = engine(REFERENCE, rows)
+    engines = [(engine(flags, stepped), stepped) for _, flags, stepped in candidates]
+    agreements = [Agreement(rows) for _ in candidates]
     source = SpeechLike(rows, 30.0, seed=1)
+    beside = SpeechLike(args.wider, 30.0, seed=2) if args.wider else None
     for index in range(frames):
         pcm = source.frame(index)
-        reference, *candidates = (tuple(a.copy() for a in engine.step_rows(rows, pcm)) for engine in engines)
-        for agreement, candidate in zip(agreements, candidates):
-            agreement.add(index, reference, candidate)
-    for name, agreement in zip(args.candidates, agreements):
-        print(json.dumps({"bench": "token_agreement", "candidate": name, **CANDIDATES[name], "rows": rows,
-                          "frames": frames, "fp8_kv": args.fp8_kv, **agreement.summary(),
+        wide_pcm = np.concatenate([pcm, beside.frame(index)]) if beside else pcm
+        expected = tuple(a.copy() for a in reference.step_rows(rows, pcm))
+        for (candidate, stepped), agreement in zip(engines, agreements):
+            outputs = candidate.step_rows(stepped, wide_pcm[:stepped])
+            agreement.add(index, expected, tuple(a[:rows] for a in outputs))
+    for (name, flags, stepped), agreement in zip(candidates, agreements):
+        print(json.dumps({"bench": "token_agreement", "candidate": name, **flags, "rows": rows,
+                          "rows_stepped": stepped, "frames": frames, "fp8_kv": args.fp8_kv, **agreement.summary(),
                           "seconds": round(time.perf_counter() - started, 1)}), flush=True)
 
 

@@ -142,6 +142,20 @@ def test_jitter_phase_bench_prints_the_added_latency_at_each_read_phase() -> Non
     assert summary["added_p50_ms_min"] == min(line["added_p50_ms"] for line in phases)
 
 
+def test_token_agreement_compares_each_candidate_and_a_wider_batch_with_the_reference() -> None:
+    """On the CPU every engine computes in float32 whatever its flags, and a row's step does not read the rows beside
+    it: every candidate, and the reference's own arithmetic with rows beside, agrees with the reference exactly."""
+    lines = bench_lines("bench.token_agreement", "--rows", "2", "--frames", "12", "--candidates", "decoder_bf16",
+                        "fused_encoder", "--wider", "3")
+    assert [(line["candidate"], line["rows_stepped"]) for line in lines] == [
+        ("decoder_bf16", 2), ("fused_encoder", 2), ("batch_of_5", 5)]
+    assert [(line["mimi_decoder_bf16"], line["mimi_fused_encoder"]) for line in lines] == [
+        (True, False), (False, True), (False, False)]  # the reference's arithmetic with only its own choice on
+    for line in lines:
+        assert line["frames_compared"] == 2 * 11 and line["agreement"] == 1.0 and line["rows_diverged"] == 0
+        assert line["audio_rows_bit_equal"] == 2
+
+
 def test_mimi_step_saves_outputs_and_compares_them_bit_for_bit(tmp_path: Path) -> None:
     """What one tree's codec computed, saved; the same tree agrees with it exactly, and one moved sample shows. A row
     hears the same at every batch size, and its codes and audio there are the same but for rounding."""
