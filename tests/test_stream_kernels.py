@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model.config import FRAME_SAMPLES, MimiConfig
+from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
 from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, ResidualBlock
 from model.random_model import random_mimi
 from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_thin_step, fused_transposed_step
@@ -183,3 +183,25 @@ def test_a_codec_with_fused_seanet_steps_streams_as_the_torch_path_does() -> Non
     audio = [torch.stack([m.decode_frame(c, s) for c in codes[0]]) for m, s in zip((mimi, fused), states)]
     noise = (audio[1] - audio[0]).square().sum()
     assert 10 * math.log10(float(audio[0].square().sum() / noise)) > 30
+
+
+@torch.no_grad()
+def test_a_row_reset_mid_stream_steps_through_the_kernels_as_through_the_torch_path() -> None:
+    """The engine resets a row's codec state at every session start (`Mimi.reset_rows`) while the other rows stream
+    on, and the kernels read and keep the same carried samples as the torch path: the tiny codec, every kernel it
+    takes on (in float32), with a row reset between frames, gives the torch path's codes and audio."""
+    rows = 2
+    mimi = random_mimi(TINY_MIMI, DEVICE)
+    fused = mimi.with_fused_seanet()
+    assert any(getattr(layer, "fused", False) for layer in fused.decoder.model)
+    generator = torch.Generator(DEVICE).manual_seed(1)
+    pcm = 0.1 * torch.randn(4, rows, FRAME_SAMPLES, device=DEVICE, generator=generator)
+    states = mimi.init_state(rows, DEVICE), fused.init_state(rows, DEVICE)
+    for index, frame in enumerate(pcm):
+        if index == 2:
+            for codec, state in zip((mimi, fused), states):
+                codec.reset_rows(state, torch.tensor([False, True], device=DEVICE))
+        codes = [codec.encode_frame(frame, state) for codec, state in zip((mimi, fused), states)]
+        assert torch.equal(codes[0], codes[1]), index
+        audio = [codec.decode_frame(codes[0], state) for codec, state in zip((mimi, fused), states)]
+        assert (audio[1] - audio[0]).abs().max() <= TOLERANCE[torch.float32] * audio[0].abs().max(), index
