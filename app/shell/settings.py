@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"KV cache storage; fp8 holds about twice the sessions, close to but not bit-exact with bf16 "
                         f"(default {d.kv_cache})")
     p.add_argument("--mimi-decoder", choices=MIMI_DECODER_CHOICES,
-                   help=f"Mimi's streaming decoder on a GPU: bf16 through its Triton kernels is ~1.7 ms a tick "
+                   help=f"Mimi's streaming decoder on a GPU: bf16 through its Triton kernels is ~2 ms a tick "
                         f"faster at 250 sessions with every token unchanged (its audio 37.7 dB from float32's "
                         f"without the kernels, 43.4 dB from that with them; docs/fidelity.md); float32 computes it "
                         f"as the reference does; the CPU is always float32 (default {d.mimi_decoder})")
