@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from bench.engine_bench import EndlessSource, drop, percentiles
-from bench.fullsize import add_arithmetic_flags, arithmetic_config, bench_model, gpu_memory_gb
+from bench.fullsize import add_arithmetic_flags, arithmetic_config, bench_model, gpu_memory_gb, machine
 from model.engine import Engine, EngineConfig, EngineError, ResourceExhausted, SamplingParams, SessionParams, Slot
 
 PARAMS = SessionParams(persona="You are a helpful agent.", sampling=SamplingParams())
@@ -264,7 +264,7 @@ async def main_async(args: argparse.Namespace) -> None:
     engine.start()
     memory = gpu_memory_gb()
     print(json.dumps({"bench": "call_mix_start", "max_sessions": args.max_sessions,
-                      "kv": "fp8" if args.fp8_kv else "bf16", **arithmetic_config(args),
+                      "kv": "fp8" if args.fp8_kv else "bf16", **arithmetic_config(args), **machine(),
                       "pool_pages": engine.stats().kv_pages,
                       "page_frames": engine.lm_state.kv.page, "start_s": round(time.perf_counter() - started, 1),
                       **memory, **memory_parts_gb(engine)}), flush=True)

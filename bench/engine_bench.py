@@ -40,7 +40,15 @@ import numpy as np
 import torch
 
 from bench.channel_worker import EndlessSource
-from bench.fullsize import add_arithmetic_flags, arithmetic_config, bench_model, gpu_memory_gb, persona, voice_wav
+from bench.fullsize import (
+    add_arithmetic_flags,
+    arithmetic_config,
+    bench_model,
+    gpu_memory_gb,
+    machine,
+    persona,
+    voice_wav,
+)
 from model import fused
 from model.engine import Engine, EngineConfig, FrameOutput, SamplingParams, SessionParams, Slot
 from model.engine.process import EngineHost
@@ -237,7 +245,7 @@ async def main_async(args: argparse.Namespace) -> None:
     engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, **arithmetic))
     engine.start()
     kv = "fp8" if args.fp8_kv else "bf16"
-    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **arithmetic,
+    print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **arithmetic, **machine(),
                       "graph_capture_s": round(time.perf_counter() - started, 1), "fused_eager": fused.fallen_back(),
                       **gpu_memory_gb()}), flush=True)
     loads = args.loads or [(sessions, context) for context in args.contexts for sessions in args.sessions]

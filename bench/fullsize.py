@@ -7,6 +7,8 @@ checkpoint on the CPU stands in where a script is only being tried (`--tiny`, an
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import tempfile
 from pathlib import Path
 
@@ -63,6 +65,21 @@ def persona(words: int, salt: int = 0) -> str:
     vocab = ["you", "are", "a", "helpful", "friendly", "agent", "who", "answers", "questions", "about",
              "travel", "music", "and", "science"]
     return " ".join(rng.choice(vocab, words))
+
+
+def machine() -> dict[str, object]:
+    """What a bench ran on: the host's processor and the cores this process may use, the GPU and its CUDA build. The
+    machines lent differ by about a millisecond a tick (docs/benchmarks.md), and these say which one a line is
+    from."""
+    processor = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            processor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                             processor)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"host_cpu": processor, "host_cpus": len(os.sched_getaffinity(0)), "gpu": gpu, "cuda": torch.version.cuda}
 
 
 def gpu_memory_gb() -> dict[str, float]:

@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.engine_bench import load
-from bench.fullsize import add_arithmetic_flags, arithmetic_config, bench_model
+from bench.fullsize import add_arithmetic_flags, arithmetic_config, bench_model, machine
 from model import fused
 from model.batch_step import BatchStep, bucket
 from model.config import FRAME_SAMPLES
@@ -347,8 +347,9 @@ def main() -> None:
                 print(json.dumps(line), flush=True)
     arithmetic = arithmetic_config(args)
     engine = Engine(model, EngineConfig(max_sessions=max(s for s, _ in args.loads), fp8_kv=args.fp8_kv, **arithmetic))
-    print(json.dumps({"bench": "roofline_start", "fp8_kv": args.fp8_kv, **arithmetic, "peak_tbs": args.peak_tbs,
-                      "peak_bf16_tflops": args.peak_bf16_tflops, "peak_tf32_tflops": args.peak_tf32_tflops}),
+    print(json.dumps({"bench": "roofline_start", "fp8_kv": args.fp8_kv, **arithmetic, **machine(),
+                      "peak_tbs": args.peak_tbs, "peak_bf16_tflops": args.peak_bf16_tflops,
+                      "peak_tf32_tflops": args.peak_tf32_tflops}),
           flush=True)
     row_flops = mimi_row_flops(engine.runner.mimi, engine.device)
     for sessions, context in args.loads:
