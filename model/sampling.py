@@ -64,23 +64,25 @@ def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, ma
     """One token per row from logits [B, V] (fp32) -> [B] long.
 
     Sampled rows take argmax(logits / T + Gumbel) over their own top-k, which is the reference's draw
-    (softmax, top-k, then argmax of p / q with q ~ Exp(1)) written in log space.
+    (softmax, top-k, then argmax of p / q with q ~ Exp(1)) written in log space. Greedy rows take the reference's
+    argmax, the first of equal maxima: logits out of bf16 products tie often, and topk orders ties its own way.
     """
     k = min(max_top_k, logits.shape[-1])
     values, ids = logits.topk(k, dim=-1)
-    return _choose(values, ids, params.greedy, params.temperature, params.top_k, params.seed, counter * 64 + stream)
+    return _choose(values, ids, logits.argmax(dim=-1), params.greedy, params.temperature, params.top_k, params.seed,
+                   counter * 64 + stream)
 
 
 @fusable
-def _choose(values: Tensor, ids: Tensor, greedy: Tensor, temperature: Tensor, top_k: Tensor, seed: Tensor,
-            salt: Tensor) -> Tensor:
-    """The draw among each row's sorted top candidates (values, ids [B, K])."""
+def _choose(values: Tensor, ids: Tensor, first_max: Tensor, greedy: Tensor, temperature: Tensor, top_k: Tensor,
+            seed: Tensor, salt: Tensor) -> Tensor:
+    """The draw among each row's sorted top candidates (values, ids [B, K]); greedy rows take first_max [B]."""
     gumbel = -torch.log(-torch.log(uniform_noise(seed, salt, ids)))
     scores = values / temperature.clamp(min=1e-5).unsqueeze(1) + gumbel
     ranks = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
     scores = scores.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     sampled = ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
-    return torch.where(greedy | (temperature <= 0), ids[:, 0], sampled)
+    return torch.where(greedy | (temperature <= 0), first_max, sampled)
 
 
 def seed_bits(seed: int) -> int:

@@ -140,3 +140,26 @@ def test_greedy_tokens_equal_reference(moshi_lm, tiny):
     # The streams are not degenerate: the agent produced varied text and codes.
     emitted = torch.stack([f for f in ours if f is not None])
     assert emitted[:, :, 0].unique().numel() > 3 and emitted[:, :, 1].unique().numel() > 3
+
+
+def test_greedy_draw_takes_the_first_of_tied_maxima_as_the_references_does(moshi_lm):
+    """Greedy is the reference's `sample_token(logits)`, torch.argmax: the first maximal index. The 7B's logits come
+    out of bf16 products, so equal maxima are common (here a few % of rows); torch.topk orders ties its own way."""
+    from moshi.utils.sampling import sample_token
+
+    from model.sampling import row_sampling, sample
+    from model.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(7)
+    rows = 512
+    logits = (torch.randn(rows, 2048, generator=gen) * 0.5).bfloat16().float()
+    logits[0, :5] = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0]) + logits[0].max()
+    tied = int(((logits == logits.amax(1, keepdim=True)).sum(1) > 1).sum())
+    assert tied >= 5
+    _, greedy = row_sampling([SamplingParams(greedy=True)] * rows, [0] * rows, torch.device("cpu"))
+    ours = sample(logits, greedy, torch.zeros(rows, dtype=torch.long), 1, 250)
+    assert torch.equal(ours, sample_token(logits, use_sampling=False))
+    # A sampled row at temperature 0 is greedy too, as in the reference.
+    cold = SamplingParams(greedy=False, temp_audio=0.0)
+    _, zero = row_sampling([cold] * rows, [1] * rows, torch.device("cpu"))
+    assert torch.equal(sample(logits, zero, torch.zeros(rows, dtype=torch.long), 1, 250), ours)
