@@ -12,10 +12,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.attention import use_kernel
 from model.fused import fusable
 from model.sampling_params import SamplingParams
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
 _M32 = 0xFFFFFFFF
+# The fused draw takes a row's whole vocabulary into one program's registers: the audio codebooks' 2048 fit, the
+# text's 32,000 would spill, so the text draw stays on torch's path.
+FUSED_DRAW_MAX_VOCAB = 4096
 
 
 def hash32(x: Tensor) -> Tensor:
@@ -60,17 +70,44 @@ class RowSampling:
         self.seed[row].fill_(seed_bits(seed))
 
 
-def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, max_top_k: int) -> Tensor:
+def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, max_top_k: int,
+           fused: bool = False) -> Tensor:
     """One token per row from logits [B, V] (fp32) -> [B] long.
 
     Sampled rows take argmax(logits / T + Gumbel) over their own top-k, which is the reference's draw
     (softmax, top-k, then argmax of p / q with q ~ Exp(1)) written in log space. Greedy rows take the reference's
     argmax, the first of equal maxima: logits out of bf16 products tie often, and topk orders ties its own way.
+    `fused`: on CUDA, a vocabulary of up to FUSED_DRAW_MAX_VOCAB is drawn by one kernel (`draw_triton`).
     """
+    salt = counter * 64 + stream
+    if fused and logits.shape[-1] <= FUSED_DRAW_MAX_VOCAB and use_kernel(logits.device) and \
+            not torch.compiler.is_compiling():
+        return draw_triton(logits, params, salt)
     k = min(max_top_k, logits.shape[-1])
     values, ids = logits.topk(k, dim=-1)
     return _choose(values, ids, logits.argmax(dim=-1), params.greedy, params.temperature, params.top_k, params.seed,
-                   counter * 64 + stream)
+                   salt)
+
+
+def draw_reference(logits: Tensor, params: RowSampling, salt: Tensor) -> Tensor:
+    """The fused draw through torch ops (the kernel's oracle): every candidate ranked by value, equal values by
+    index, which is where it may differ from `sample`'s (topk ranks equal values its own way)."""
+    values, ids = logits.sort(dim=-1, descending=True, stable=True)
+    return _choose(values, ids, ids[:, 0], params.greedy, params.temperature, params.top_k, params.seed, salt)
+
+
+def draw_triton(logits: Tensor, params: RowSampling, salt: Tensor) -> Tensor:
+    """The draw of `sample` as one Triton kernel per row, on whatever device Triton runs (CUDA; the CPU through its
+    interpreter). torch's path sorts each row's candidates (a top 2048 of 2048 is a whole sort) and takes four more
+    kernels; at one row on the H200 the tick's eight audio draws spent 0.27 ms in topk alone, of a depformer of 2.1
+    (docs/bench/h200_roofline_graphs.jsonl). The kernel finds a row's top_k-th largest logit by bisection on the
+    floats' order-preserving integer keys instead, and takes equal values at that boundary lowest index first."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1 and vocab <= FUSED_DRAW_MAX_VOCAB
+    tokens = torch.empty(rows, device=logits.device, dtype=torch.long)
+    _draw_kernel[(rows,)](logits, logits.stride(0), params.greedy, params.temperature, params.top_k, params.seed,
+                          salt, tokens, vocab, BLOCK=triton.next_power_of_2(vocab), num_warps=4)
+    return tokens
 
 
 @fusable
@@ -101,3 +138,53 @@ def row_sampling(
     audio = RowSampling(greedy, torch.tensor([p.temp_audio for p in params]),
                         torch.tensor([p.topk_audio for p in params]), seed)
     return text.to(device), audio.to(device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _hash32(x):
+        """hash32 on int64 lanes holding [0, 2**32), as torch's: the products wrap, their low 32 bits kept."""
+        x = x & 0xFFFFFFFF
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _draw_kernel(LOGITS, s_row, GREEDY, TEMPERATURE, TOP_K, SEED, SALT, TOKENS, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        ids = tl.arange(0, BLOCK)
+        valid = ids < V
+        x = tl.load(LOGITS + row * s_row + ids, mask=valid, other=float("-inf"))
+        first_max = tl.min(tl.where(valid & (x == tl.max(x, 0)), ids, BLOCK), 0)
+
+        # The row's top_k-th largest logit: the largest key t with at least k keys >= t. Keys order as the floats
+        # do (a negative float's magnitude bits flipped), so the search is exact: 32 halvings of the int32 range.
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        k = tl.minimum(tl.load(TOP_K + row), V)
+        lo = tl.min(tl.where(valid, key, 2**31), 0)
+        hi = tl.max(tl.where(valid, key, -(2**31)), 0)
+        for _ in range(32):
+            mid = (lo + hi + 1) >> 1
+            enough = tl.sum((valid & (key >= mid)).to(tl.int32), 0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        above = valid & (key > lo)
+        at = valid & (key == lo)
+        taken_at = tl.cumsum(at.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0)
+        candidate = above | (at & taken_at)
+
+        seed = tl.load(SEED + row)
+        salt = tl.load(SALT + row)
+        base = _hash32(_hash32(seed) ^ _hash32(salt))
+        h = _hash32(base + ids.to(tl.int64) * 0x9E3779B1)
+        uniform = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+        gumbel = -tl.log(-tl.log(uniform))
+        temperature = tl.load(TEMPERATURE + row)
+        scores = tl.where(candidate, x / tl.maximum(temperature, 1e-5) + gumbel, float("-inf"))
+        sampled = tl.min(tl.where(candidate & (scores == tl.max(scores, 0)), ids, BLOCK), 0)
+        greedy = (tl.load(GREEDY + row) != 0) | (temperature <= 0)
+        tl.store(TOKENS + row, tl.where(greedy, first_max, sampled).to(tl.int64))

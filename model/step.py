@@ -31,16 +31,19 @@ class StepConstants:
     initial: Tensor  # [17] long
     max_top_k_text: int
     max_top_k_audio: int
+    fused_draw: bool = False  # the audio draws as one kernel each on CUDA (EngineConfig.fused_draw)
 
     @classmethod
     def make(
-        cls, lm: LM, device: torch.device, max_top_k_text: int = MAX_TOP_K_TEXT, max_top_k_audio: int = MAX_TOP_K_AUDIO
+        cls, lm: LM, device: torch.device, max_top_k_text: int = MAX_TOP_K_TEXT, max_top_k_audio: int = MAX_TOP_K_AUDIO,
+        fused_draw: bool = False,
     ) -> StepConstants:
         return cls(
             delays=lm.delays(device),
             initial=lm.initial_column(device),
             max_top_k_text=max_top_k_text,
             max_top_k_audio=max_top_k_audio,
+            fused_draw=fused_draw,
         )
 
 
@@ -120,7 +123,7 @@ def depformer_half(
     previous = lm.depformer_text_emb(temporal.text)
     for k in range(K):
         logits = lm.depformer_step(k, lm.depformer_in[k](hidden) + previous, dep_cache)
-        token = sample(logits, audio_sampling, o, 1 + k, const.max_top_k_audio)
+        token = sample(logits, audio_sampling, o, 1 + k, const.max_top_k_audio, const.fused_draw)
         token = torch.where(forced[:, 1 + k], given[:, 1 + k], token)
         tokens.append(token)
         if k + 1 < K:

@@ -152,6 +152,11 @@ class EngineConfig:
     # measure a skinny-product kernel with. The fp8 copy is kept beside the model's own weights (6.7 GB more for
     # the 7B), which the page pool then leaves out.
     fp8_weights: bool = False
+    # On CUDA, each audio codebook's draw as one Triton kernel (`model.sampling.draw_triton`): no sort of the 2048
+    # logits a row, one launch instead of five. Equal logits at a row's top_k boundary are taken lowest index first
+    # where topk takes them its own way, so a sampled token can differ there: a flag until bench.token_agreement
+    # measures it (`--candidates fused_draw`). Greedy rows take the first of equal maxima either way.
+    fused_draw: bool = False
     # On the CPU (the tiny model in tests, a laptop), the threads torch gives the engine's operations; None: half
     # the cores this process may use, at least one. A tick there is hundreds of tiny operations: on every core, each
     # one waits on a hand-off between threads, and they fight the server's own loops for the cores (a 2-core

@@ -1,0 +1,63 @@
+"""The fused draw (one Triton kernel per row, model/sampling.py) against the torch ops it replaces: on CUDA as the
+engine runs it, and without CUDA through Triton's interpreter (tests/conftest.py sets it), so CI checks it too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.sampling import draw_reference, draw_triton, row_sampling, sample
+from model.sampling_params import SamplingParams
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def mixed_rows(rows: int, top_ks: list[int], seed: int):
+    """Sampling settings of `rows` rows cycling through greedy, temperature 0 and sampled rows of each top_k."""
+    kinds = [SamplingParams(greedy=True), SamplingParams(greedy=False, temp_audio=0.0)]
+    kinds += [SamplingParams(greedy=False, temp_audio=t, topk_audio=k) for k in top_ks for t in (0.8, 1.3)]
+    params = [kinds[r % len(kinds)] for r in range(rows)]
+    _, audio = row_sampling(params, [seed + r for r in range(rows)], torch.device(DEVICE))
+    return audio
+
+
+@pytest.mark.parametrize("vocab", [2048, 100])
+def test_the_fused_draw_equals_its_torch_oracle_with_ties_everywhere(vocab: int) -> None:
+    """Logits rounded to bf16 (as the 7B's products leave them), so equal values sit at the top and at each row's
+    top_k boundary; some rows all one value but a few. Every row's token equals the oracle's (candidates by value,
+    then index), for greedy, temperature 0 and sampled rows, top_k from 1 to past the vocabulary."""
+    rows = 48
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 0.4).bfloat16().float()
+    logits[::7] = 0.5
+    logits[::7, ::13] = 1.0
+    logits = logits.to(DEVICE)
+    params = mixed_rows(rows, [1, 2, 7, 25, 250, 2048], seed=11)
+    for frame in range(2):
+        salt = torch.full((rows,), frame * 64 + 1, device=DEVICE, dtype=torch.long)
+        got, want = draw_triton(logits, params, salt), draw_reference(logits, params, salt)
+        assert torch.equal(got, want), (got != want).nonzero().flatten().tolist()
+    # The boundary's equal values are taken lowest index first: a row of equal logits with top_k 3 draws from 0-2.
+    flat = torch.zeros(32, vocab, device=DEVICE)
+    three = mixed_rows(32, [3], seed=5)
+    three.greedy.fill_(False)
+    three.temperature.fill_(1.0)
+    three.top_k.fill_(3)
+    drawn = draw_triton(flat, three, torch.arange(32, device=DEVICE))
+    assert set(drawn.tolist()) == {0, 1, 2}
+
+
+def test_the_fused_draw_equals_samples_tokens_where_no_values_tie() -> None:
+    """float32 logits (no equal values): the fused draw and the engine's torch path take the same token on every
+    row, through `sample` as the step calls it."""
+    rows = 32
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(rows, 2048, generator=gen) * 2.0).to(DEVICE)
+    params = mixed_rows(rows, [5, 250, 2048], seed=99)
+    counter = torch.arange(rows, device=DEVICE) * 3
+    for stream in (1, 8):
+        fused = draw_triton(logits, params, counter * 64 + stream)
+        assert torch.equal(fused, sample(logits, params, counter, stream, 2048))
+        if DEVICE == "cuda":
+            assert torch.equal(sample(logits, params, counter, stream, 2048, fused=True), fused)
