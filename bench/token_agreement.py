@@ -1,7 +1,7 @@
-"""Greedy tokens of engines on faster numeric paths against today's path, frame by frame, on the same input.
+"""Tokens of engines on faster numeric paths against today's path, frame by frame, on the same input.
 
     python -m bench.token_agreement --fp8-kv [--rows 64] [--frames 2000] [--candidates decoder_bf16 bf16]
-                                    [--wider 186] [--tiny]
+                                    [--wider 186] [--sampled] [--tiny]
 
 Engines over one model (full 7B shape, random bf16 weights): the reference (Mimi in float32 on the torch path, as
 the reference computes it: every choice of bench/fullsize.py's ARITHMETIC_FLAGS off) and one per candidate, the
@@ -10,9 +10,10 @@ reference with its own choices on: `decoder_bf16` (Mimi's streaming decoder in b
 weights, `LM.with_fp8_weights`), and the other CANDIDATES. With `--wider N` one more: the reference's own arithmetic
 stepping N more rows (other input) beside the compared ones, in a larger batch, where cuBLAS and cuDNN may choose
 other kernels: how much a row's tokens move with the number of calls beside it, today's path against itself. All
-step `--rows` fresh greedy rows through `--frames` frames of the same speech-like input (a voiced, pitch-gliding
-signal with pauses and noise, different for every row), and every emitted frame's 17 tokens (text, 8 agent codes,
-8 user codes: the Mimi encoder's) are compared. One JSON line per candidate, "token_agreement":
+step `--rows` fresh greedy rows (with `--sampled`, rows drawing as the reference server does by default, row r
+seeded r in every engine: for candidates that change the draw itself, such as `fused_draw`) through `--frames`
+frames of the same speech-like input (a voiced, pitch-gliding signal with pauses and noise, different for every
+row), and every emitted frame's 17 tokens (text, 8 agent codes, 8 user codes: the Mimi encoder's) are compared. One JSON line per candidate, "token_agreement":
 frames compared and equal (all 17 tokens), per stream (text, agent, user codes), rows that ever diverged and their
 first divergent frame, and the audio: the candidate's decoded audio against the reference's, as an SNR in dB per
 row over the frames before that row's first divergence (where both decoded the same codes).
@@ -31,6 +32,7 @@ import numpy as np
 from bench.fullsize import ARITHMETIC_FLAGS, bench_model
 from model.config import FRAME_SAMPLES, SAMPLE_RATE
 from model.engine import Engine, EngineConfig
+from model.sampling_params import SamplingParams
 
 
 class SpeechLike:
@@ -132,6 +134,8 @@ def main() -> None:
                         help="also the reference's own arithmetic stepping this many more rows (other input) beside "
                              "the compared ones: whether a row's tokens depend on how many rows share its step")
     parser.add_argument("--fp8-kv", action="store_true")
+    parser.add_argument("--sampled", action="store_true",
+                        help="rows draw with the reference server's default sampling, row r seeded r, not greedily")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -146,7 +150,10 @@ def main() -> None:
     def engine(flags: dict[str, bool], stepped: int) -> Engine:
         # Every row's frames (a ring at most), in pages of at most kv_page_frames (a divisor of the context).
         pages = stepped * math.ceil(min(frames + 8, context) / min(page, context)) + stepped
-        return Engine(model, EngineConfig(max_sessions=stepped, fp8_kv=args.fp8_kv, kv_pages=pages, **flags))
+        made = Engine(model, EngineConfig(max_sessions=stepped, fp8_kv=args.fp8_kv, kv_pages=pages, **flags))
+        if args.sampled:
+            made.sample_rows(stepped, SamplingParams())
+        return made
 
     reference = engine(REFERENCE, rows)
     engines = [(engine(flags, stepped), stepped) for _, flags, stepped in candidates]
@@ -162,7 +169,8 @@ def main() -> None:
             agreement.add(index, expected, tuple(a[:rows] for a in outputs))
     for (name, flags, stepped), agreement in zip(candidates, agreements):
         print(json.dumps({"bench": "token_agreement", "candidate": name, **flags, "rows": rows,
-                          "rows_stepped": stepped, "frames": frames, "fp8_kv": args.fp8_kv, **agreement.summary(),
+                          "rows_stepped": stepped, "frames": frames, "fp8_kv": args.fp8_kv, "sampled": args.sampled,
+                          **agreement.summary(),
                           "seconds": round(time.perf_counter() - started, 1)}), flush=True)
 
 

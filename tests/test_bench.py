@@ -158,6 +158,29 @@ def test_token_agreement_compares_each_candidate_and_a_wider_batch_with_the_refe
         assert line["audio_rows_bit_equal"] == 2
 
 
+def test_engine_rows_set_to_sample_draw_reproducibly_and_not_greedily() -> None:
+    """`Engine.sample_rows` (bench.token_agreement --sampled): rows seeded by index draw the same tokens in two
+    engines, and not the greedy rows' tokens."""
+    import numpy as np
+
+    from bench.fullsize import bench_model
+    from bench.token_agreement import SpeechLike
+    from model.engine import Engine, EngineConfig
+    from model.sampling_params import SamplingParams
+
+    model = bench_model(True)
+    source = SpeechLike(2, 5.0, seed=1)
+
+    def tokens(sampled: bool) -> np.ndarray:
+        engine = Engine(model, EngineConfig(max_sessions=2))
+        if sampled:
+            engine.sample_rows(2, SamplingParams())
+        return np.stack([engine.step_rows(2, source.frame(i))[0].copy() for i in range(12)])
+
+    drawn = tokens(True)
+    assert np.array_equal(drawn, tokens(True)) and not np.array_equal(drawn, tokens(False))
+
+
 def test_mimi_step_saves_outputs_and_compares_them_bit_for_bit(tmp_path: Path) -> None:
     """What one tree's codec computed, saved; the same tree agrees with it exactly, and one moved sample shows. A row
     hears the same at every batch size, and its codes and audio there are the same but for rounding."""

@@ -226,3 +226,18 @@ def test_a_window_shrinks_and_grows_back_under_graphs(cuda_model):
     assert shrunk.window_shrinks == 1 and shrunk.window_frames == 32
     assert grown.window_frames == 64 and stats.kv_window_grows == 1
     assert all(np.isfinite(o.audio).all() for o in outputs)
+
+
+def test_the_fused_draw_in_the_graphs_draws_the_torch_paths_tokens(cuda_model):
+    """EngineConfig.fused_draw: the audio draws as one Triton kernel each, captured in the step's graphs. The tiny
+    model's float32 logits do not tie, so sampled rows (server defaults, row r seeded r) draw exactly the tokens of
+    the torch path's draws, frame after frame."""
+    rows, frames = 4, 20
+    pcm = np.stack([speechlike(frames, seed) for seed in range(rows)], axis=1)  # [frames, rows, 1920]
+
+    def tokens(fused_draw: bool) -> np.ndarray:
+        engine = Engine(cuda_model, EngineConfig(max_sessions=rows, fused_draw=fused_draw))
+        engine.sample_rows(rows, SamplingParams())
+        return np.stack([engine.step_rows(rows, pcm[i])[0].copy() for i in range(frames)])
+
+    assert np.array_equal(tokens(True), tokens(False))

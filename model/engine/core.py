@@ -62,7 +62,7 @@ from model.engine.stats import (
 )
 from model.loading import PersonaPlex
 from model.prompts import PromptPlan, persona_tokens, plan_prompt
-from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
+from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +382,14 @@ class Engine:
             return frames[:rows], emitted[:rows], audio[:rows]
         finally:
             runner.active_np[:n] = runner.takes_input_np[:n] = False
+
+    def sample_rows(self, rows: int, sampling: SamplingParams) -> None:
+        """Rows [0, rows) draw with `sampling` from now on, row r seeded r (step_rows' rows start greedy). For
+        benchmarks, before start()."""
+        if self._thread is not None:
+            raise EngineError("sample_rows runs only while the engine is stopped", "invalid_state")
+        for row in range(rows):
+            self.runner.set_sampling(row, sampling, row)
 
     def fill_context(self, rows: slice, frames: int) -> None:
         """Mark `frames` past frames as present in the KV of `rows` (their values left as they are).
