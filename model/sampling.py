@@ -187,4 +187,6 @@ if triton is not None:
         scores = tl.where(candidate, x / tl.maximum(temperature, 1e-5) + gumbel, float("-inf"))
         sampled = tl.min(tl.where(candidate & (scores == tl.max(scores, 0)), ids, BLOCK), 0)
         greedy = (tl.load(GREEDY + row) != 0) | (temperature <= 0)
-        tl.store(TOKENS + row, tl.where(greedy, first_max, sampled).to(tl.int64))
+        # A row of NaN logits matches no maximum: it still gets a token of the vocabulary (the embedding that takes
+        # it would fault the device, every session's), and its audio then fails that session alone.
+        tl.store(TOKENS + row, tl.minimum(tl.where(greedy, first_max, sampled), V - 1).to(tl.int64))
