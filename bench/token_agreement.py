@@ -10,13 +10,14 @@ reference with its own choices on: `decoder_bf16` (Mimi's streaming decoder in b
 weights, `LM.with_fp8_weights`), and the other CANDIDATES. With `--wider N` one more: the reference's own arithmetic
 stepping N more rows (other input) beside the compared ones, in a larger batch, where cuBLAS and cuDNN may choose
 other kernels: how much a row's tokens move with the number of calls beside it, today's path against itself. All
-step `--rows` fresh greedy rows (with `--sampled`, rows drawing as the reference server does by default, row r
-seeded r in every engine: for candidates that change the draw itself, such as `fused_draw`) through `--frames`
-frames of the same speech-like input (a voiced, pitch-gliding signal with pauses and noise, different for every
-row), and every emitted frame's 17 tokens (text, 8 agent codes, 8 user codes: the Mimi encoder's) are compared. One JSON line per candidate, "token_agreement":
-frames compared and equal (all 17 tokens), per stream (text, agent, user codes), rows that ever diverged and their
-first divergent frame, and the audio: the candidate's decoded audio against the reference's, as an SNR in dB per
-row over the frames before that row's first divergence (where both decoded the same codes).
+step `--rows` fresh greedy rows (with `--sampled`, rows drawing as the reference server does by default, row r seeded
+r in every engine: for candidates that change the draw itself, such as `fused_draw`) through `--frames` frames of the
+same speech-like input (a voiced, pitch-gliding signal with pauses and noise, different for every row), and every
+emitted frame's 17 tokens (text, 8 agent codes, 8 user codes: the Mimi encoder's) are compared. One JSON line per
+candidate, "token_agreement": frames compared and equal (all 17 tokens), per stream (text, agent, user codes), rows
+that ever diverged and their first divergent frame, and the audio: the candidate's decoded audio against the
+reference's, as an SNR in dB per row over the frames before that row's first divergence (where both decoded the same
+codes).
 `--tiny` runs the tiny checkpoint on the CPU (where every engine runs float32), to try the script.
 """
 
