@@ -248,15 +248,12 @@ def measure_load(engine: Engine, sessions: int, context: int, args: argparse.Nam
     return lines
 
 
-def time_mimi(mimi: Mimi, rows: int, device: torch.device, steps: int) -> dict[str, float]:
-    """Encode and decode of `rows` rows through Mimi alone, each captured as a CUDA graph: p50 ms of `steps`."""
-    state = mimi.init_state(rows, device)
-    pcm = 0.1 * torch.randn(rows, FRAME_SAMPLES, device=device)
-    codes = torch.zeros(rows, mimi.num_codebooks, dtype=torch.long, device=device)
+def replay_ms(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
+    """Each function captured as a CUDA graph (after two warm-up calls on a side stream) and replayed `steps`
+    times: p50 ms of a replay, by name."""
     pool = torch.cuda.graph_pool_handle()
     graphs = {}
-    for name, fn in (("encode", lambda: codes.copy_(mimi.encode_frame(pcm, state))),
-                     ("decode", lambda: mimi.decode_frame(codes, state))):
+    for name, fn in fns.items():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
@@ -277,8 +274,18 @@ def time_mimi(mimi: Mimi, rows: int, device: torch.device, steps: int) -> dict[s
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        out[f"{name}_ms"] = round(p50(times), 3)
+        out[name] = p50(times)
     return out
+
+
+def time_mimi(mimi: Mimi, rows: int, device: torch.device, steps: int) -> dict[str, float]:
+    """Encode and decode of `rows` rows through Mimi alone, each captured as a CUDA graph: p50 ms of `steps`."""
+    state = mimi.init_state(rows, device)
+    pcm = 0.1 * torch.randn(rows, FRAME_SAMPLES, device=device)
+    codes = torch.zeros(rows, mimi.num_codebooks, dtype=torch.long, device=device)
+    times = replay_ms({"encode": lambda: codes.copy_(mimi.encode_frame(pcm, state)),
+                       "decode": lambda: mimi.decode_frame(codes, state)}, steps)
+    return {f"{name}_ms": round(ms, 3) for name, ms in times.items()}
 
 
 def mimi_variant(mimi: Mimi, name: str, rows: int, device: torch.device, steps: int, top_kernels: int) -> dict:

@@ -158,6 +158,14 @@ def test_token_agreement_compares_each_candidate_and_a_wider_batch_with_the_refe
         assert line["audio_rows_bit_equal"] == 2
 
 
+def test_draw_step_times_torchs_path_per_batch_size() -> None:
+    """Without CUDA only torch's path runs (the fused draw is a CUDA kernel): a line per batch size."""
+    start, *lines = bench_lines("bench.draw_step", "--rows", "1", "3", "--calls", "2", "--steps", "2")
+    assert start["calls"] == 2 and "host_cpu" in start
+    assert [(line["rows"], line["path"]) for line in lines] == [(1, "torch"), (3, "torch")]
+    assert all(line["us_per_draw"] > 0 for line in lines)
+
+
 def test_engine_rows_set_to_sample_draw_reproducibly_and_not_greedily() -> None:
     """`Engine.sample_rows` (bench.token_agreement --sampled): rows seeded by index draw the same tokens in two
     engines, and not the greedy rows' tokens."""
