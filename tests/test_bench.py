@@ -160,7 +160,7 @@ def test_token_agreement_compares_each_candidate_and_a_wider_batch_with_the_refe
 
 def test_draw_step_times_torchs_path_per_batch_size() -> None:
     """Without CUDA only torch's path runs (the fused draw is a CUDA kernel): a line per batch size."""
-    start, *lines = bench_lines("bench.draw_step", "--rows", "1", "3", "--calls", "2", "--steps", "2")
+    start, *lines = bench_lines("bench.draw_step", "--rows", "1", "3", "--calls", "2", "--steps", "2", tiny_flag=False)
     assert start["calls"] == 2 and "host_cpu" in start
     assert [(line["rows"], line["path"]) for line in lines] == [(1, "torch"), (3, "torch")]
     assert all(line["us_per_draw"] > 0 for line in lines)
