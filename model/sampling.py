@@ -100,8 +100,10 @@ def draw_triton(logits: Tensor, params: RowSampling, salt: Tensor) -> Tensor:
     """The draw of `sample` as one Triton kernel per row, on whatever device Triton runs (CUDA; the CPU through its
     interpreter). torch's path sorts each row's candidates (a top 2048 of 2048 is a whole sort) and takes four more
     kernels; at one row on the H200 the tick's eight audio draws spent 0.27 ms in topk alone, of a depformer of 2.1
-    (docs/bench/h200_roofline_graphs.jsonl). The kernel finds a row's top_k-th largest logit by bisection on the
-    floats' order-preserving integer keys instead, and takes equal values at that boundary lowest index first."""
+    (docs/bench/h200_roofline_graphs.jsonl). The kernel draws over the whole row and keeps that token where it is one
+    of the row's top_k (most draws); else it finds the top_k-th largest logit by bisection on the floats'
+    order-preserving integer keys and draws again among the top_k, equal values at that boundary lowest index
+    first."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and vocab <= FUSED_DRAW_MAX_VOCAB
     tokens = torch.empty(rows, device=logits.device, dtype=torch.long)
@@ -159,33 +161,40 @@ if triton is not None:
         valid = ids < V
         x = tl.load(LOGITS + row * s_row + ids, mask=valid, other=float("-inf"))
         first_max = tl.min(tl.where(valid & (x == tl.max(x, 0)), ids, BLOCK), 0)
-
-        # The row's top_k-th largest logit: the largest key t with at least k keys >= t. Keys order as the floats
-        # do (a negative float's magnitude bits flipped), so the search is exact: 32 halvings of the int32 range.
-        bits = x.to(tl.int32, bitcast=True)
+        # Keys order as the floats do (a negative float's magnitude bits flipped; -0 made +0 first, as they are
+        # equal): candidates are the first k in (key descending, index ascending).
+        bits = (x + 0.0).to(tl.int32, bitcast=True)
         key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
         k = tl.minimum(tl.load(TOP_K + row), V)
-        lo = tl.min(tl.where(valid, key, 2**31), 0)
-        hi = tl.max(tl.where(valid, key, -(2**31)), 0)
-        for _ in range(32):
-            mid = (lo + hi + 1) >> 1
-            enough = tl.sum((valid & (key >= mid)).to(tl.int32), 0) >= k
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
-        above = valid & (key > lo)
-        at = valid & (key == lo)
-        taken_at = tl.cumsum(at.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0)
-        candidate = above | (at & taken_at)
 
         seed = tl.load(SEED + row)
         salt = tl.load(SALT + row)
         base = _hash32(_hash32(seed) ^ _hash32(salt))
         h = _hash32(base + ids.to(tl.int64) * 0x9E3779B1)
         uniform = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
-        gumbel = -tl.log(-tl.log(uniform))
         temperature = tl.load(TEMPERATURE + row)
-        scores = tl.where(candidate, x / tl.maximum(temperature, 1e-5) + gumbel, float("-inf"))
-        sampled = tl.min(tl.where(candidate & (scores == tl.max(scores, 0)), ids, BLOCK), 0)
+        scores = tl.where(valid, x / tl.maximum(temperature, 1e-5) - tl.log(-tl.log(uniform)), float("-inf"))
+        # The draw over the whole codebook is the draw over the top k whenever its winner is one of them (most
+        # draws: top_k is 250 of 2048, and a winner outside is a token of the tail): then no search is needed.
+        sampled = tl.min(tl.where(valid & (scores == tl.max(scores, 0)), ids, BLOCK), 0)
+        winner = tl.max(tl.where(ids == sampled, key, -(2**31)), 0)
+        rank = tl.sum((valid & ((key > winner) | ((key == winner) & (ids < sampled)))).to(tl.int32), 0)
+        if rank >= k:
+            # The row's top_k-th largest key: the largest t with at least k keys >= t, by 32 halvings of the int32
+            # range (exact), then the draw among the keys above t and the lowest-indexed of those equal to it.
+            lo = tl.min(tl.where(valid, key, 2**31), 0)
+            hi = tl.max(tl.where(valid, key, -(2**31)), 0)
+            for _ in range(32):
+                mid = (lo + hi + 1) >> 1
+                enough = tl.sum((valid & (key >= mid)).to(tl.int32), 0) >= k
+                lo = tl.where(enough, mid, lo)
+                hi = tl.where(enough, hi, mid - 1)
+            above = valid & (key > lo)
+            at = valid & (key == lo)
+            taken_at = tl.cumsum(at.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0)
+            candidate = above | (at & taken_at)
+            masked = tl.where(candidate, scores, float("-inf"))
+            sampled = tl.min(tl.where(candidate & (masked == tl.max(masked, 0)), ids, BLOCK), 0)
         greedy = (tl.load(GREEDY + row) != 0) | (temperature <= 0)
         # A row of NaN logits matches no maximum: it still gets a token of the vocabulary (the embedding that takes
         # it would fault the device, every session's), and its audio then fails that session alone.

@@ -47,6 +47,14 @@ def test_the_fused_draw_equals_its_torch_oracle_with_ties_everywhere(vocab: int)
     three.top_k.fill_(3)
     drawn = draw_triton(flat, three, torch.arange(32, device=DEVICE))
     assert set(drawn.tolist()) == {0, 1, 2}
+    # Four equal top logits and top_k 2: whichever of the four the noise favours, the draw is among the first two
+    # (a draw over the whole row won by the third or fourth must not be taken as one of the top two).
+    tied = torch.full((32, vocab), -1000.0, device=DEVICE)
+    tied[:, [10, 20, 30, 40]] = 5.0
+    three.top_k.fill_(2)
+    salts = torch.arange(32, device=DEVICE)
+    drawn = draw_triton(tied, three, salts)
+    assert set(drawn.tolist()) == {10, 20} and torch.equal(drawn, draw_reference(tied, three, salts))
     # Rows of NaN (greedy and sampled) still draw a token of the vocabulary, as torch's path does.
     broken = draw_triton(torch.full((rows, vocab), float("nan"), device=DEVICE), params, salt)
     assert bool(((broken >= 0) & (broken < vocab)).all())
