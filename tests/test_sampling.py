@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.sampling import draw_reference, draw_triton, row_sampling, sample
+from model.sampling import RowSampling, draw_reference, draw_triton, row_sampling, sample
 from model.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def mixed_rows(rows: int, top_ks: list[int], seed: int):
+def mixed_rows(rows: int, top_ks: list[int], seed: int) -> RowSampling:
     """Sampling settings of `rows` rows cycling through greedy, temperature 0 and sampled rows of each top_k."""
     kinds = [SamplingParams(greedy=True), SamplingParams(greedy=False, temp_audio=0.0)]
     kinds += [SamplingParams(greedy=False, temp_audio=t, topk_audio=k) for k in top_ks for t in (0.8, 1.3)]
