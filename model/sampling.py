@@ -80,8 +80,7 @@ def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, ma
     `fused`: on CUDA, a vocabulary of up to FUSED_DRAW_MAX_VOCAB is drawn by one kernel (`draw_triton`).
     """
     salt = counter * 64 + stream
-    if fused and logits.shape[-1] <= FUSED_DRAW_MAX_VOCAB and use_kernel(logits.device) and \
-            not torch.compiler.is_compiling():
+    if fused and logits.shape[-1] <= FUSED_DRAW_MAX_VOCAB and use_kernel(logits.device):
         return draw_triton(logits, params, salt)
     k = min(max_top_k, logits.shape[-1])
     values, ids = logits.topk(k, dim=-1)
