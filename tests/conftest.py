@@ -116,6 +116,28 @@ def speech_like(seconds: float, seed: int = 0, rate: int = RATE) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def babble(seconds: float, seed: int = 0, rate: int = RATE) -> np.ndarray:
+    """Speech-shaped audio that never repeats itself, float32 at `rate`: syllables of their own pitch glide, length
+    and timbre, some with a pause after. Where espeak-ng is missing, the tests that find where a piece of the caller's
+    audio landed need this: `speech_like` is periodic (its pitch and envelope repeat every 2/3 s), so a piece of it
+    matches at several places."""
+    rng = np.random.default_rng(seed)
+    pieces, total = [], 0
+    while total < int(seconds * RATE):
+        n = int(rng.uniform(0.12, 0.3) * RATE)
+        f0 = np.linspace(*rng.uniform(90, 220, 2), n)
+        phase = 2 * np.pi * np.cumsum(f0) / RATE + rng.uniform(0, 2 * np.pi)
+        tilt = rng.uniform(0.5, 1.5)
+        voiced = sum(np.sin(k * phase) / k**tilt for k in range(1, 8)) * np.hanning(n)
+        pause = np.zeros(int(rng.uniform(0.03, 0.15) * RATE) if rng.random() < 0.3 else 0)
+        pieces += [rng.uniform(0.1, 0.25) * voiced, pause]
+        total += n + pause.size
+    x = np.concatenate(pieces)[: int(seconds * RATE)] + 0.005 * rng.standard_normal(int(seconds * RATE))
+    if rate != RATE:
+        x = Resampler(RATE, rate).process(x.astype(np.float32))
+    return x.astype(np.float32)
+
+
 def espeak(text: str, rate: int = RATE) -> np.ndarray | None:
     """Speech from espeak-ng at `rate`, or None when espeak-ng is not installed."""
     exe = shutil.which("espeak-ng")
@@ -131,9 +153,9 @@ def espeak(text: str, rate: int = RATE) -> np.ndarray | None:
 
 @pytest.fixture(scope="session")
 def speech_24k() -> np.ndarray:
-    """About two seconds of speech at 24 kHz (espeak-ng when installed, else a synthetic voice)."""
+    """About two seconds of speech at 24 kHz (espeak-ng when installed, else a synthetic voice that never repeats)."""
     spoken = espeak("Hello, can you hear me? I would like to book a table for two.")
-    return spoken if spoken is not None else speech_like(2.0)
+    return spoken if spoken is not None else babble(2.0)
 
 
 @pytest.fixture(scope="module")
