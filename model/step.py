@@ -31,12 +31,12 @@ class StepConstants:
     initial: Tensor  # [17] long
     max_top_k_text: int
     max_top_k_audio: int
-    fused_draw: bool = False  # the audio draws as one kernel each on CUDA (EngineConfig.fused_draw)
+    fused_draw: bool = True  # the audio draws as one kernel each on CUDA (EngineConfig.fused_draw)
 
     @classmethod
     def make(
         cls, lm: LM, device: torch.device, max_top_k_text: int = MAX_TOP_K_TEXT, max_top_k_audio: int = MAX_TOP_K_AUDIO,
-        fused_draw: bool = False,
+        fused_draw: bool = True,
     ) -> StepConstants:
         return cls(
             delays=lm.delays(device),

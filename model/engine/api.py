@@ -153,10 +153,12 @@ class EngineConfig:
     # the 7B), which the page pool then leaves out.
     fp8_weights: bool = False
     # On CUDA, each audio codebook's draw as one Triton kernel (`model.sampling.draw_triton`): no sort of the 2048
-    # logits a row, one launch instead of five. Equal logits at a row's top_k boundary are taken lowest index first
-    # where topk takes them its own way, so a sampled token can differ there: a flag until bench.token_agreement
-    # measures it (`--candidates fused_draw`). Greedy rows take the first of equal maxima either way.
-    fused_draw: bool = False
+    # logits a row, one launch instead of five; a draw 38.9 -> 9.5 us at one row, 68.9 -> 20.9 at 250, the depformer
+    # 0.26 ms shorter a tick at one row and 0.46 at 250 (H100, docs/benchmarks.md). The same tokens as torch's path:
+    # equal logits at a row's top_k boundary are taken lowest index first, as CUDA's topk turned out to take them
+    # (bf16-valued logits tied everywhere: every token equal; 38,336 sampled frames of the 7B shape: all equal).
+    # Off runs torch's path (the CPU always does: the kernel needs CUDA).
+    fused_draw: bool = True
     # On the CPU (the tiny model in tests, a laptop), the threads torch gives the engine's operations; None: half
     # the cores this process may use, at least one. A tick there is hundreds of tiny operations: on every core, each
     # one waits on a hand-off between threads, and they fight the server's own loops for the cores (a 2-core
