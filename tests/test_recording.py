@@ -90,7 +90,7 @@ def assert_same_sound(recorded_24k: np.ndarray, received: np.ndarray, rate: int,
         pieces.append((round(t, 2), round(at - t, 4), round(similar, 3)))
         if similar > 0.4:
             lag = at - t
-    lags = [lag for _, lag, similar in pieces if similar > 0.4]
+    lags = [piece_lag for _, piece_lag, similar in pieces if similar > 0.4]
     found = (pieces, filled_s, cut_s)
     # A fill or a cut of the usual 80-200 ms spoils about one piece: the fewer of them, the more pieces must match.
     assert lags and len(pieces) - len(lags) <= 0.25 * len(pieces) + (filled_s + cut_s) / 0.2, found
