@@ -38,7 +38,6 @@ API_KEY = "sk-framework-tests"
 PERSONA = "You answer the phone for a small bakery. You are warm and brief."
 CALL_S = 6.0               # audio each framework gets, at the real pace
 RATE = 24000               # every framework's default: PCM16 at 24 kHz
-TICK_S = 0.08              # the engine's frame
 # The least of a call each way whatever the engine's lag: audio must still flow. How fast the engine runs is the
 # benches' to measure (bench/), not these tests': on a 2-core machine beside another test process the tiny engine's
 # call fell 2-4 s behind in 6 s (two test processes, a browser, the frameworks and the server's processes at once).
@@ -120,28 +119,6 @@ def agents_bundle() -> Path:
     return target
 
 
-@dataclass
-class EngineLag:
-    behind_s: float = 0.0
-
-
-@asynccontextmanager
-async def engine_lag(server_url: str) -> AsyncIterator[EngineLag]:
-    """How far the server's engine fell behind real time while the block ran: its wall time less its ticks' frames.
-    A tick that overruns its 80 ms is never made up (model/engine/scheduler.py), so on a machine too busy for the
-    tiny engine (two test processes, a browser and the frameworks on two cores) a call gets fewer frames, each way,
-    than its length; the verdict allows for exactly that (`Verdict.engine_behind_s`)."""
-    lag = EngineLag()
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as http:
-        async def ticks() -> int:
-            async with http.get(server_url + "/health") as r:
-                return (await r.json())["tick"]["ticks"]
-
-        start, first = time.monotonic(), await ticks()
-        yield lag
-        lag.behind_s = max(0.0, time.monotonic() - start - (await ticks() - first) * TICK_S)
-
-
 # ---- the verdict --------------------------------------------------------------------------------------------------
 
 def _sdk_member(kind: str, beta: bool) -> type[pydantic.BaseModel] | None:
@@ -187,7 +164,7 @@ class Verdict:
     framework: str
     failures: list[str] = field(default_factory=list)
     passed: list[str] = field(default_factory=list)
-    engine_behind_s: float = 0.0   # how far the engine fell behind real time during the call (`engine_lag`)
+    engine_behind_s: float = 0.0   # how far the engine fell behind real time during the call (`EngineClock`)
 
     def least_audio_s(self, seconds: float) -> float:
         """The audio a `seconds` call must carry each way: 70 % of it, less the frames the engine did not run."""

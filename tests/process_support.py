@@ -19,6 +19,7 @@ from multidict import CIMultiDictProxy
 from server_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
+TICK_S = 0.08  # the engine's frame
 
 
 def free_port() -> int:
@@ -88,6 +89,30 @@ async def wait_ready(http: aiohttp.ClientSession, url: str, timeout_s: float = 9
 
 
 FRAME = 1920
+
+
+async def engine_ticks(server_url: str) -> int:
+    async with aiohttp.ClientSession() as http, http.get(server_url + "/health") as r:
+        return (await r.json())["tick"]["ticks"]
+
+
+@dataclass
+class EngineClock:
+    """How far the server's engine falls behind real time after `start`: the wall time less its ticks' frames (from
+    /health). A tick that overruns its 80 ms is never made up (model/engine/scheduler.py), so on a machine too busy
+    for the tiny engine (two test processes, browsers, clients and the server's processes on two cores) a call gets
+    fewer frames, each way, than its length, and a WebSocket client's input waits in its backlog."""
+
+    url: str
+    started: float
+    ticks: int
+
+    @classmethod
+    async def start(cls, server_url: str) -> EngineClock:
+        return cls(server_url, time.monotonic(), await engine_ticks(server_url))
+
+    async def behind_s(self) -> float:
+        return max(0.0, time.monotonic() - self.started - (await engine_ticks(self.url) - self.ticks) * TICK_S)
 
 
 @dataclass

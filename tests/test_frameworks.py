@@ -40,12 +40,12 @@ from framework_support import (
     agents_bundle,
     appended_seconds,
     call_pcm,
-    engine_lag,
     eventually,
     framework_server,
     is_type,
     paced,
 )
+from process_support import EngineClock
 from test_browser import CHROMIUM, chromium_args
 from webrtc_support import ensure_ice_host_address, espeak_wav
 from ws_tap import Connection, WsTap, json_event
@@ -127,10 +127,10 @@ async def test_openai_sdk(server, tap: WsTap, caller: bytes, dialect: str) -> No
 
         listener = asyncio.ensure_future(listen())
         start = time.monotonic()
-        async with engine_lag(server.url) as lag:
-            async for _, chunk in paced(caller, 0.04):
-                await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
-        verdict.engine_behind_s = lag.behind_s
+        clock = await EngineClock.start(server.url)
+        async for _, chunk in paced(caller, 0.04):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+        verdict.engine_behind_s = await clock.behind_s()
         await asyncio.sleep(0.3)
         verdict.loop_alive(not listener.done(), f"`async for event in connection` ended: {_ended(listener)}")
     listener.cancel()
@@ -203,13 +203,13 @@ async def pipecat_call(server, tap: WsTap, caller: bytes, properties: Any, cues:
             "pipecat's response.create")
         call.start = time.monotonic()
         todo = Cues([(at, lambda frames=frames: worker.queue_frames([f() for f in frames])) for at, frames in cues])
-        async with engine_lag(server.url) as lag:
-            async for offset, chunk in paced(caller, 0.02):
-                await todo.run_due(offset)
-                await worker.queue_frame(InputAudioRawFrame(audio=chunk, sample_rate=RATE, num_channels=1))
-                if call.receive_ended_at is None and (llm._receive_task is None or llm._receive_task.done()):
-                    call.receive_ended_at = offset
-        call.engine_behind_s = lag.behind_s
+        clock = await EngineClock.start(server.url)
+        async for offset, chunk in paced(caller, 0.02):
+            await todo.run_due(offset)
+            await worker.queue_frame(InputAudioRawFrame(audio=chunk, sample_rate=RATE, num_channels=1))
+            if call.receive_ended_at is None and (llm._receive_task is None or llm._receive_task.done()):
+                call.receive_ended_at = offset
+        call.engine_behind_s = await clock.behind_s()
         await asyncio.sleep(0.3)
         call.receive_alive = llm._receive_task is not None and not llm._receive_task.done()
     finally:
@@ -320,12 +320,12 @@ async def test_livekit_realtime_model(server, tap: WsTap, caller: bytes) -> None
                      (0.4 * CALL_S, lambda: session.update_instructions(new_persona)),
                      (0.5 * CALL_S, truncate),
                      (0.6 * CALL_S, session.interrupt)])
-        async with engine_lag(server.url) as lag:
-            async for offset, chunk in paced(caller, 0.02):
-                await todo.run_due(offset)
-                session.push_audio(rtc.AudioFrame(data=chunk, sample_rate=RATE, num_channels=1,
-                                                  samples_per_channel=len(chunk) // 2))
-        verdict.engine_behind_s = lag.behind_s
+        clock = await EngineClock.start(server.url)
+        async for offset, chunk in paced(caller, 0.02):
+            await todo.run_due(offset)
+            session.push_audio(rtc.AudioFrame(data=chunk, sample_rate=RATE, num_channels=1,
+                                              samples_per_channel=len(chunk) // 2))
+        verdict.engine_behind_s = await clock.behind_s()
         await asyncio.gather(*replies)
         await asyncio.sleep(0.3)
         verdict.loop_alive(not session._main_atask.done(), f"RealtimeSession's main task ended: "
@@ -404,12 +404,12 @@ async def test_agents_sdk_js_webrtc(server, bundle: Path, tmp_path: Path) -> Non
                 start = time.monotonic()
                 stats = [(0.0, await page.evaluate("audioStats()"))]
                 todo = Cues([(CALL_S / 2, lambda: page.evaluate("window.session.interrupt()"))])
-                async with engine_lag(server.url) as lag:
-                    while (offset := time.monotonic() - start) < CALL_S:
-                        await asyncio.sleep(0.5)
-                        await todo.run_due(offset)
-                        stats.append((time.monotonic() - start, await page.evaluate("audioStats()")))
-                verdict.engine_behind_s = lag.behind_s
+                clock = await EngineClock.start(server.url)
+                while (offset := time.monotonic() - start) < CALL_S:
+                    await asyncio.sleep(0.5)
+                    await todo.run_due(offset)
+                    stats.append((time.monotonic() - start, await page.evaluate("audioStats()")))
+                verdict.engine_behind_s = await clock.behind_s()
                 rec = await page.evaluate("window.rec")
                 last = stats[-1][1]
                 async with http.get(f"{server.url}/v1/realtime/calls/{last['callId']}", headers=auth) as r:
