@@ -41,6 +41,22 @@ from model.tiny import synthetic_voice, write_tiny_checkpoint
 
 RATE = 24000
 
+# Files whose tests hold live calls on the wall clock (a server, clients, often a browser or a phone peer). Under
+# `-n 2 --dist loadgroup` they are one group, run one after another in one test process, while the other process
+# takes the rest a file at a time (as `--dist loadfile` does): two of them at once on a 2-core machine put the tiny
+# engine 3.2-3.8 s behind in a 6 s call, one beside a CPU-bound process 0.03-2.25 s (tests/test_frameworks.py).
+LIVE_CALL_FILES = frozenset({
+    "test_bridges.py", "test_browser.py", "test_drain.py", "test_duplex_link.py", "test_frameworks.py",
+    "test_haproxy.py", "test_impaired_doors.py", "test_load_drivers.py", "test_processes.py", "test_recording.py",
+    "test_server_realtime.py", "test_sip.py", "test_webhooks.py", "test_webrtc_call.py", "test_webrtc_impairment.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("live_calls" if name in LIVE_CALL_FILES else name))
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
