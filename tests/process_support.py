@@ -92,8 +92,10 @@ FRAME = 1920
 
 
 async def engine_ticks(server_url: str) -> int:
-    async with aiohttp.ClientSession() as http, http.get(server_url + "/health") as r:
-        return (await r.json())["tick"]["ticks"]
+    async with aiohttp.ClientSession() as http:
+        report = await health(http, server_url)
+    assert report is not None, f"{server_url}/health did not answer"
+    return report["tick"]["ticks"]
 
 
 @dataclass

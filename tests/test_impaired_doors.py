@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from process_support import TICK_S
 from webrtc_support import ensure_ice_host_address
 
 from app.doors.sip import SIP
@@ -64,7 +65,6 @@ SECONDS = 12.0
 SEED = 30
 PLAYER_MS = (80.0, 160.0, 320.0)     # fixed-delay players on the WebSocket clients
 STALL_S = 0.04                       # a loop wake-up or an engine read this late is this machine's stall
-TICK_S = 0.08
 LATE_READS_MAX = 0.1                 # a share of the reads late beyond which this machine cannot keep real time
 CONDITIONS: dict[str, Link] = {"clean": Link(), "far": FAR, "bursty": PRESETS["bursty"],
                                "stalls": replace(PRESETS["stalls"], stall_first_s=4.0)}
