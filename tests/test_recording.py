@@ -98,11 +98,12 @@ def assert_same_sound(recorded_24k: np.ndarray, received: np.ndarray, rate: int,
     little; `filled_s` still widens where a piece is looked for, as a client's player may fill its own way).
 
     The recording in pieces of PIECE_S, each first looked for from 0.5 s before its place to 1.5 s after (with the
-    fills out, the received sound may start a little early). The piece found surest sets the lag; from it outward,
-    each piece is looked for at its neighbour's lag give or take those moves, and the lag moves no more than they
-    say in all (and 0.2 s of the input buffer's own adjustments). A piece across a fill or a cut lies in two places
-    and matches neither well: a quarter of the pieces may miss, and one more for each 0.2 s the line filled or cut
-    (on a loaded machine, where the engine falls behind real time, most of them)."""
+    fills out, a line that does not play the model's frame 0, as SIP's and WebRTC's do not (FIRST_PLAYED_FRAME in
+    media/pacing.py), starts 80 ms early). The piece found surest sets the lag; from it outward, each piece is
+    looked for at its neighbour's lag give or take those moves, and the lag moves no more than they say in all (and
+    0.2 s of the input buffer's own adjustments). A piece across a fill or a cut lies in two places and matches
+    neither well: a quarter of the pieces may miss, and one more for each 0.2 s the line filled or cut (on a loaded
+    machine, where the engine falls behind real time, most of them)."""
     a = Resampler(24000, band_rate).process(recorded_24k.astype(np.float32))
     b = Resampler(rate, band_rate).process(received.astype(np.float32)) if rate != band_rate else received
     size = int(PIECE_S * band_rate)
