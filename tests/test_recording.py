@@ -52,10 +52,6 @@ async def finished(root: Path) -> tuple[Path, dict[str, Any]]:
 
 PIECE_S = 0.4  # short enough that most pieces miss every fill and cut
 MATCH = 0.4  # a piece's correlation where it was found (clean: 0.85 over a phone line, 0.6-0.65 through Opus)
-MATCH = 0.4  # a piece's correlation where it was found (clean pieces 0.8-0.9; across a fill ~0.6)
-# The first piece found sets the lag the rest are looked for near, so it must be sure: a piece the line's first
-# frame (lost before a SIP phone's recorder began) cuts into matched a wrong place at 0.41.
-FIRST_MATCH = 0.6
 
 
 def best_match(piece: np.ndarray, received: np.ndarray, rate: int, earliest_s: float, latest_s: float
