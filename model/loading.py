@@ -228,6 +228,16 @@ class PersonaPlex:
         pieces = self._text_pieces
         return pieces[token] if 0 <= token < len(pieces) else ""
 
+    def text_pieces(self, tokens: np.ndarray) -> list[str]:
+        """`text_piece` of each of `tokens` (int), looked up at once: a tick's frames for a worker."""
+        table = self._text_piece_table
+        outside = len(table) - 1  # its '' stands for every id outside the tokenizer
+        return table[np.where((tokens >= 0) & (tokens < outside), tokens, outside)].tolist()
+
+    @functools.cached_property
+    def _text_piece_table(self) -> np.ndarray:
+        return np.array([*self._text_pieces, ""], dtype=object)
+
     @functools.cached_property
     def _text_pieces(self) -> tuple[str, ...]:
         """Every token's text, looked up once: each tick hands out one per conversation."""

@@ -936,6 +936,46 @@ async def test_an_output_groups_sessions_get_their_frames_as_rows_once_a_tick(ma
     assert any(call == [slots[0].id, slots[1].id] for call in group.calls)  # both in one call once both ticked
 
 
+async def test_an_output_groups_rows_count_each_sessions_frames_beside_a_session_of_its_own(make_engine):
+    """A tick hands a group the rows of its live sessions and a session of its own its FrameOutput: each session's
+    frame indices run 0, 1, 2, ... (from 0 again after a restart), a closed session gets no row after its close,
+    and no session's frame goes both ways."""
+    engine = make_engine()
+    group = RowsCollector()
+    key = engine.add_output_group(group)
+    slots, sinks = [engine.reserve() for _ in range(3)], [Collector() for _ in range(3)]
+    for k, (slot, sink) in enumerate(zip(slots, sinks)):
+        await slot.start(SessionParams(sampling=GREEDY), QueueSource(speechlike(80, k)), sink.on_output,
+                         sink.on_error, output_group=None if k == 2 else key)
+    grouped, alone = slots[:2], slots[2]
+
+    async def until(done) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline and not any(sink.errors for sink in sinks)
+            await asyncio.sleep(0.02)
+
+    await until(lambda: min(len(group.frames[s.id]) for s in grouped) >= 4 and len(sinks[2].outputs) >= 4)
+    grouped[0].close()
+    closed_at = len(group.frames[grouped[0].id])
+    before_restart = len(group.frames[grouped[1].id])
+    await grouped[1].restart()
+    await until(lambda: len(group.frames[grouped[1].id]) >= before_restart + 4)
+    alone.close()
+    grouped[1].close()
+
+    assert len(group.frames[grouped[0].id]) == closed_at
+    assert [o.index for o in group.frames[grouped[0].id]] == list(range(closed_at))
+    indices = [o.index for o in group.frames[grouped[1].id]]
+    restarted = len(indices) - 1 - indices[::-1].index(0)  # where the last run from 0 begins
+    assert restarted >= before_restart and indices[:restarted] == list(range(restarted))
+    assert indices[restarted:] == list(range(len(indices) - restarted))
+    assert [o.index for o in sinks[2].outputs] == list(range(len(sinks[2].outputs)))
+    assert alone.id not in group.frames and not sinks[0].outputs and not sinks[1].outputs
+    assert all(set(call) <= {s.id for s in grouped} for call in group.calls)
+    assert slots[0].stats().frames_out == closed_at and slots[2].stats().frames_out == len(sinks[2].outputs)
+
+
 async def test_an_output_group_that_raises_fails_its_sessions_and_no_other(make_engine):
     engine = make_engine()
     key = engine.add_output_group(RowsCollector(fail=True))

@@ -74,7 +74,7 @@ class OutputRows:
     ids: list[str]
     indices: list[int]
     texts: list[str]
-    rows: list[int]
+    rows: np.ndarray  # int64
     frames: np.ndarray
     audio: np.ndarray
 
