@@ -80,6 +80,9 @@ class OutputGroupRows:
     members: tuple[Session, ...]
     ids: list[str]
 
+    def __post_init__(self) -> None:
+        self.rows.flags.writeable = False  # a tick hands these rows out in its OutputRows as they are
+
 
 @dataclass(frozen=True)
 class OutputPlan:
