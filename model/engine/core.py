@@ -27,7 +27,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -138,6 +138,9 @@ class Engine:
         # Each row's session's next output frame index (its count of frames out since its start), kept by row so a
         # tick counts an output group's frames in one array operation.
         self._out_index = np.zeros(len(self.runner.pcm_np), dtype=np.int64)
+        # The realtime sessions gone live whose first half is still to run, by row (engine thread): a tick finds
+        # them here, not by a pass over every session.
+        self._first_halves: dict[int, Session] = {}
         self._lock = self.slots.lock
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -463,7 +466,7 @@ class Engine:
             if self.slots.move(session, "live"):
                 self.inputs.discard(row)
                 self._out_index[row] = 0
-                session.first_half_pending = not session.offline
+                self._set_first_half_pending(session, not session.offline)
                 self.counters.record_start(time.monotonic() - session.start_requested_at)
         if first is not None:
             self._deliver(session, *first)
@@ -505,7 +508,7 @@ class Engine:
             first = runner.first_half(row)
         with self._lock:
             if self.slots.move(session, "live"):
-                session.first_half_pending = not session.offline
+                self._set_first_half_pending(session, not session.offline)
         if first is not None:
             self._deliver(session, *first)
 
@@ -526,8 +529,23 @@ class Engine:
             log.exception("first model half failed")
             self._fail(session, SessionFailed(f"step failed: {exc}", "step"))
             return
-        session.first_half_pending = False
+        self._set_first_half_pending(session, False)
         self._deliver(session, *first)
+
+    def _set_first_half_pending(self, session: Session, pending: bool) -> None:
+        session.first_half_pending = pending
+        if pending:
+            self._first_halves[session.index] = session
+        elif self._first_halves.get(session.index) is session:
+            del self._first_halves[session.index]
+
+    def _first_halves_due(self) -> list[Session]:
+        """The live realtime sessions whose first half is still to run, in row order (those that left forgotten)."""
+        due = self._first_halves
+        for row, session in list(due.items()):
+            if not (session.first_half_pending and session.live and self.slots.holds(session)):
+                del due[row]
+        return [due[row] for row in sorted(due)]
 
     def _plan(self, params: SessionParams) -> PromptPlan:
         voice = None
@@ -626,13 +644,18 @@ class Engine:
             session.stats.frames_in += 1
         return copied is not None
 
-    def _read_inputs(self, sessions: list[Session]) -> list[Session]:
-        """_read_input for a tick's sessions, with one finiteness check over their rows instead of one per frame
-        (250 checks of 1920 samples were ~0.4 ms of the tick's host time), a frame staged in its row as it arrived
-        only taken (staging.py); the sessions that did not fail."""
-        read, copied, take = [], [], self.inputs.take
-        for session in sessions:
-            if take(session.index):  # staged as it arrived, its finiteness checked then
+    def _read_inputs(self, sessions: Sequence[Session], rows: np.ndarray) -> tuple[Sequence[Session], np.ndarray]:
+        """_read_input for a tick's sessions (`sessions[k]` in `rows[k]`), with one finiteness check over their rows
+        instead of one per frame (250 checks of 1920 samples were ~0.4 ms of the tick's host time), the frames staged
+        in their rows as they arrived only taken (staging.py); the sessions that did not fail, and their rows."""
+        staged = self.inputs.take(rows)
+        if staged.all():  # the engine process's usual tick: every frame came before it, its finiteness checked then
+            for session in sessions:
+                session.stats.frames_in += 1
+            return sessions, rows
+        read, copied = [], []
+        for session, was_staged in zip(sessions, staged.tolist(), strict=True):
+            if was_staged:
                 session.stats.frames_in += 1
                 read.append(session)
                 continue
@@ -649,7 +672,7 @@ class Engine:
                 if session.index not in failed:
                     session.stats.frames_in += 1
             read = [s for s in read if s.index not in failed]
-        return read
+        return read, np.array([s.index for s in read], dtype=np.int64)
 
     def _copy_input(self, session: Session) -> bool | None:
         """The session's next frame into its host input row (True; its finiteness not checked yet), or silence on
@@ -676,11 +699,13 @@ class Engine:
                                           "input"))
         return False
 
-    def _first_halves_before_tick(self, realtime: tuple[Session, ...]) -> float:
+    def _first_halves_before_tick(self) -> float:
         """Run the first halves that the scheduler puts before this tick's batch; seconds spent."""
         started = time.perf_counter()
-        chosen = self.scheduler.first_halves_before_tick([s for s in realtime if s.first_half_pending],
-                                                         self._audio_waiting)
+        due = self._first_halves_due()
+        if not due:
+            return 0.0
+        chosen = self.scheduler.first_halves_before_tick(due, self._audio_waiting)
         for session in chosen:
             self._run_first_half(session)
         return time.perf_counter() - started if chosen else 0.0
@@ -688,28 +713,31 @@ class Engine:
     def _realtime_tick(self, started_late: bool) -> TickRecord | None:
         """One tick over the live realtime sessions; its record, or None when none was live."""
         runner = self.runner
-        realtime = self.slots.live(offline=False)
-        first_halves_s = self._first_halves_before_tick(realtime)
+        first_halves_s = self._first_halves_before_tick()
         # The tick's own one-row steps count in its time, and so does reading its inputs (a host phase of ~1 ms at
         # 250 sessions on a 2-core CPU that the tick's time and its "prepare" left out).
         t0 = time.perf_counter() - first_halves_s
-        pending, ready = [], []  # the first halves this tick runs, in its batch; the sessions that take a frame
-        for session in realtime:
-            if session.live:
-                (pending if session.first_half_pending else ready).append(session)
+        plan = self.slots.realtime()  # after the first halves: a session one of them failed is not in it
+        pending = self._first_halves_due()  # the first halves this tick runs, in its batch
+        if pending:  # the sessions that take a frame: the others
+            due = {s.index for s in pending}
+            ready: Sequence[Session] = [s for s in plan.sessions if s.index not in due]
+            ready_rows = np.array([s.index for s in ready], dtype=np.int64)
+        else:
+            ready, ready_rows = plan.sessions, plan.rows
+        pending_rows = np.array([s.index for s in pending], dtype=np.int64)
         self.inputs.hold()  # until the step's outputs, and so its upload of the input rows, have landed
         try:
-            read = self._read_inputs(ready)
-            live = pending + read
+            read, read_rows = self._read_inputs(ready, ready_rows)
+            live = [*pending, *read]
             inputs_read = time.perf_counter()
             if not live:
                 with self.counters.lock:
                     self.counters.batch = 0
                 return None
-            read_rows = [s.index for s in read]
-            n = bucket(max(s.index for s in live) + 1, self.max_sessions)
+            n = bucket(int(max(read_rows.max(initial=-1), pending_rows.max(initial=-1))) + 1, self.max_sessions)
             runner.active_np[:n] = runner.takes_input_np[:n] = False
-            runner.active_np[[s.index for s in pending]] = True
+            runner.active_np[pending_rows] = True
             runner.active_np[read_rows] = runner.takes_input_np[read_rows] = True
             offline_rows = [s.index for s in self.slots.live(offline=True) if s.index < n]
             starved = set(runner.prepare_batch(n))
@@ -731,7 +759,7 @@ class Engine:
         # Their encoder ran on no input this tick: it meets the first frame fresh.
         for session in pending:
             runner.reset_mimi_row(session.index, decoder=False)
-            session.first_half_pending = False
+            self._set_first_half_pending(session, False)
         end = time.perf_counter()
         elapsed = (end - t0) * 1000.0
         entered, launched, returned = runner.step_marks
@@ -810,7 +838,7 @@ class Engine:
                     if not finite[session.index]:
                         self._fail(session, SessionFailed("the model produced non-finite audio", "non_finite_output"))
             # The live sessions now: one that left, or went live while the step was in flight, is not handed a row.
-            plan = self.slots.outputs()
+            plan = self.slots.realtime()
             for key, group in plan.groups.items():
                 taken = handed[group.rows]
                 rows, members, ids = group.rows, group.members, list(group.ids)  # the plan's own list stays as built

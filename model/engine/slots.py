@@ -85,11 +85,17 @@ class OutputGroupRows:
 
 
 @dataclass(frozen=True)
-class OutputPlan:
-    """Where the live realtime sessions' frames go: each output group's rows, and the sessions of their own."""
+class RealtimePlan:
+    """The live realtime sessions as a tick takes them: all of them in row order (`sessions[k]` in `rows[k]`), and
+    where their frames go: each output group's rows, and the sessions of their own."""
 
+    sessions: tuple[Session, ...]
+    rows: np.ndarray  # int64
     groups: dict[int, OutputGroupRows]
     alone: tuple[Session, ...]
+
+    def __post_init__(self) -> None:
+        self.rows.flags.writeable = False  # a tick's rows when every session reads a staged frame
 
 
 class SlotTable:
@@ -102,7 +108,7 @@ class SlotTable:
         # live(offline) as last built, until a session's state next moves: the engine thread asks for it several
         # times a tick and between ticks (a pass over every row, ~10 % of its host time at 250 sessions).
         self._live: dict[bool, tuple[Session, ...]] = {}
-        self._outputs: OutputPlan | None = None  # the same, for outputs()
+        self._realtime: RealtimePlan | None = None  # the same, for realtime()
 
     def reserve(self) -> Session:
         with self.lock:
@@ -120,7 +126,7 @@ class SlotTable:
                 return False
             session.stats.state = state
             self._live.clear()
-            self._outputs = None
+            self._realtime = None
             if state in ENDED and self._rows[session.index] is session:
                 self._rows[session.index] = None
             return True
@@ -149,23 +155,25 @@ class SlotTable:
                                                    and s.offline == offline)
             return live
 
-    def outputs(self) -> OutputPlan:
-        """The live realtime sessions by output group (`Session.output_group`), as a tick hands out their frames:
-        built again only after a session's state moves, so a tick's hand-out is a few array operations per group
-        rather than a pass over its sessions."""
+    def realtime(self) -> RealtimePlan:
+        """The live realtime sessions, their rows, and by output group (`Session.output_group`), as a tick takes
+        their inputs and hands out their frames: built again only after a session's state moves, so a tick's
+        bookkeeping is a few array operations rather than passes over its sessions."""
         with self.lock:
-            plan = self._outputs
+            plan = self._realtime
             if plan is None:
+                sessions = self.live(offline=False)
                 grouped: dict[int, list[Session]] = {}
                 alone = []
-                for session in self.live(offline=False):
+                for session in sessions:
                     if session.output_group is None:
                         alone.append(session)
                     else:
                         grouped.setdefault(session.output_group, []).append(session)
                 groups = {key: OutputGroupRows(np.array([s.index for s in members], dtype=np.int64), tuple(members),
                                                [s.id for s in members]) for key, members in grouped.items()}
-                plan = self._outputs = OutputPlan(groups, tuple(alone))
+                rows = np.array([s.index for s in sessions], dtype=np.int64)
+                plan = self._realtime = RealtimePlan(sessions, rows, groups, tuple(alone))
             return plan
 
 

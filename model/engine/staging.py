@@ -28,7 +28,7 @@ class StagedInputs:
 
     def __init__(self, rows: np.ndarray) -> None:
         self._rows = rows  # [B, FRAME_SAMPLES] float32, the runner's pinned input rows
-        self._staged = [False] * len(rows)  # a list: one row's flag is read and set per frame
+        self._staged = np.zeros(len(rows), dtype=bool)
         self._lock = threading.Lock()
         self._reading = False
         self.staged = 0  # frames staged since the engine started (its stats' input_frames_staged)
@@ -44,18 +44,18 @@ class StagedInputs:
         # costs the thread that receives it (and the tick, for the GIL) no check of its samples.
         if self._reading or frames.dtype != np.float32 or frames.shape != (len(rows), FRAME_SAMPLES):
             return staged
-        finite = np.isfinite(frames).all(axis=1).tolist()
+        finite = np.isfinite(frames).all(axis=1)
+        targets = np.asarray(rows, dtype=np.int64)
         with self._lock:
             if self._reading:
                 return staged
-            taken, into = [], []
-            for k, row in enumerate(rows):
-                if finite[k] and not self._staged[row] and admits(k):
-                    self._staged[row] = staged[k] = True
-                    taken.append(k)
-                    into.append(row)
+            taken = [k for k in np.flatnonzero(finite & ~self._staged[targets]).tolist() if admits(k)]
             if taken:  # one copy for them all: a row's copy each was 0.16 of 0.30 ms for 250 frames (2-core CPU)
+                into = targets[taken]
+                self._staged[into] = True
                 self._rows[into] = frames if len(taken) == len(rows) else frames[taken]
+                for k in taken:
+                    staged[k] = True
             self.staged += len(taken)
         return staged
 
@@ -69,12 +69,12 @@ class StagedInputs:
         with self._lock:
             self._reading = False
 
-    def take(self, row: int) -> bool:
-        """Whether a frame is staged in `row` (now taken); for the tick, between `hold()` and `release()`."""
-        if not self._staged[row]:
-            return False
-        self._staged[row] = False
-        return True
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """For each of `rows` (int64), whether a frame is staged in it (now taken); for the tick, between `hold()`
+        and `release()`."""
+        staged = self._staged[rows]
+        self._staged[rows] = False
+        return staged
 
     def discard(self, row: int) -> None:
         """A session starts in `row`: what its row's last session staged is not its input."""
