@@ -51,7 +51,7 @@ from model.engine.api import (
 from model.engine.prompt_cache import PromptCache
 from model.engine.runner import RowOutputs, Runner, make_current
 from model.engine.scheduler import Scheduler
-from model.engine.slots import ENDED, Session, Slot, SlotTable
+from model.engine.slots import ENDED, OutputGroupRows, Session, Slot, SlotTable
 from model.engine.staging import StagedInputs
 from model.engine.stats import (
     FIRST_HALF_HOST_PHASE,
@@ -817,7 +817,7 @@ class Engine:
             if self.slots.holds(session) and session.live:
                 text = self.model.text_piece(int(frame[0]))
                 if session.output_group is None:
-                    self._emit(session, frame, text, audio)
+                    self._emit(session, FrameOutput(self._count_out(session), audio, text, frame))
                 else:
                     rows = OutputRows([session.id], [self._count_out(session)], [text], np.zeros(1, dtype=np.int64),
                                       frame[None], audio[None])
@@ -840,24 +840,33 @@ class Engine:
             # The live sessions now: one that left, or went live while the step was in flight, is not handed a row.
             plan = self.slots.realtime()
             for key, group in plan.groups.items():
-                taken = handed[group.rows]
-                rows, members, ids = group.rows, group.members, list(group.ids)  # the plan's own list stays as built
-                if not taken.all():
-                    kept = np.flatnonzero(taken).tolist()
-                    if not kept:
-                        continue
-                    rows, members, ids = rows[kept], tuple(members[k] for k in kept), [ids[k] for k in kept]
-                indices = self._count_rows_out(rows, members)
-                out = OutputRows(ids, indices, self.model.text_pieces(frames[rows, 0]), rows, frames, audio)
-                self._deliver_rows(key, out, members)
-            kept_outputs: tuple[np.ndarray, np.ndarray] | None = None
-            for session in plan.alone:
-                i = session.index
-                if handed[i]:
-                    if kept_outputs is None:  # one copy of the outputs (the pinned buffers are the next tick's)
-                        kept_outputs = frames.copy(), audio.copy()
-                    frame = kept_outputs[0][i]
-                    self._emit(session, frame, self.model.text_piece(int(frame[0])), kept_outputs[1][i])
+                out_group = self._handed_part(group, handed)
+                if out_group is not None:
+                    rows, members = out_group.rows, out_group.members
+                    indices = self._count_rows_out(rows, members)
+                    out = OutputRows(out_group.ids, indices, self.model.text_pieces(frames[rows, 0]), rows, frames,
+                                     audio)
+                    self._deliver_rows(key, out, members)
+            alone = self._handed_part(plan.alone, handed)
+            if alone is not None:
+                indices = self._count_rows_out(alone.rows, alone.members)
+                texts = self.model.text_pieces(frames[alone.rows, 0])
+                # Their rows copied out (the pinned buffers are the next tick's), each session's frame a row view.
+                own_frames, own_audio = frames[alone.rows], audio[alone.rows]
+                for k, session in enumerate(alone.members):
+                    self._emit(session, FrameOutput(indices[k], own_audio[k], texts[k], own_frames[k]))
+
+    @staticmethod
+    def _handed_part(group: OutputGroupRows, handed: np.ndarray) -> OutputGroupRows | None:
+        """The part of `group` whose frames this tick hands out (`handed`, by row), with a list of ids of its own;
+        None if none."""
+        taken = handed[group.rows]
+        if taken.all():
+            return OutputGroupRows(group.rows, group.members, list(group.ids))
+        kept = np.flatnonzero(taken).tolist()
+        if not kept:
+            return None
+        return OutputGroupRows(group.rows[kept], tuple(group.members[k] for k in kept), [group.ids[k] for k in kept])
 
     def _deliver_rows(self, key: int, rows: OutputRows, members: list[Session]) -> None:
         """An output group's rows to its call (engine thread, lock held); its sessions fail if it raises."""
@@ -888,9 +897,8 @@ class Engine:
                     self.counters.record_first_frame(now - session.start_requested_at)
         return indices.tolist()
 
-    def _emit(self, session: Session, frame: np.ndarray, text: str, audio: np.ndarray) -> None:
-        """The session's next FrameOutput to its callback (engine thread, lock held, session live)."""
-        out = FrameOutput(self._count_out(session), audio, text, frame)
+    def _emit(self, session: Session, out: FrameOutput) -> None:
+        """The session's next frame, counted out already, to its callback (engine thread, lock held, session live)."""
         try:
             session.on_output(out)
         except Exception as exc:

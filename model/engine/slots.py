@@ -74,7 +74,8 @@ class Session:
 
 @dataclass(frozen=True)
 class OutputGroupRows:
-    """The live realtime sessions of one output group, in row order: `members[k]` (id `ids[k]`) is in `rows[k]`."""
+    """The live realtime sessions of one output group (or of none), in row order: `members[k]` (id `ids[k]`) is in
+    `rows[k]`."""
 
     rows: np.ndarray  # int64
     members: tuple[Session, ...]
@@ -87,12 +88,12 @@ class OutputGroupRows:
 @dataclass(frozen=True)
 class RealtimePlan:
     """The live realtime sessions as a tick takes them: all of them in row order (`sessions[k]` in `rows[k]`), and
-    where their frames go: each output group's rows, and the sessions of their own."""
+    where their frames go: each output group's rows, and the sessions of their own (a FrameOutput each)."""
 
     sessions: tuple[Session, ...]
     rows: np.ndarray  # int64
     groups: dict[int, OutputGroupRows]
-    alone: tuple[Session, ...]
+    alone: OutputGroupRows
 
     def __post_init__(self) -> None:
         self.rows.flags.writeable = False  # a tick's rows when every session reads a staged frame
@@ -163,17 +164,14 @@ class SlotTable:
             plan = self._realtime
             if plan is None:
                 sessions = self.live(offline=False)
-                grouped: dict[int, list[Session]] = {}
-                alone = []
+                grouped: dict[int | None, list[Session]] = {None: []}  # None: the sessions of their own
                 for session in sessions:
-                    if session.output_group is None:
-                        alone.append(session)
-                    else:
-                        grouped.setdefault(session.output_group, []).append(session)
+                    grouped.setdefault(session.output_group, []).append(session)
                 groups = {key: OutputGroupRows(np.array([s.index for s in members], dtype=np.int64), tuple(members),
                                                [s.id for s in members]) for key, members in grouped.items()}
                 rows = np.array([s.index for s in sessions], dtype=np.int64)
-                plan = self._realtime = RealtimePlan(sessions, rows, groups, tuple(alone))
+                alone = groups.pop(None)
+                plan = self._realtime = RealtimePlan(sessions, rows, groups, alone)
             return plan
 
 
