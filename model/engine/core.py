@@ -860,6 +860,8 @@ class Engine:
     def _handed_part(group: OutputGroupRows, handed: np.ndarray) -> OutputGroupRows | None:
         """The part of `group` whose frames this tick hands out (`handed`, by row), with a list of ids of its own;
         None if none."""
+        if not group.rows.size:  # an engine process's sessions are all in groups: none is of its own
+            return None
         taken = handed[group.rows]
         if taken.all():
             return OutputGroupRows(group.rows, group.members, list(group.ids))
@@ -868,7 +870,7 @@ class Engine:
             return None
         return OutputGroupRows(group.rows[kept], tuple(group.members[k] for k in kept), [group.ids[k] for k in kept])
 
-    def _deliver_rows(self, key: int, rows: OutputRows, members: list[Session]) -> None:
+    def _deliver_rows(self, key: int, rows: OutputRows, members: Sequence[Session]) -> None:
         """An output group's rows to its call (engine thread, lock held); its sessions fail if it raises."""
         deliver = self._output_groups.get(key)
         try:
