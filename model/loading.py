@@ -225,8 +225,8 @@ class PersonaPlex:
 
     def text_piece(self, token: int) -> str:
         """The text of one emitted text token ('' for PAD, EPAD and ids outside the tokenizer)."""
-        pieces = self._text_pieces
-        return pieces[token] if 0 <= token < len(pieces) else ""
+        table = self._text_piece_table
+        return table[token] if 0 <= token < len(table) - 1 else ""
 
     def text_pieces(self, tokens: np.ndarray) -> list[str]:
         """`text_piece` of each of `tokens` (int), looked up at once: a tick's frames for a worker."""
@@ -236,14 +236,12 @@ class PersonaPlex:
 
     @functools.cached_property
     def _text_piece_table(self) -> np.ndarray:
-        return np.array([*self._text_pieces, ""], dtype=object)
-
-    @functools.cached_property
-    def _text_pieces(self) -> tuple[str, ...]:
-        """Every token's text, looked up once: each tick hands out one per conversation."""
+        """Every token's text, looked up once (each tick hands out one per conversation), and a last '' for the ids
+        outside the tokenizer."""
         sp = self.tokenizer
-        return tuple("" if token in (TEXT_PAD, TEXT_EPAD) or sp.is_control(token) or sp.is_unknown(token)
-                     else sp.id_to_piece(token).replace("\u2581", " ") for token in range(sp.get_piece_size()))
+        pieces = ["" if token in (TEXT_PAD, TEXT_EPAD) or sp.is_control(token) or sp.is_unknown(token)
+                  else sp.id_to_piece(token).replace("\u2581", " ") for token in range(sp.get_piece_size())]
+        return np.array([*pieces, ""], dtype=object)
 
     @torch.no_grad()
     def encode_wav_voice(self, samples: np.ndarray, rate: int) -> torch.Tensor:

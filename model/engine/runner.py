@@ -86,7 +86,7 @@ class Runner:
                 log.warning("Triton is not installed: running without fused kernels (slower ticks)")
         lm = self.lm = self._stepping_lm()
         self.scratch = PromptPrefill(lm, self.device, config.fp8_kv)
-        model.text_pieces(np.zeros(1, dtype=np.int64))  # builds the token-text tables now, not in the first tick
+        model.text_pieces(np.zeros(1, dtype=np.int64))  # builds the token-text table now, not in the first tick
         self.mimi = streaming_mimi(self.model.mimi, self.config, self.device)
         self.mimi_state = self.mimi.init_state(rows, self.device)
         page = page_frames(lm.cfg.context, config.kv_page_frames)
