@@ -894,7 +894,7 @@ async def test_an_engine_with_staging_off_queues_every_frame_it_is_offered(make_
 
 
 class RowsCollector:
-    """An output group's calls (the engine thread): each row copied out, as the tick's buffers are reused."""
+    """An output group's calls (the engine thread), each row as a FrameOutput."""
 
     def __init__(self, fail: bool = False):
         self.calls: list[list[str]] = []
@@ -905,8 +905,9 @@ class RowsCollector:
         if self.fail:
             raise RuntimeError("group broke")
         self.calls.append(list(rows.ids))
-        for sid, index, text, row in zip(rows.ids, rows.indices, rows.texts, rows.rows, strict=True):
-            self.frames[sid].append(FrameOutput(index, rows.audio[row].copy(), text, rows.frames[row].copy()))
+        for sid, index, text, audio, tokens in zip(rows.ids, rows.indices, rows.texts, rows.audio, rows.frames,
+                                                   strict=True):
+            self.frames[sid].append(FrameOutput(index, audio, text, tokens))
 
 
 async def test_an_output_groups_sessions_get_their_frames_as_rows_once_a_tick(make_engine):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from model.engine.api import ResourceExhausted, SessionParams
@@ -48,6 +49,33 @@ def test_the_live_sessions_follow_every_move_by_pacing_and_in_row_order():
     again.params = SessionParams(pacing="realtime")
     assert table.move(again, "prefill") and table.move(again, "live")
     assert table.live(offline=False) == (again, sessions[2], sessions[3])
+
+
+def test_the_output_order_puts_each_groups_sessions_together_and_keeps_them_so_when_some_are_not_handed():
+    """A tick gathers its outputs once in the plan's output order: each output group's sessions side by side, then
+    those of their own; when some rows are not handed (a session that went live mid-step, one that failed), the
+    others keep their order and each group's bounds follow."""
+    table = SlotTable(6)
+    sessions = [table.reserve() for _ in range(6)]
+    for session, group in zip(sessions, [7, None, 3, 7, None, 3], strict=True):
+        session.params, session.output_group = SessionParams(), group
+        assert table.move(session, "prefill") and table.move(session, "live")
+    out = table.realtime().out
+    assert out.keys == [7, 3] and out.starts.tolist() == [0, 2, 4]
+    assert out.rows.tolist() == [0, 3, 2, 5, 1, 4] and out.members == tuple(sessions[k] for k in (0, 3, 2, 5, 1, 4))
+    assert out.ids == [sessions[k].id for k in (0, 3, 2, 5, 1, 4)]
+    assert out.handed(np.ones(6, dtype=bool)) is out
+
+    handed = np.ones(6, dtype=bool)
+    handed[[3, 2, 5]] = False  # group 3 loses both its rows, group 7 one of its two
+    part = out.handed(handed)
+    assert part.rows.tolist() == [0, 1, 4] and part.members == (sessions[0], sessions[1], sessions[4])
+    assert part.keys == [7, 3] and part.starts.tolist() == [0, 1, 1]  # group 3's part is empty
+    assert part.ids == [sessions[k].id for k in (0, 1, 4)]
+
+    assert table.move(sessions[0], "closed")  # a move builds the order again (groups by their first row)
+    out = table.realtime().out
+    assert out.keys == [3, 7] and out.rows.tolist() == [2, 5, 3, 1, 4] and out.starts.tolist() == [0, 2, 3]
 
 
 @pytest.mark.parametrize("ended", ["closed", "failed"])

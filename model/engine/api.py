@@ -68,13 +68,11 @@ class FrameOutput:
 class OutputRows:
     """A tick's frames for the sessions of one output group (`Engine.add_output_group`) in one call, or one
     session's frame between ticks as one row: session `ids[k]`'s frame `indices[k]`, with text piece `texts[k]`, is
-    row `rows[k]` of `frames` [B, 17] and `audio` [B, 1920]. A tick's arrays are its own buffers, which the next tick
-    overwrites: the group copies what it keeps (np.take) before it returns."""
+    row k of `frames` [k, 17] and `audio` [k, 1920], copies the group may keep."""
 
     ids: list[str]
     indices: list[int]
     texts: list[str]
-    rows: np.ndarray  # int64
     frames: np.ndarray
     audio: np.ndarray
 

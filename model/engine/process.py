@@ -247,10 +247,8 @@ class WorkerLink:
         return on_output
 
     def _take_rows(self, rows: OutputRows) -> None:
-        """This worker's realtime frames of a tick (or a session's first half): copied out of the tick's buffers,
-        sent with the tick's Tick."""
-        self.outbox.append((rows.ids, rows.indices, rows.texts, rows.audio.take(rows.rows, axis=0),
-                            rows.frames.take(rows.rows, axis=0)))
+        """This worker's realtime frames of a tick (or a session's first half), sent with the tick's Tick."""
+        self.outbox.append((rows.ids, rows.indices, rows.texts, rows.audio, rows.frames))
 
     def _error_callback(self, session: HostSession):
         sid = session.slot.id

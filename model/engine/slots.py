@@ -73,27 +73,40 @@ class Session:
 
 
 @dataclass(frozen=True)
-class OutputGroupRows:
-    """The live realtime sessions of one output group (or of none), in row order: `members[k]` (id `ids[k]`) is in
-    `rows[k]`."""
+class OutputOrder:
+    """The live realtime sessions in the order a tick hands out their frames: each output group's together (group
+    `keys[k]` is `members[starts[k]:starts[k + 1]]`), then the sessions of their own (from `starts[-1]`); `members[j]`
+    (id `ids[j]`) is in `rows[j]`. One gather of a tick's outputs in this order gives every group its rows as one
+    slice."""
 
     rows: np.ndarray  # int64
     members: tuple[Session, ...]
     ids: list[str]
+    keys: list[int]
+    starts: np.ndarray  # int64, len(keys) + 1
 
     def __post_init__(self) -> None:
-        self.rows.flags.writeable = False  # a tick hands these rows out in its OutputRows as they are
+        self.rows.flags.writeable = False  # a tick gathers by these rows as they are
+
+    def handed(self, handed: np.ndarray) -> OutputOrder:
+        """The sessions whose rows `handed` (a flag by row) marks, in the same order, each group's bounds moved to
+        match: this order itself when it marks all of them."""
+        taken = handed[self.rows]
+        if taken.all():
+            return self
+        kept = np.flatnonzero(taken)
+        return OutputOrder(self.rows[kept], tuple(self.members[k] for k in kept), [self.ids[k] for k in kept],
+                           self.keys, np.searchsorted(kept, self.starts))
 
 
 @dataclass(frozen=True)
 class RealtimePlan:
     """The live realtime sessions as a tick takes them: all of them in row order (`sessions[k]` in `rows[k]`), and
-    where their frames go: each output group's rows, and the sessions of their own (a FrameOutput each)."""
+    the order their frames go out in (`out`)."""
 
     sessions: tuple[Session, ...]
     rows: np.ndarray  # int64
-    groups: dict[int, OutputGroupRows]
-    alone: OutputGroupRows
+    out: OutputOrder
 
     def __post_init__(self) -> None:
         self.rows.flags.writeable = False  # a tick's rows when every session reads a staged frame
@@ -164,14 +177,17 @@ class SlotTable:
             plan = self._realtime
             if plan is None:
                 sessions = self.live(offline=False)
-                grouped: dict[int | None, list[Session]] = {None: []}  # None: the sessions of their own
+                grouped: dict[int | None, list[Session]] = {}  # None: the sessions of their own
                 for session in sessions:
                     grouped.setdefault(session.output_group, []).append(session)
-                groups = {key: OutputGroupRows(np.array([s.index for s in members], dtype=np.int64), tuple(members),
-                                               [s.id for s in members]) for key, members in grouped.items()}
+                alone = grouped.pop(None, [])
+                keys = list(grouped)
+                ordered = [*(s for key in keys for s in grouped[key]), *alone]
+                starts = np.cumsum([0, *(len(grouped[key]) for key in keys)], dtype=np.int64)
+                out = OutputOrder(np.array([s.index for s in ordered], dtype=np.int64), tuple(ordered),
+                                  [s.id for s in ordered], keys, starts)
                 rows = np.array([s.index for s in sessions], dtype=np.int64)
-                alone = groups.pop(None)
-                plan = self._realtime = RealtimePlan(sessions, rows, groups, alone)
+                plan = self._realtime = RealtimePlan(sessions, rows, out)
             return plan
 
 
