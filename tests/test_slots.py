@@ -72,10 +72,15 @@ def test_the_output_order_puts_each_groups_sessions_together_and_keeps_them_so_w
     assert part.rows.tolist() == [0, 1, 4] and part.members == (sessions[0], sessions[1], sessions[4])
     assert part.keys == [7, 3] and part.starts.tolist() == [0, 1, 1]  # group 3's part is empty
     assert part.ids == [sessions[k].id for k in (0, 1, 4)]
+    # A tick's outputs came back gathered in the whole order: each handed row is found where it was gathered.
+    gathered = out.rows * 10  # a row's output, tagged by its row
+    assert out.positions_in(out.rows) is None
+    assert gathered[part.positions_in(out.rows)].tolist() == [0, 10, 40]
 
     assert table.move(sessions[0], "closed")  # a move builds the order again (groups by their first row)
-    out = table.realtime().out
-    assert out.keys == [3, 7] and out.rows.tolist() == [2, 5, 3, 1, 4] and out.starts.tolist() == [0, 2, 3]
+    moved = table.realtime().out
+    assert moved.keys == [3, 7] and moved.rows.tolist() == [2, 5, 3, 1, 4] and moved.starts.tolist() == [0, 2, 3]
+    assert moved.positions_in(out.rows).tolist() == [2, 3, 1, 4, 5]  # a plan that moved while a step was in flight
 
 
 @pytest.mark.parametrize("ended", ["closed", "failed"])

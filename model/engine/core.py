@@ -372,8 +372,8 @@ class Engine:
     def step_rows(self, rows: int, pcm: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One batched step with rows [0, rows) active (in the padded batch a tick of that many sessions runs),
         before start(): with `pcm` [rows, 1920] as their input frames (else the last ones written), their token
-        frames, emitted flags and audio (views that the next step overwrites). For benchmarks; it advances those
-        rows like a real tick."""
+        frames and audio (blocks of their own) and emitted flags (a view the next step overwrites). For benchmarks;
+        it advances those rows like a real tick."""
         if self._thread is not None:
             raise EngineError("step_rows runs only while the engine is stopped", "invalid_state")
         runner = self.runner
@@ -384,8 +384,8 @@ class Engine:
         runner.active_np[:rows] = runner.takes_input_np[:rows] = True
         try:
             runner.prepare_batch(n)
-            frames, emitted, audio, _ = self._run_batch(n, [])
-            return frames[:rows], emitted[:rows], audio[:rows]
+            frames, emitted, audio, _ = self._run_batch(n, [], np.arange(rows))
+            return frames, emitted[:rows], audio
         finally:
             runner.active_np[:n] = runner.takes_input_np[:n] = False
 
@@ -746,8 +746,10 @@ class Engine:
                     if session.index in starved:
                         self._fail(session, SessionFailed("no KV page is free and no context can shrink", "kv_pages"))
                 live = [s for s in live if s.index not in starved]
+            # The tick's frames come back in the order they go out (the plan's), those of rows it steps.
+            gathered = plan.out.rows if plan.out.rows.max(initial=-1) < n else plan.out.rows[plan.out.rows < n]
             try:
-                frames, emitted, audio, finite = self._run_batch(n, offline_rows)
+                frames, emitted, audio, finite = self._run_batch(n, offline_rows, gathered)
             except Exception as exc:  # a failure of the whole step: every session in it fails, the engine goes on
                 log.exception("tick failed")
                 for session in live:
@@ -755,7 +757,7 @@ class Engine:
                 return None
         finally:
             self.inputs.release()
-        self._hand_out(live, frames, emitted, audio, finite)
+        self._hand_out(live, gathered, frames, emitted, audio, finite)
         # Their encoder ran on no input this tick: it meets the first frame fresh.
         for session in pending:
             runner.reset_mimi_row(session.index, decoder=False)
@@ -771,9 +773,12 @@ class Engine:
         return self.counters.record_tick(elapsed, n, started_late or elapsed > self.config.tick_ms, runner.parts_ms,
                                          host_ms)
 
-    def _run_batch(self, n: int, protected_rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The runner's step over rows [0, n), serving cached prompts' copies while it is in flight."""
-        outputs = self.runner.run_batch(n, protected_rows, lambda launched: self._serve_in_flight(n, launched))
+    def _run_batch(self, n: int, protected_rows: list[int], out_rows: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The runner's step over rows [0, n) (`Runner.run_batch`), serving cached prompts' copies while it is in
+        flight."""
+        outputs = self.runner.run_batch(n, protected_rows, out_rows,
+                                        lambda launched: self._serve_in_flight(n, launched))
         _, launched, returned = self.runner.step_marks
         self.scheduler.record_in_flight(n, returned - launched)
         return outputs
@@ -822,16 +827,17 @@ class Engine:
                     rows = OutputRows([session.id], [self._count_out(session)], [text], frame[None], audio[None])
                     self._deliver_rows(session.output_group, rows, [session])
 
-    def _hand_out(self, stepped: list[Session], frames: np.ndarray, emitted: np.ndarray, audio: np.ndarray,
-                  finite: np.ndarray) -> None:
-        """A tick's frames (rows of its pinned outputs) to the sessions it stepped, the lock taken once: gathered
-        once in the plan's output order (`OutputOrder`), counted and named by array operations over all of them,
-        each output group's slice to its call, and one FrameOutput to the callback of each session of its own. (A
-        pass over the sessions took ~0.25 ms more of a tick of 250 on a 2-core CPU; the same array operations per
-        group ~0.3 ms more at 8 groups.)"""
+    def _hand_out(self, stepped: list[Session], gathered: np.ndarray, frames: np.ndarray, emitted: np.ndarray,
+                  audio: np.ndarray, finite: np.ndarray) -> None:
+        """A tick's frames to the sessions it stepped, the lock taken once. `frames` and `audio` are the rows
+        `gathered` (the plan's output order at the tick's start, `OutputOrder`), blocks the tick owns; `emitted`
+        and `finite` are by row. Counted and named by array operations over all of them, each output group's slice
+        to its call, and one FrameOutput to the callback of each session of its own. (A pass over the sessions
+        took ~0.25 ms more of a tick of 250 on a 2-core CPU; the same array operations per group ~0.3 ms more at 8
+        groups.)"""
         handed = np.zeros(len(self._out_index), dtype=bool)  # rows stepped whose frame goes out
         handed[[s.index for s in stepped]] = True
-        handed[: len(frames)] &= emitted & finite
+        handed[: len(emitted)] &= emitted & finite
         with self._lock:
             if not finite.all():
                 for session in stepped:
@@ -842,19 +848,27 @@ class Engine:
             rows, members, ids = order.rows, order.members, order.ids
             if not rows.size:
                 return
+            # The plan moved, or a row is not handed: each handed row from where it was gathered (every stepped row
+            # was: rows do not change hands while a step is in flight).
+            positions = order.positions_in(gathered)
+            if positions is not None:
+                frames, audio = frames[positions], audio[positions]
             indices = self._count_rows_out(rows, members)
-            texts = self.model.text_pieces(frames[rows, 0])
-            # One copy of the handed rows out of the pinned buffers (the next tick's), each group's part a slice.
-            own_frames, own_audio = frames[rows], audio[rows]
+            texts = self.model.text_pieces(frames[:, 0])
             bounds = order.starts.tolist()
             for k, key in enumerate(order.keys):
                 start, stop = bounds[k], bounds[k + 1]
                 if start < stop:
                     self._deliver_rows(key, OutputRows(ids[start:stop], indices[start:stop], texts[start:stop],
-                                                       own_frames[start:stop], own_audio[start:stop]),
-                                       members[start:stop])
-            for k in range(bounds[-1], len(members)):
-                self._emit(members[k], FrameOutput(indices[k], own_audio[k], texts[k], own_frames[k]))
+                                                       frames[start:stop], audio[start:stop]), members[start:stop])
+            if bounds[-1] < len(members):
+                own_frames, own_audio = frames[bounds[-1]:], audio[bounds[-1]:]
+                if self.runner.pinned_outputs:
+                    # Sessions of their own keep frames as long as they like: not in pinned blocks, kept pinned.
+                    own_frames, own_audio = own_frames.copy(), own_audio.copy()
+                for k in range(bounds[-1], len(members)):
+                    j = k - bounds[-1]
+                    self._emit(members[k], FrameOutput(indices[k], own_audio[j], texts[k], own_frames[j]))
 
     def _deliver_rows(self, key: int, rows: OutputRows, members: Sequence[Session]) -> None:
         """An output group's rows to its call (engine thread, lock held); its sessions fail if it raises."""

@@ -98,6 +98,15 @@ class OutputOrder:
         return OutputOrder(self.rows[kept], tuple(self.members[k] for k in kept), [self.ids[k] for k in kept],
                            self.keys, np.searchsorted(kept, self.starts))
 
+    def positions_in(self, gathered: np.ndarray) -> np.ndarray | None:
+        """Where each of these rows is in `gathered` (rows in some order that hold all of these), or None when
+        `gathered` is these rows themselves."""
+        if gathered is self.rows:
+            return None
+        where = np.empty(int(max(gathered.max(initial=-1), self.rows.max(initial=-1))) + 1, dtype=np.int64)
+        where[gathered] = np.arange(len(gathered))
+        return where[self.rows]
+
 
 @dataclass(frozen=True)
 class RealtimePlan:
