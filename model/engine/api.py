@@ -68,7 +68,7 @@ class FrameOutput:
 class OutputRows:
     """A tick's frames for the sessions of one output group (`Engine.add_output_group`) in one call, or one
     session's frame between ticks as one row: session `ids[k]`'s frame `indices[k]`, with text piece `texts[k]`, is
-    row k of `frames` [k, 17] and `audio` [k, 1920], copies the group may keep."""
+    row k of `frames` [len(ids), 17] and `audio` [len(ids), 1920], blocks the group may keep."""
 
     ids: list[str]
     indices: list[int]
