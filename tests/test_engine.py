@@ -912,16 +912,18 @@ class RowsCollector:
 
 async def test_an_output_groups_sessions_get_their_frames_as_rows_once_a_tick(make_engine):
     """Sessions started in an output group get no FrameOutput each: the group's call takes a tick's frames of all
-    of them at once, as rows of the tick's outputs, with what a session of its own gets (index, text, tokens)."""
-    frames = speechlike(12, 2)
+    of them at once, as rows of the tick's outputs, each with what it gets as a session of its own (index, text,
+    tokens): inputs that differ keep each session's rows its own."""
+    inputs = [speechlike(12, 2), speechlike(12, 5)]
     params = SessionParams(voice="NATF2", persona="Hello.", sampling=GREEDY)
-    _, alone = await run_session(make_engine(), params, frames, 10)
+    alone = [(await run_session(make_engine(), params, frames, 10))[1] for frames in inputs]
+    assert not all(np.array_equal(x.tokens, y.tokens) for x, y in zip(*alone))  # the inputs tell them apart
 
     engine = make_engine()
     group = RowsCollector()
     key = engine.add_output_group(group)
     slots, sinks = [engine.reserve(), engine.reserve()], [Collector(), Collector()]
-    for slot, sink in zip(slots, sinks):
+    for slot, sink, frames in zip(slots, sinks, inputs):
         await slot.start(params, QueueSource(frames), sink.on_output, sink.on_error, output_group=key)
     deadline = time.monotonic() + 30
     while min(len(group.frames[slot.id]) for slot in slots) < 10:
@@ -930,10 +932,10 @@ async def test_an_output_groups_sessions_get_their_frames_as_rows_once_a_tick(ma
     for slot in slots:
         slot.close()
     assert not any(sink.outputs for sink in sinks)  # nothing per session
-    for slot in slots:
+    for slot, own in zip(slots, alone):
         rows = group.frames[slot.id][:10]
         assert [o.index for o in rows] == list(range(10)) and slot.stats().frames_out >= 10
-        assert all(np.array_equal(x.tokens, y.tokens) and x.text == y.text for x, y in zip(alone, rows))
+        assert all(np.array_equal(x.tokens, y.tokens) and x.text == y.text for x, y in zip(own, rows))
     assert any(call == [slots[0].id, slots[1].id] for call in group.calls)  # both in one call once both ticked
 
 
