@@ -861,14 +861,15 @@ class Engine:
                 if start < stop:
                     self._deliver_rows(key, OutputRows(ids[start:stop], indices[start:stop], texts[start:stop],
                                                        frames[start:stop], audio[start:stop]), members[start:stop])
-            if bounds[-1] < len(members):
-                own_frames, own_audio = frames[bounds[-1]:], audio[bounds[-1]:]
+            first = bounds[-1]  # the sessions of their own
+            if first < len(members):
+                own_frames, own_audio = frames[first:], audio[first:]
                 if self.runner.pinned_outputs:
                     # Sessions of their own keep frames as long as they like: not in pinned blocks, kept pinned.
                     own_frames, own_audio = own_frames.copy(), own_audio.copy()
-                for k in range(bounds[-1], len(members)):
-                    j = k - bounds[-1]
-                    self._emit(members[k], FrameOutput(indices[k], own_audio[j], texts[k], own_frames[j]))
+                for session, index, text, frame, samples in zip(members[first:], indices[first:], texts[first:],
+                                                                own_frames, own_audio, strict=True):
+                    self._emit(session, FrameOutput(index, samples, text, frame))
 
     def _deliver_rows(self, key: int, rows: OutputRows, members: Sequence[Session]) -> None:
         """An output group's rows to its call (engine thread, lock held); its sessions fail if it raises."""
