@@ -22,6 +22,7 @@ from app.doors.sip.client import Dialog, RtpPeer, SipClient, offer
 from app.doors.sip.sdp import parse_offer
 from media.rtp import PCMA, PCMU, AudioCodec, build_rtp
 from model.engine.api import TickRecord
+from model.engine.client import TICK_S
 from tests.conftest import RunningServer, speech_like
 from tests.sip_support import BARESIP, baresip_call, free_port, read_wav
 
@@ -308,7 +309,9 @@ async def test_a_frame_a_few_ms_late_reaches_the_caller_without_a_gap(sip_server
     first frame 2 ms short, so each frame's last packet waited for the next frame: a frame 2 ms late left the caller
     40 ms of silence (one missing frame per SIP call in bench.e2e). The frame's own lateness is measured (its hand-out
     against the median of the others'), and a try where a busy machine decided the frames' lateness instead of the
-    hold (a frame later than a packet: a real gap, not the one under test) is made again on a later tick."""
+    hold (a frame later than a packet: a real gap, not the one under test; or the engine behind real time, its ticks
+    more than a tick and a packet apart, which on a loaded 2-core CI machine left most packets silent) is made again
+    on a later tick."""
     srv = await sip_server()
     hold_s, slack_s = 0.012, 0.020
     armed = threading.Event()
@@ -340,7 +343,7 @@ async def test_a_frame_a_few_ms_late_reaches_the_caller_without_a_gap(sip_server
         await asyncio.sleep(0.01)
     start = min(at for at, p in rtp.received if not silent(p.payload))
     checked = 0
-    for _ in range(3):
+    for _ in range(5):
         await asyncio.sleep(0.5)
         tries = len(held)
         armed.set()
@@ -350,8 +353,14 @@ async def test_a_frame_a_few_ms_late_reaches_the_caller_without_a_gap(sip_server
         typical = float(np.median([late for _, late in handed]))
         late_at, late = handed[held[-1]]
         end = late_at + 0.15
-        if max(lt - typical for at, lt in handed if start - 0.1 <= at <= end) > slack_s or late - typical < 0.005:
-            start = time.monotonic()           # this machine, not the hold, decided how late the frames were
+        window = [(at, lt) for at, lt in handed if start - 0.1 <= at <= end]
+        spacing = np.diff([at for at, _ in window])
+        # A busy machine decides instead of the hold when a frame is later than a packet against the others, or
+        # when the engine fell behind real time (its ticks rebase, so every frame is equally late and the median
+        # hides it; the hand-outs then come more than a tick and a packet apart).
+        if (max(lt - typical for _, lt in window) > slack_s or late - typical < 0.005
+                or (len(spacing) and spacing.max() > TICK_S + slack_s)):
+            start = time.monotonic()
             continue
         # From the first audio through the late frame and the sends after it, every frame within a packet of its
         # time: no silence (unprimed, the first frame later than 2 ms, natural or held, left two silent packets).
@@ -362,7 +371,8 @@ async def test_a_frame_a_few_ms_late_reaches_the_caller_without_a_gap(sip_server
         break
     talking.cancel()
     if not checked:
-        pytest.skip("on every try this machine made a frame later than a packet, or the hold's frame not late")
+        pytest.skip("on every try this machine made a frame later than a packet, fell behind real time, or the hold's "
+                    "frame was not late")
     assert (await client.bye(d)).code == 200
     rtp.close()
 
