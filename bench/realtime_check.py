@@ -14,7 +14,9 @@ Load mode (`--sessions N`) admits N sessions, starts them together on one 80 ms 
 per session (`bench.doors.RealtimeClient.report`) the frames in and out, missing frames, the received stream's
 real-time factor (output seconds per wall second between 10 % and 90 % of the run), output lateness against an ideal
 80 ms cadence (p50/p99/max), send lateness of the client itself, and time to first audio (after the open began and
-after the first append).
+after the first append). What has not arrived one `--drain-s` after the last append counts as missing; with
+`--first-audio-timeout-s`, a session's drain begins once it has its first audio (for a machine that runs the engine
+slower than real time, where the first audio of the last sessions opened comes seconds after the streams began).
 """
 
 from __future__ import annotations
