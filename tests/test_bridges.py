@@ -38,10 +38,17 @@ def rms_l16(data: bytes, big_endian: bool = False) -> float:
     return float(np.sqrt(np.mean(pcm ** 2)))
 
 
-def assert_paced(times: list[float], period_s: float) -> None:
-    """One message per period of wall clock, never a burst (a few of slack at the start)."""
+def line_underruns(server: Any) -> int:
+    """The model audio's underruns on the server's live phone lines so far (`out_underruns`: a frame that came
+    later than the line's hold; the next send then leaves as that frame lands, less than a period after the last)."""
+    return sum(call.stats().get("out_underruns", 0) for call in server.ctx.calls.calls.values())
+
+
+def assert_paced(times: list[float], period_s: float, underruns: int) -> None:
+    """One message per period of wall clock, never a burst: a few of slack at the start, and one for each underrun
+    (a machine that runs the engine late, as a loaded 2-core one can: 34 messages of 100 ms in 2.78 s)."""
     span = times[-1] - times[0]
-    assert len(times) <= span / period_s + 6, (len(times), span)
+    assert len(times) <= span / period_s + 6 + underruns, (len(times), span, underruns)
     assert len(times) >= span / period_s * 0.7, (len(times), span)
 
 
@@ -111,6 +118,7 @@ async def test_telnyx_call(start_server, speech_24k):
         deadline = time.monotonic() + 20
         while not marks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        underruns = line_underruns(server)
         await ws.send_json({"event": "stop", "sequence_number": "999", "stream_id": "st-1", "stop": {}})
         await asyncio.wait_for(task, 5)
         assert ws.close_code == 1000
@@ -118,7 +126,7 @@ async def test_telnyx_call(start_server, speech_24k):
         assert await dtmf_total(http, server.url, "/v1/telnyx") == 1
     assert {len(p) for _, p in media} == {640}                     # 20 ms of L16 at 16 kHz
     assert rms_l16(b"".join(p for _, p in media), big_endian=True) > 1e-4
-    assert_paced([t for t, _ in media], 0.02)
+    assert_paced([t for t, _ in media], 0.02, underruns)
     assert marks and marks[0] == "audio-1"
 
 
@@ -176,13 +184,14 @@ async def test_vonage_call(start_server, speech_24k):
         deadline = time.monotonic() + 20
         while not notified and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        underruns = line_underruns(server)
         await ws.close()                                   # the caller hangs up: Vonage closes the socket
         await asyncio.wait_for(task, 5)
         await wait_in_use(http, server.url, 0, timeout=1.0)
         assert await dtmf_total(http, server.url, "/v1/vonage") == 1
     assert {len(f) for _, f in frames} == {640}                   # exactly 20 ms at 16 kHz, as Vonage requires
     assert rms_l16(b"".join(f for _, f in frames)) > 1e-4
-    assert_paced([t for t, _ in frames], 0.02)
+    assert_paced([t for t, _ in frames], 0.02, underruns)
     assert notified and notified[0] == {"audio_s": 1}
 
 
@@ -228,6 +237,7 @@ async def test_freeswitch_call(start_server, speech_24k):
                 await ws.send_json({"type": "dtmf", "digit": "#"})   # relayed by the dialplan with send_text
 
         await send_paced(chunks, send)
+        underruns = line_underruns(server)
         await ws.close()                                              # `uuid_audio_stream <uuid> stop`
         await asyncio.wait_for(task, 5)
         await wait_in_use(http, server.url, 0, timeout=1.0)
@@ -237,7 +247,7 @@ async def test_freeswitch_call(start_server, speech_24k):
     pcm = [base64.b64decode(d["audioData"]) for _, d in played]
     assert {len(p) for p in pcm} == {1600}                          # 100 ms of L16 at 8 kHz
     assert rms_l16(b"".join(pcm)) > 1e-4
-    assert_paced([t for t, _ in played], 0.1)
+    assert_paced([t for t, _ in played], 0.1, underruns)
 
 
 async def test_freeswitch_bad_inputs(server):
@@ -307,6 +317,7 @@ async def test_audiosocket_call(start_server, speech_24k):
     await send_paced(chunks, send)
     async with aiohttp.ClientSession() as http:
         assert await dtmf_total(http, server.url, "audiosocket") == 1
+        underruns = line_underruns(server)
         writer.write(frame(0x00))                                    # hang up
         await writer.drain()
         await asyncio.wait_for(task, 5)                               # the server closes its side
@@ -315,7 +326,7 @@ async def test_audiosocket_call(start_server, speech_24k):
     audio_frames = [(t, p) for t, k, p in heard if k == 0x10]
     assert audio_frames and {len(p) for _, p in audio_frames} == {320}   # 20 ms of slin at 8 kHz
     assert rms_l16(b"".join(p for _, p in audio_frames)) > 1e-4
-    assert_paced([t for t, _ in audio_frames], 0.02)
+    assert_paced([t for t, _ in audio_frames], 0.02, underruns)
     assert {k for _, k, _ in heard} <= {0x10, 0x00}
 
 
