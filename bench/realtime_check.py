@@ -15,8 +15,9 @@ per session (`bench.doors.RealtimeClient.report`) the frames in and out, missing
 real-time factor (output seconds per wall second between 10 % and 90 % of the run), output lateness against an ideal
 80 ms cadence (p50/p99/max), send lateness of the client itself, and time to first audio (after the open began and
 after the first append). What has not arrived one `--drain-s` after the last append counts as missing; with
-`--first-audio-timeout-s`, a session's drain begins once it has its first audio (for a machine that runs the engine
-slower than real time, where the first audio of the last sessions opened comes seconds after the streams began).
+`--timeout-s`, a session's drain begins once its output covers its input less `--max-missing` frames, or that long
+after the last append (for a machine that runs the engine slower than real time, where the first audio of the last
+sessions opened comes seconds after the streams began).
 """
 
 from __future__ import annotations
@@ -145,9 +146,8 @@ async def load(args: argparse.Namespace) -> dict[str, Any]:
         refused = [r for r in opened if not isinstance(r, RealtimeClient)]
         t0 = started = time.monotonic() + 0.3
         await asyncio.gather(*(s.stream(audio, t0) for s in sessions))
-        # No waiting for a catch-up here: what has not arrived one drain after the last append is missing (the
-        # drain begins once each session has its first audio, if told to wait for it).
-        await asyncio.gather(*(s.wait_output(args.drain_s, args.first_audio_timeout_s, s.frames_in - 1)
+        # No waiting for a catch-up unless told: what has not arrived one drain after the last append is missing.
+        await asyncio.gather(*(s.wait_output(args.drain_s, args.timeout_s, args.max_missing)
                                for s in sessions))
         wall = time.monotonic() - started
         for s in sessions:
@@ -180,17 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replacement-persona", default="You are a calm librarian.")
     p.add_argument("--tail-s", type=float, default=0.4, help="silence appended to the input (lifecycle)")
     p.add_argument("--drain-s", type=float, default=0.5)
-    p.add_argument("--timeout-s", type=float, default=10.0,
-                   help="lifecycle: how long output may take to cover the input after the last append")
+    p.add_argument("--timeout-s", type=float,
+                   help="how long output may take to cover the input (less --max-missing frames) after the last "
+                        "append, before the drain (default: 10 in lifecycle mode, 0 in load mode)")
     p.add_argument("--max-missing", type=int, default=4)
-    p.add_argument("--first-audio-timeout-s", type=float, default=0.0,
-                   help="load: how long each session may wait for its first audio before its drain begins (a "
-                        "machine that runs the engine slower than real time)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.timeout_s is None:
+        args.timeout_s = 0.0 if args.sessions else 10.0
     report = asyncio.run(load(args) if args.sessions else lifecycle(args))
     print(json.dumps(report))
     return 0 if report.get("pass", True) else 1

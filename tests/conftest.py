@@ -48,7 +48,8 @@ RATE = 24000
 LIVE_CALL_FILES = frozenset({
     "test_bridges.py", "test_browser.py", "test_drain.py", "test_duplex_link.py", "test_frameworks.py",
     "test_haproxy.py", "test_impaired_doors.py", "test_load_drivers.py", "test_processes.py", "test_recording.py",
-    "test_server_realtime.py", "test_sip.py", "test_webhooks.py", "test_webrtc_call.py", "test_webrtc_impairment.py",
+    "test_server_cli.py", "test_server_realtime.py", "test_sip.py", "test_webhooks.py", "test_webrtc_call.py",
+    "test_webrtc_impairment.py",
 })
 
 

@@ -40,7 +40,7 @@ async def test_realtime_check_opens_more_than_100_sessions(start_server):
     first audio, then a drain, where a fixed 6 s drain left 43-65 of them silent on a loaded machine."""
     server = await start_server(max_sessions=110, first_message_timeout_s=60.0, max_connections_per_ip=0)
     report = await run_driver("bench.realtime_check", "--url", server.ws(""), "--sessions", "110",
-                              "--seconds", "0.8", "--first-audio-timeout-s", "60", "--drain-s", "1")
+                              "--seconds", "0.8", "--timeout-s", "60", "--max-missing", "9", "--drain-s", "1")
     assert report["sessions_admitted"] == 110 and report["refused"] == [], report.get("refused")
     sessions = report["per_session"]
     assert len({s["session_id"] for s in sessions}) == 110
