@@ -31,6 +31,15 @@ import torch
 from model.lm import LMState
 
 
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`. On CUDA pinned and asynchronous: a pageable copy may wait for the tick in flight.
+    The pinned block is not reused before the copy ran (the caching host allocator records it on the stream)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class PoolCounts:
     pages: int
@@ -140,22 +149,14 @@ class PagePool:
             return
         rows = sorted(self._dirty)
         self._dirty.clear()
-        index = self._upload(np.asarray(rows, dtype=np.int64))
+        index = upload(np.asarray(rows, dtype=np.int64), self.device)
         state = self.state
-        state.kv.table.index_copy_(0, index, self._upload(self.table[rows]))
-        state.origin.index_copy_(0, index, self._upload(self.origin[rows]))
-        state.window.index_copy_(0, index, self._upload(self.window[rows]))
-
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        # Pinned and asynchronous: a pageable copy may wait for the tick in flight. The pinned block is not
-        # reused before the copy ran (the caching host allocator records it on the stream).
-        return host.pin_memory().to(self.device, non_blocking=True)
+        state.kv.table.index_copy_(0, index, upload(self.table[rows], self.device))
+        state.origin.index_copy_(0, index, upload(self.origin[rows], self.device))
+        state.window.index_copy_(0, index, upload(self.window[rows], self.device))
 
     def _zero(self, pages: np.ndarray) -> None:
-        self.state.kv.zero_pages(self._upload(pages))
+        self.state.kv.zero_pages(upload(pages, self.device))
 
     # ----- shrinking and growing windows --------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from model import fused
 from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, prefill_chunks
 from model.config import FRAME_SAMPLES, SAMPLE_RATE
 from model.engine.api import EngineConfig, ResourceExhausted
-from model.engine.pages import PagePool
+from model.engine.pages import PagePool, upload
 from model.engine.prompt_cache import CachedPrompt
 from model.lm import LM, LMState
 from model.loading import PersonaPlex
@@ -257,10 +257,8 @@ class Runner:
         """`rows` as an index on the device, uploaded again only when they are another array (a tick's plan keeps
         its rows between the sessions' moves)."""
         if self._gather is None or self._gather[0] is not rows:
-            host = torch.from_numpy(np.array(rows, dtype=np.int64))
-            if self.device.type == "cuda":  # pinned and asynchronous, as the pages' tables
-                host = host.pin_memory()
-            self._gather = (rows, host.to(self.device, non_blocking=True))
+            # a copy: the plan's rows are read-only, and on the CPU the index would share their memory
+            self._gather = (rows, upload(np.array(rows, dtype=np.int64), self.device))
         return self._gather[1]
 
     def outputs_landed(self) -> bool:
