@@ -34,7 +34,6 @@ def bench_model(tiny: bool) -> PersonaPlex:
 ARITHMETIC_FLAGS = {
     "mimi_encoder_bf16": "Mimi's streaming encoder in bf16 (CUDA)",
     "mimi_decoder_bf16": "Mimi's streaming decoder in bf16 (CUDA)",
-    "mimi_compiled": "Mimi's streaming steps compiled by Inductor (CUDA)",
     "mimi_fused_encoder": "the encoder's SEANet steps with the largest activations as Triton kernels (CUDA)",
     "mimi_fused_decoder": "the decoder's SEANet steps with the largest activations as Triton kernels (CUDA)",
     "fp8_weights": "the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)",

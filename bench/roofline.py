@@ -19,9 +19,9 @@ KV writes, embeddings, the text head and sampling), the depformer, Mimi decode, 
 - `kernels`: launches per step, and `kernel_ms` their summed device time, profiled on the engine's own graph
   replays (eager steps where it runs without graphs), so `ms - kernel_ms` is what the part spends between kernels.
 "roofline_kernels" lines list each part's top kernels; "roofline_tick" sums a load. `--mimi-variants` also times Mimi
-alone at each load's batch in float32, decoder bf16 and both bf16, each eager and compiled (`Mimi.compiled`), and
-as the engine runs it by default (decoder bf16 through the SEANet kernels) ("mimi_variant" lines); the arithmetic
-flags (`--(no-)mimi-fused-decoder`, `--mimi-compiled`, ...) set the engine's own, as in bench.engine_bench.
+alone at each load's batch in float32, decoder bf16 and both bf16, and as the engine runs it by default (decoder
+bf16 through the SEANet kernels) ("mimi_variant" lines); the arithmetic flags (`--(no-)mimi-fused-decoder`,
+`--fp8-weights`, ...) set the engine's own, as in bench.engine_bench.
 `--tiny` runs the tiny checkpoint on the CPU (wall clock, no profile), to try the script.
 """
 
@@ -307,14 +307,13 @@ def mimi_variant(mimi: Mimi, name: str, rows: int, device: torch.device, steps: 
 
 
 def mimi_variants(model_mimi: Mimi, rows: int, device: torch.device, steps: int, top_kernels: int) -> list[dict]:
-    """Mimi alone in float32, with its decoder in bf16, all in bf16, and (compiled) each of those compiled; and as
-    the engine runs it by default, its decoder in bf16 through the SEANet kernels."""
+    """Mimi alone in float32, with its decoder in bf16, and all in bf16; and as the engine runs it by default, its
+    decoder in bf16 through the SEANet kernels."""
     bf16, fp32 = torch.bfloat16, torch.float32
     lines = []
     for name, encoder, decoder in (("float32", fp32, fp32), ("decoder_bf16", fp32, bf16), ("bf16", bf16, bf16)):
         mimi = model_mimi.with_precision(encoder, decoder)
         lines.append(mimi_variant(mimi, name, rows, device, steps, top_kernels))
-        lines.append(mimi_variant(mimi.compiled(), f"{name}_compiled", rows, device, steps, top_kernels))
         torch.cuda.empty_cache()
     default = model_mimi.with_precision(fp32, bf16).with_fused_seanet(encoder=False)
     lines.append(mimi_variant(default, "decoder_bf16_fused_decoder", rows, device, steps, top_kernels))

@@ -62,8 +62,6 @@ class SpeechLike:
 
 CANDIDATES = {"decoder_bf16": {"mimi_decoder_bf16": True}, "encoder_bf16": {"mimi_encoder_bf16": True},
               "bf16": {"mimi_encoder_bf16": True, "mimi_decoder_bf16": True},
-              "compiled": {"mimi_compiled": True},
-              "decoder_bf16_compiled": {"mimi_decoder_bf16": True, "mimi_compiled": True},
               "fused_seanet": {"mimi_fused_encoder": True, "mimi_fused_decoder": True},
               "fused_encoder": {"mimi_fused_encoder": True},
               "decoder_bf16_fused_decoder": {"mimi_decoder_bf16": True, "mimi_fused_decoder": True},

@@ -222,19 +222,6 @@ class Mimi(nn.Module):
             setattr(other, name, seanet)
         return other
 
-    def compiled(self) -> Mimi:
-        """This codec with its two streaming steps compiled whole by Inductor (any batch: one dynamic graph each).
-
-        A step eager is ~420 (encode) and ~310 (decode) kernels at 250 rows, most of them glue around the
-        products: streaming windows, ELUs, residual adds, layout copies. Compiled, each chain of them is one
-        generated kernel, which the engine's CUDA graphs replay. The overlap-add kernel of model/stream_kernels.py
-        gives way to its torch reference there, which Inductor fuses with its neighbours.
-        """
-        other = sibling(self)
-        other._encode_step = torch.compile(self._encode_step, dynamic=True, fullgraph=True)
-        other._decode_step = torch.compile(self._decode_step, dynamic=True, fullgraph=True)
-        return other
-
     def reset_rows(self, state: MimiState, rows: Tensor) -> None:
         """Rows where `rows` (bool [B]) is True become exactly fresh, in both directions."""
         if rows.dtype != torch.bool or tuple(rows.shape) != (state.batch_size,):

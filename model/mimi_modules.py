@@ -32,7 +32,7 @@ TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def _kernel_takes(x: Tensor) -> bool:
     """Whether a fused SEANet step's Triton kernel can take x [B, C, L] (time or channels contiguous) here."""
-    return (x.is_cuda or TRITON_INTERPRETED) and 1 in x.stride()[1:] and not torch.compiler.is_compiling()
+    return (x.is_cuda or TRITON_INTERPRETED) and 1 in x.stride()[1:]
 
 
 class CausalConv1d(nn.Module):
@@ -109,8 +109,6 @@ class CausalConv1d(nn.Module):
         new = window[..., kept : kept + length]
         if activation is None:
             new.copy_(x)
-        elif torch.compiler.is_compiling():
-            new.copy_(activation(x))
         else:  # one pass: the ELU writes straight into the window
             torch.ops.aten.elu.out(x, activation.alpha, out=new)
         if self.pad_mode == "replicate":

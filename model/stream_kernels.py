@@ -47,7 +47,7 @@ def overlap_add(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: int) ->
     output samples t * stride .. t * stride + K - 1): [B, C, T * stride], the kept `tail` [B, C, K - stride] added
     to its start; `tail` then holds the part that overruns this call (without the bias, which the next call adds).
     """
-    if not use_kernel(taps.device) or torch.compiler.is_compiling():
+    if not use_kernel(taps.device):
         return overlap_add_reference(taps, tail, bias, stride)
     return overlap_add_triton(taps, tail, bias, stride)
 

@@ -96,24 +96,6 @@ def test_the_default_cuda_engine_decodes_in_bf16_through_the_kernels_and_encodes
     assert exact.runner.mimi.decoder_dtype == torch.float32
 
 
-def test_compiled_mimi_streams_as_the_eager_one_and_runs_under_graphs(cuda_model):
-    """`Mimi.compiled()`: one dynamic graph per direction for any batch, its state carried frame to frame as the
-    eager steps carry it (codes equal, audio within rounding), and an engine with it captures and runs."""
-    eager = cuda_model.mimi
-    compiled = eager.compiled()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for rows in (5, 3):
-        states = [m.init_state(rows, "cuda") for m in (eager, compiled)]
-        for _ in range(4):
-            pcm = 0.1 * torch.randn(rows, eager.frame_samples, device="cuda", generator=gen)
-            codes = [m.encode_frame(pcm, st) for m, st in zip((eager, compiled), states)]
-            assert torch.equal(*codes)
-            audio = [m.decode_frame(codes[0], st) for m, st in zip((eager, compiled), states)]
-            assert (audio[0] - audio[1]).abs().max() < 1e-3     # TF32 products either way (the engine's setting)
-    tokens = asyncio.run(session_tokens(cuda_model, EngineConfig(max_sessions=2, mimi_compiled=True), 8))
-    assert len(tokens) == 8
-
-
 def test_fused_and_fp8_engines_run(cuda_model):
     fused = asyncio.run(session_tokens(cuda_model, EngineConfig(max_sessions=2, fuse_kernels=True), 8))
     fp8 = asyncio.run(session_tokens(cuda_model, EngineConfig(max_sessions=2, fp8_kv=True), 8))

@@ -131,9 +131,6 @@ class EngineConfig:
     # from float32's, about a mu-law line's own noise (docs/fidelity.md). CPU runs stay float32.
     mimi_encoder_bf16: bool = False
     mimi_decoder_bf16: bool = True
-    # On CUDA, Mimi's two streaming steps compiled whole by Inductor (`Mimi.compiled`): the glue between its
-    # products fused into generated kernels. Not bit-exact (Inductor orders some sums its own way).
-    mimi_compiled: bool = False
     # On CUDA, Mimi's SEANet steps where its activations are largest as one Triton kernel each: the residual units
     # of 32-128 channels, the encoder's first two downsampling convolutions, the decoder's last two upsampling ones,
     # and the convolutions from and to audio (`Mimi.with_fused_seanet`, model/seanet_kernels.py). Not bit-exact

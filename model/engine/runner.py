@@ -52,15 +52,15 @@ def make_current(device: torch.device) -> None:
 
 def streaming_mimi(mimi: Mimi, config: EngineConfig, device: torch.device) -> Mimi:
     """The codec the engine's steps stream through: `mimi` itself, or on CUDA a copy with a side in bf16 and perhaps
-    its SEANet steps fused or its steps compiled (EngineConfig)."""
+    its SEANet steps fused (EngineConfig)."""
     if device.type != "cuda":
         return mimi
     bf16 = torch.bfloat16
     mimi = mimi.with_precision(bf16 if config.mimi_encoder_bf16 else mimi.encoder_dtype,
                                bf16 if config.mimi_decoder_bf16 else mimi.decoder_dtype)
     if config.mimi_fused_encoder or config.mimi_fused_decoder:
-        mimi = mimi.with_fused_seanet(encoder=config.mimi_fused_encoder, decoder=config.mimi_fused_decoder)
-    return mimi.compiled() if config.mimi_compiled else mimi
+        return mimi.with_fused_seanet(encoder=config.mimi_fused_encoder, decoder=config.mimi_fused_decoder)
+    return mimi
 
 
 class Runner:
