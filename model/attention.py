@@ -18,6 +18,7 @@ k, quantises, and stores into each row's ring slot, through its page table too.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +197,12 @@ def attention_reference(q: Tensor, store: KVStore, layer: int, n_valid: Tensor) 
 
 def use_kernel(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
+
+
+# Triton's interpreter runs kernels on the CPU (tests/conftest.py sets it where there is no GPU), so the kernels that
+# the engine takes by a flag (Mimi's fused SEANet steps, the fused depformer) can be tested anywhere; the engine
+# fuses them on CUDA only (model/engine/runner.py).
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass

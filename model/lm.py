@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.attention import KVStore, decode_attention, depformer_attention, longest_first, rope_and_store, use_kernel
 from model.config import LMConfig
+from model.depformer_kernels import fused_linear
 from model.fused import fusable
 from model.precision import Fp8Linear, sibling
 from model.rope import apply_rope, rope_rotation
@@ -428,6 +429,23 @@ class LM(nn.Module):
             else:
                 h = h + delta
         return self.linears[step](h).float()
+
+    def depformer_step_fused(self, step: int, hidden: Tensor, previous: Tensor, cache: DepformerCache) -> Tensor:
+        """depformer_step of `depformer_in[step](hidden) + previous` through model.depformer_kernels: five launches a
+        layer where the torch path takes eight, each residual add and norm in the next product's prologue, the SiLU
+        gate in its product's epilogue (EngineConfig.fused_depformer, a lone row; not bit-exact)."""
+        _, h = fused_linear(hidden, self.depformer_in[step].weight, add=previous)
+        position = cache.steps[step : step + 1]
+        delta: Tensor | None = None
+        for layer, (ck, cv) in zip(self.depformer.layers, cache.kv, strict=True):
+            attn, ffn = layer.self_attn, layer.gating[step]
+            w_in, w_out = attn.step_weights(step)
+            h, qkv = fused_linear(h, w_in, delta=delta, alpha=layer.norm1.alpha, eps=layer.norm1.eps)
+            _, mixed = fused_linear(depformer_attention(qkv, ck, cv, position, attn.num_heads), w_out)
+            h, gated = fused_linear(h, ffn.linear_in.weight, delta=mixed, alpha=layer.norm2.alpha, eps=layer.norm2.eps,
+                                    gate=True)
+            _, delta = fused_linear(gated, ffn.linear_out.weight)
+        return fused_linear(h, self.linears[step].weight, delta=delta, out_dtype=torch.float32)[1]
 
     def depformer_cache(self, batch_size: int) -> DepformerCache:
         cfg = self.cfg

@@ -7,7 +7,6 @@ their state buffers from an iterator, in the order `buffer_shapes(length)` lists
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.attention import TRITON_INTERPRETED
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
@@ -23,11 +23,6 @@ from model.stream_kernels import overlap_add
 
 NORM_EPS = 1e-5
 CODEBOOK_EPS = 1e-5
-
-
-# Triton's interpreter runs kernels on the CPU (tests/conftest.py sets it where there is no GPU), so the fused steps
-# below can be tested anywhere; the engine fuses them on CUDA only (model/engine/runner.py).
-TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _kernel_takes(x: Tensor) -> bool:

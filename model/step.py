@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.depformer_kernels import FUSED_ROWS_MAX
 from model.lm import LM, RING_SIZE, DepformerCache, LMState
 from model.sampling import RowSampling, sample
 from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
@@ -32,11 +33,12 @@ class StepConstants:
     max_top_k_text: int
     max_top_k_audio: int
     fused_draw: bool = True  # the audio draws as one kernel each on CUDA (EngineConfig.fused_draw)
+    fused_depformer: bool = False  # a lone row's depformer products fused (EngineConfig.fused_depformer)
 
     @classmethod
     def make(
         cls, lm: LM, device: torch.device, max_top_k_text: int = MAX_TOP_K_TEXT, max_top_k_audio: int = MAX_TOP_K_AUDIO,
-        fused_draw: bool = True,
+        fused_draw: bool = True, fused_depformer: bool = False,
     ) -> StepConstants:
         return cls(
             delays=lm.delays(device),
@@ -44,6 +46,7 @@ class StepConstants:
             max_top_k_text=max_top_k_text,
             max_top_k_audio=max_top_k_audio,
             fused_draw=fused_draw,
+            fused_depformer=fused_depformer,
         )
 
 
@@ -121,8 +124,12 @@ def depformer_half(
     hidden, forced, given = temporal.hidden, temporal.forced, temporal.given
     tokens = [temporal.text]
     previous = lm.depformer_text_emb(temporal.text)
+    fused = const.fused_depformer and B <= FUSED_ROWS_MAX
     for k in range(K):
-        logits = lm.depformer_step(k, lm.depformer_in[k](hidden) + previous, dep_cache)
+        if fused:
+            logits = lm.depformer_step_fused(k, hidden, previous, dep_cache)
+        else:
+            logits = lm.depformer_step(k, lm.depformer_in[k](hidden) + previous, dep_cache)
         token = sample(logits, audio_sampling, o, 1 + k, const.max_top_k_audio, const.fused_draw)
         token = torch.where(forced[:, 1 + k], given[:, 1 + k], token)
         tokens.append(token)

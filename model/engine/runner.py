@@ -94,7 +94,8 @@ class Runner:
                                       pool_pages=self._pool_pages(page))
         self.pages = PagePool(self.lm_state, round(config.kv_reserve_s * 1000.0 / config.tick_ms),
                               config.kv_floor_frames)
-        self.const = StepConstants.make(lm, self.device, fused_draw=config.fused_draw)
+        self.const = StepConstants.make(lm, self.device, fused_draw=config.fused_draw,
+                                        fused_depformer=config.fused_depformer and self.device.type == "cuda")
         self.text_sampling, self.audio_sampling = row_sampling([SamplingParams(greedy=True)] * rows, [0] * rows,
                                                                    self.device)
         self.pcm_in = torch.zeros(rows, FRAME_SAMPLES, device=self.device)
