@@ -125,11 +125,8 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             stream, inputs = _stream_block(X, D, ALPHA, row_x, row_d, rk, K, rstd, HAS_DELTA, HAS_NORM)
-            # A branch, not a store masked by the program's number: with the mask the depformer at one row took
-            # 1.90 ms instead of 1.42 (H100, two runs differing in this line; why is not known).
-            if HAS_DELTA:  # noqa: SIM102
-                if pid_n == 0:
-                    tl.store(STREAM + m * ss + rk, stream, mask=rk < K)
+            if HAS_DELTA and pid_n == 0:
+                tl.store(STREAM + m * ss + rk, stream, mask=rk < K)
             mask = n_valid[:, None] & (rk[None, :] < K)
             taken = inputs.to(tl.float32)[None, :]
             acc += tl.load(W + rn[:, None] * sw + rk[None, :], mask=mask, other=0.0).to(tl.float32) * taken

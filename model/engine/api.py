@@ -155,9 +155,9 @@ class EngineConfig:
     # Off runs torch's path (the CPU always does: the kernel needs CUDA).
     fused_draw: bool = True
     # A lone row's depformer products as Triton GEMVs with the residual adds, RMS norms and SiLU gates fused in
-    # (model/depformer_kernels.py; FUSED_ROWS_MAX): five launches a layer instead of eight, the one-session tick
-    # 0.41-0.45 ms shorter (H100, H200). Other sum orders than cuBLAS's, so tokens move (2.8 % of frames equal at one
-    # row): a flag (docs/fidelity.md, docs/benchmarks.md). CUDA only.
+    # (model/depformer_kernels.py; FUSED_ROWS_MAX): five launches a layer instead of eight; the one-session tick
+    # 0.41-0.45 ms shorter in two runs (H100, H200), not in a third (docs/benchmarks.md: to settle). Other sum orders
+    # than cuBLAS's, so tokens move (2.8 % of frames equal at one row): a flag (docs/fidelity.md). CUDA only.
     fused_depformer: bool = False
     # On the CPU (the tiny model in tests, a laptop), the threads torch gives the engine's operations; None: half
     # the cores this process may use, at least one. A tick there is hundreds of tiny operations: on every core, each
