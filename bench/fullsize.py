@@ -38,7 +38,7 @@ ARITHMETIC_FLAGS = {
     "mimi_fused_decoder": "the decoder's SEANet steps with the largest activations as Triton kernels (CUDA)",
     "fp8_weights": "the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)",
     "fused_draw": "each audio codebook's draw as one Triton kernel, no sort (CUDA)",
-    "fused_depformer": "the depformer's products at a few rows as Triton GEMVs with norms and gates fused in (CUDA)",
+    "fused_depformer": "a lone row's depformer products as Triton GEMVs with norms and gates fused in (CUDA)",
 }
 
 

@@ -28,8 +28,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 # The engine takes the kernel for a lone row only: each row's programs read the weights again (H100: the depformer
-# 1.83 -> 1.42 ms at one row, 1.91 -> 2.94 at eight), and a variant whose programs took every row's share of a weight
-# block was no better (H200: 1.88 -> 1.44 at one, 2.00 at two, 2.82 at four, 4.49 at eight).
+# 1.83 -> 1.42 ms at one row in one run, none in another: docs/benchmarks.md; 1.91 -> 2.94 at eight), and a variant
+# whose programs took every row's share of a weight block was no better (H200: 1.88 -> 1.44 at one, 2.00 at two,
+# 2.82 at four, 4.49 at eight).
 FUSED_ROWS_MAX = 1
 BLOCK_N = 8              # outputs a program computes (the fastest of 2-16 at one row on an H100)
 INTERPRETED_BLOCK_N = 128  # Triton's interpreter pays per program: the tests' 2,048-logit heads in 16, not 256
