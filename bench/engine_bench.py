@@ -3,7 +3,7 @@
     python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
                                  [--loads 1x0 250x1650 144x3000] [--open-background 64] [--opens 5] [--fp8-kv]
                                  [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16]
-                                 [--over-channel [--workers 1] [--compare-staging]] [--tiny]
+                                 [--over-channel [--workers 1] [--compare-staging]] [--trace-host TICKS] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
@@ -16,6 +16,10 @@ engine (`EngineConfig.stage_inputs`, model/engine/staging.py; the lines' `stage_
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, input frames staged as
   they arrived and the engine process's time on each worker's Frames message (over the channel), GPU memory, the
   fused helpers that fell back to eager (`fused_eager`, model/fused.py);
+- "host_calls" (with `--trace-host TICKS`, CUDA): after a load's timed ticks, TICKS more under the profiler, and
+  each CUDA runtime call the process made meanwhile (every thread's, the engine thread's uploads and launches among
+  them): calls a tick, ms a tick, and each call's p50, p99 and longest in us, longest first; the host's share of a
+  tick, call by call (an asynchronous copy that returns in a quarter of a millisecond is a copy that waited);
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
 - "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick: until the
   open returned, and until the session's first frame came out.
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.channel_worker import EndlessSource
 from bench.fullsize import (
@@ -107,8 +112,29 @@ def percentiles(values: list[float]) -> tuple[float, float]:
     return round(float(np.percentile(values, 50)), 3), round(float(np.percentile(values, 99)), 3)
 
 
+async def trace_host_calls(engine: Engine, ticks: int) -> list[dict]:
+    """The CUDA runtime calls of `ticks` ticks, by name: CUPTI sees every thread's (the profiler's operator records
+    are the calling thread's only, and the ticks run on the engine's)."""
+    before = engine.stats().ticks
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        await asyncio.sleep(ticks * engine.config.tick_ms / 1000)
+        traced = max(engine.stats().ticks - before, 1)
+    durations: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith("cu"):
+            durations.setdefault(event.name, []).append(event.cpu_time_total)
+    lines = []
+    for name, us in durations.items():
+        p50, p99 = np.percentile(us, [50, 99])
+        lines.append({"bench": "host_calls", "call": name, "ticks": traced,
+                      "calls_per_tick": round(len(us) / traced, 2), "ms_per_tick": round(sum(us) / traced / 1000, 4),
+                      "us_p50": round(float(p50), 1),
+                      "us_p99": round(float(p99), 1), "us_max": round(max(us), 1)})
+    return sorted(lines, key=lambda line: -line["ms_per_tick"])
+
+
 async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
-                        worker: WorkerProcesses | None = None) -> dict:
+                        worker: WorkerProcesses | None = None, trace_ticks: int = 0) -> tuple[dict, list[dict]]:
     if worker is None:
         slots = await open_sessions(engine, sessions, SessionParams(sampling=SamplingParams()))
     else:
@@ -127,6 +153,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
         after = engine.stats()
         missing = ticks - (after.ticks - before.ticks)
     records = engine.recent_ticks(after.ticks - before.ticks)
+    calls = await trace_host_calls(engine, trace_ticks) if trace_ticks else []
     for slot in slots:
         slot.close()
     if worker is not None:
@@ -151,7 +178,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
     dispatch_ms = [1000.0 * s for s in worker.host.frames_dispatch_s] if worker is not None else []
     if dispatch_ms:  # the engine process's asyncio thread, a worker's Frames message each
         line["frames_dispatch_ms_p50"], line["frames_dispatch_ms_p99"] = percentiles(dispatch_ms)
-    return {**line, **gpu_memory_gb()}
+    return {**line, **gpu_memory_gb()}, [{**call, "sessions": sessions, "context_frames": context} for call in calls]
 
 
 @dataclass
@@ -259,10 +286,12 @@ async def main_async(args: argparse.Namespace) -> None:
                 continue
             for staging in (False, True) if args.compare_staging else (engine.config.stage_inputs,):
                 engine.config.stage_inputs = staging
-                line = await measure_ticks(engine, sessions, context, args.ticks, worker)
+                line, calls = await measure_ticks(engine, sessions, context, args.ticks, worker, args.trace_host)
                 print(json.dumps({**line, **arithmetic, "over_channel": args.over_channel,
                                   "workers": args.workers if args.over_channel else 0, "stage_inputs": staging,
                                   "fused_eager": fused.fallen_back()}), flush=True)
+                for call in calls:
+                    print(json.dumps(call), flush=True)
             if line["tick_ms_p99"] < 80.0:
                 best[context] = max(best.get(context, 0), sessions)
     for context in contexts:  # 0 where no session count measured stayed real time
@@ -302,8 +331,12 @@ def main() -> None:
                         help="with --over-channel: worker processes, the sessions split evenly over them")
     parser.add_argument("--compare-staging", action="store_true",
                         help="with --over-channel: each load with input staging off, then on (stage_inputs)")
+    parser.add_argument("--trace-host", type=int, default=0, metavar="TICKS",
+                        help="after each load's ticks, TICKS more with each CUDA runtime call timed (CUDA)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
+    if args.trace_host and args.tiny:
+        raise SystemExit("engine_bench: --trace-host times CUDA runtime calls: the tiny model runs on the CPU")
     if args.compare_staging and not args.over_channel:
         raise SystemExit("engine_bench: --compare-staging compares the engine process's input path: add --over-channel")
     if not args.tiny and not torch.cuda.is_available():
