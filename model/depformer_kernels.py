@@ -26,6 +26,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
+try:  # grid dependency control (programmatic dependent launch: Hopper on, Triton 3.3 on)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 # The engine takes the kernel for a lone row only: each row's programs read the weights again (H100: the depformer
 # 1.83 -> 1.42 ms at one row in one run, none in another: docs/benchmarks.md; 1.91 -> 2.94 at eight), and a variant
@@ -35,6 +39,10 @@ FUSED_ROWS_MAX = 1
 BLOCK_N = 8              # outputs a program computes (the fastest of 2-16 at one row on an H100)
 INTERPRETED_BLOCK_N = 128  # Triton's interpreter pays per program: the tests' 2,048-logit heads in 16, not 256
 BLOCK_K = 512            # inputs a program loads at once (at most)
+# Each product launched as a programmatic dependent of the kernel before it (sm_90 on): its programs start while
+# that kernel's last ones run and load their first block of weights, which no kernel writes, then wait for it
+# (`gdc_wait`) before reading activations or writing anything. The chain's launches are latency, not bytes.
+LAUNCH_PDL = True
 
 
 def fused_linear_reference(x: Tensor, weight: Tensor, *, delta: Tensor | None = None, alpha: Tensor | None = None,
@@ -74,14 +82,21 @@ def fused_linear(x: Tensor, weight: Tensor, *, delta: Tensor | None = None, alph
     y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     stream = x if delta is None else torch.empty_like(x)
     block_n = BLOCK_N if x.is_cuda else INTERPRETED_BLOCK_N
+    pdl = pdl_launches(x.device)
     _fused_linear_kernel[(triton.cdiv(N, block_n), M)](
         x, x if delta is None else delta, x if alpha is None else alpha, weight, x if add is None else add, y, stream,
         N, K, x.stride(0), 0 if delta is None else delta.stride(0), weight.stride(0),
         0 if add is None else add.stride(0), y.stride(0), stream.stride(0), eps,
         HAS_DELTA=delta is not None, HAS_NORM=alpha is not None, GATE=gate, HAS_ADD=add is not None,
-        BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return stream, y
+
+
+def pdl_launches(device: torch.device) -> bool:
+    """Whether fused_linear's launches on `device` are programmatic dependents (LAUNCH_PDL; CUDA sm_90 on)."""
+    return (LAUNCH_PDL and gdc_wait is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 if triton is not None:
@@ -101,17 +116,42 @@ if triton is not None:
         return x, inputs
 
     @triton.jit
+    def _accumulate(X, D, ALPHA, STREAM, acc, up, w, w_up, m, row_x, row_d, ss, rk, K, rstd, pid_n,
+                    HAS_DELTA: tl.constexpr, HAS_NORM: tl.constexpr, GATE: tl.constexpr):
+        """acc (and up) plus the weight blocks times the inputs rk of row m; program 0 stores that stream block."""
+        stream, inputs = _stream_block(X, D, ALPHA, row_x, row_d, rk, K, rstd, HAS_DELTA, HAS_NORM)
+        if HAS_DELTA and pid_n == 0:
+            tl.store(STREAM + m * ss + rk, stream, mask=rk < K)
+        taken = inputs.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * taken
+        if GATE:
+            up += w_up.to(tl.float32) * taken
+        return acc, up
+
+    @triton.jit
     def _fused_linear_kernel(X, D, ALPHA, W, ADD, Y, STREAM, N, K, sx, sd, sw, sa, sy, ss, eps,
                              HAS_DELTA: tl.constexpr, HAS_NORM: tl.constexpr, GATE: tl.constexpr,
-                             HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PDL: tl.constexpr):
         """Program (n, m): outputs [n * BLOCK_N, (n + 1) * BLOCK_N) of row m, on CUDA cores (one row leaves the
-        tensor cores' tiles empty); program (0, m) also writes row m's residual stream."""
+        tensor cores' tiles empty); program (0, m) also writes row m's residual stream. With PDL, the first block of
+        weights is loaded before the wait for the kernel before (LAUNCH_PDL)."""
+        if PDL:
+            gdc_launch_dependents()
         pid_n = tl.program_id(0)
         m = tl.program_id(1)
         row_x = m * sx
         row_d = m * sd
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_valid = rn < N
+        rk = tl.arange(0, BLOCK_K)
+        mask = n_valid[:, None] & (rk[None, :] < K)
+        w_first = tl.load(W + rn[:, None] * sw + rk[None, :], mask=mask, other=0.0)
+        w_up_first = w_first
+        if GATE:
+            w_up_first = tl.load(W + (rn[:, None] + N) * sw + rk[None, :], mask=mask, other=0.0)
+        if PDL:
+            gdc_wait()
         rstd = 0.0
         if HAS_NORM:
             squares = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -123,16 +163,17 @@ if triton is not None:
             rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc, up = _accumulate(X, D, ALPHA, STREAM, acc, up, w_first, w_up_first, m, row_x, row_d, ss, rk, K, rstd,
+                              pid_n, HAS_DELTA, HAS_NORM, GATE)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
-            stream, inputs = _stream_block(X, D, ALPHA, row_x, row_d, rk, K, rstd, HAS_DELTA, HAS_NORM)
-            if HAS_DELTA and pid_n == 0:
-                tl.store(STREAM + m * ss + rk, stream, mask=rk < K)
             mask = n_valid[:, None] & (rk[None, :] < K)
-            taken = inputs.to(tl.float32)[None, :]
-            acc += tl.load(W + rn[:, None] * sw + rk[None, :], mask=mask, other=0.0).to(tl.float32) * taken
+            w = tl.load(W + rn[:, None] * sw + rk[None, :], mask=mask, other=0.0)
+            w_up = w
             if GATE:
-                up += tl.load(W + (rn[:, None] + N) * sw + rk[None, :], mask=mask, other=0.0).to(tl.float32) * taken
+                w_up = tl.load(W + (rn[:, None] + N) * sw + rk[None, :], mask=mask, other=0.0)
+            acc, up = _accumulate(X, D, ALPHA, STREAM, acc, up, w, w_up, m, row_x, row_d, ss, rk, K, rstd, pid_n,
+                                  HAS_DELTA, HAS_NORM, GATE)
         # Rounded to the activations' dtype where the torch path's product is, before its epilogue's ops.
         y = tl.sum(acc, 1).to(X.dtype.element_ty).to(tl.float32)
         if GATE:

@@ -63,6 +63,16 @@ def test_engine_bench_over_the_channel_times_the_hand_off_to_the_workers() -> No
         assert 0 < tick["frames_dispatch_ms_p50"] <= tick["frames_dispatch_ms_p99"], tick
 
 
+def test_depformer_step_prints_each_paths_time_and_tokens() -> None:
+    """Without CUDA only the torch path runs (the fused paths are CUDA's); its tokens are its own."""
+    lines = bench_lines("bench.depformer_step", "--rows", "1", "2", "--rounds", "2", "--replays", "2", "--frames", "2")
+    (start,) = [line for line in lines if "path" not in line]
+    assert start["pdl_supported"] is False and start["host_cpus"] >= 1
+    steps = [line for line in lines if "path" in line]
+    assert [(line["rows"], line["path"]) for line in steps] == [(1, "torch"), (2, "torch")]
+    assert all(line["ms_p50"] > 0 and line["tokens_equal_to_torch"] == 1.0 for line in steps)
+
+
 def test_roofline_prints_each_part_and_the_hosts_phases_from_an_engine_bench_line(tmp_path) -> None:
     engine = bench_lines("bench.engine_bench", "--loads", "2x0", "--ticks", "5", "--max-sessions", "2", "--opens", "0")
     engine_json = tmp_path / "engine.jsonl"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.depformer_kernels import FUSED_ROWS_MAX, fused_linear, fused_linear_reference
+from model import depformer_kernels
+from model.depformer_kernels import FUSED_ROWS_MAX, fused_linear, fused_linear_reference, pdl_launches
 from model.step import StepConstants, frame_step
 from tests.test_lm import make_lm, random_user, sampling
 
@@ -98,3 +99,52 @@ def test_frames_through_the_fused_depformer_carry_the_torch_paths_tokens() -> No
             out.append(torch.stack([frame_step(lm, state, user[t], greedy, greedy, cache, const)[0]
                                     for t in range(frames)]))
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" or not pdl_launches(DEVICE),
+                    reason="programmatic dependent launch: CUDA sm_90 on, a Triton with grid dependency control")
+def test_products_launched_as_programmatic_dependents_equal_plain_launches(monkeypatch) -> None:
+    """A chain of 24 dependent products (each takes the last one's output as its residual delta), eager and graphed,
+    over three inputs: launched as programmatic dependents (each waits for the one before only where it reads
+    activations) the outputs equal the plain launches' bit for bit; a read before the wait would show as a stale
+    value somewhere in the chain."""
+    gen = torch.Generator().manual_seed(3)
+    dim = 1024
+    weights = [(torch.randn((2 if i % 3 == 2 else 1) * dim, dim, generator=gen) * dim ** -0.5).to(DEVICE,
+                                                                                                    torch.bfloat16)
+               for i in range(24)]  # every third a gated product (gate and up rows)
+    alpha = (1.0 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, torch.bfloat16)
+    inputs = [torch.randn(1, dim, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    x = torch.zeros(1, dim, device=DEVICE, dtype=torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        h, delta = x, None
+        for i, w in enumerate(weights):
+            h, delta = fused_linear(h, w, delta=delta, alpha=alpha, eps=1e-8, gate=i % 3 == 2)
+        return h + delta
+
+    outputs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(depformer_kernels, "LAUNCH_PDL", pdl)
+        with torch.no_grad():
+            eager = []
+            for value in inputs:
+                x.copy_(value)
+                eager.append(chain().clone())
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                chain()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                out = chain()
+            replayed = []
+            for value in inputs:
+                x.copy_(value)
+                graph.replay()
+                replayed.append(out.clone())
+        outputs[pdl] = eager + replayed
+    for plain, dependent in zip(outputs[False], outputs[True], strict=True):
+        assert torch.equal(plain, dependent)
+    assert not torch.equal(outputs[True][0], outputs[True][1])  # the inputs reached the chain's end
