@@ -1,14 +1,15 @@
-"""A frame's depformer chain alone, graphed, by path: torch's products (the default), the fused products
-(`EngineConfig.fused_depformer`, model/depformer_kernels.py) launched plainly, and the same launched as programmatic
-dependents (`LAUNCH_PDL`, sm_90 on). One process, the paths' replays interleaved: an A/B on one machine.
+"""A frame's depformer chain alone, graphed, by path: torch's products (the default) and the fused products
+(`EngineConfig.fused_depformer`, model/depformer_kernels.py), each with its Triton kernels launched plainly and as
+programmatic dependents (`EngineConfig.pdl_launches`, model/launch.py; sm_90 on). One process, the paths' replays
+interleaved: an A/B on one machine.
 
     python3 -m bench.depformer_step [--rows 1] [--rounds 20] [--replays 10] [--frames 50] [--tiny]
 
 The chain is the eight depformer steps of a frame, each token the argmax of its logits and the next step's input
 its embedding (the engine's draw is left out: it is the same on every path). One JSON line per rows and path: ms per
 frame (p50 over every replay), and `tokens_equal_to_torch`, the share of `--frames` frames' tokens (each from its
-own random temporal hidden state) equal to the torch path's; the PDL path's logits must equal the plain fused
-path's bit for bit (`logits_equal_to_fused`). Without CUDA only the torch path runs, eagerly, to try the script.
+own random temporal hidden state) equal to the torch path's; a PDL path's logits must equal its plain launches'
+bit for bit (`logits_equal_to_plain`). Without CUDA only the torch path runs, eagerly, to try the script.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch
 
 from bench.fullsize import bench_model, machine
 from bench.roofline import p50
-from model import depformer_kernels
+from model import launch
 from model.lm import LM
 
-PATHS = {"torch": (False, False), "fused": (True, False), "fused_pdl": (True, True)}  # (fused, LAUNCH_PDL)
+# (fused products, PDL launches); a PDL path's plain twin is its name without "_pdl"
+PATHS = {"torch": (False, False), "torch_pdl": (False, True), "fused": (True, False), "fused_pdl": (True, True)}
 
 
 def frame_chain(lm: LM, rows: int, path: str) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,7 +42,7 @@ def frame_chain(lm: LM, rows: int, path: str) -> tuple[Callable[[], None], torch
     cache = lm.depformer_cache(rows)
 
     def run() -> None:
-        depformer_kernels.LAUNCH_PDL = pdl  # read at each launch: a graph keeps the launches it captured
+        launch.enable(pdl)  # read at each launch: a graph keeps the launches it captured
         previous = lm.depformer_text_emb(text)
         for k in range(steps):
             if fused:
@@ -95,7 +97,7 @@ def measure(lm: LM, rows: int, args: argparse.Namespace) -> list[dict]:
                 times[path] += [timed_ms(runs[path], cuda) for _ in range(args.replays)]
         gen = torch.Generator().manual_seed(rows)
         equal = {path: 0 for path in paths}
-        logits_equal = True
+        plain_equal = {path: True for path in paths if path.endswith("_pdl")}
         for _ in range(args.frames):
             hidden = torch.randn(rows, lm.cfg.dim, generator=gen)
             for path in paths:
@@ -103,17 +105,17 @@ def measure(lm: LM, rows: int, args: argparse.Namespace) -> list[dict]:
                 runs[path]()
             for path in paths:
                 equal[path] += int((chains[path][2] == chains["torch"][2]).sum())
-            if cuda:
-                logits_equal &= bool(torch.equal(chains["fused_pdl"][3], chains["fused"][3]))
+            for path in plain_equal:
+                plain_equal[path] &= torch.equal(chains[path][3], chains[path.removesuffix("_pdl")][3])
     total = args.frames * rows * lm.cfg.num_audio_codebooks
     lines = []
     for path in paths:
         line = {"bench": "depformer_step", "rows": rows, "path": path, "ms_p50": round(p50(times[path]), 4),
                 "tokens_equal_to_torch": round(equal[path] / total, 4)}
-        if path == "fused_pdl":
-            line["logits_equal_to_fused"] = logits_equal
+        if path in plain_equal:
+            line["logits_equal_to_plain"] = plain_equal[path]
         lines.append(line)
-    depformer_kernels.LAUNCH_PDL = True
+    launch.enable(False)
     return lines
 
 
@@ -126,7 +128,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     lm = bench_model(args.tiny).lm
-    pdl = depformer_kernels.pdl_launches(lm.text_linear.weight.device)
+    pdl = launch.supported(lm.text_linear.weight.device)
     print(json.dumps({"bench": "depformer_step", "pdl_supported": pdl, **machine()}), flush=True)
     for rows in args.rows:
         for line in measure(lm, rows, args):

@@ -39,6 +39,7 @@ ARITHMETIC_FLAGS = {
     "fp8_weights": "the temporal transformer's products with e4m3 weights (LM.with_fp8_weights)",
     "fused_draw": "each audio codebook's draw as one Triton kernel, no sort (CUDA)",
     "fused_depformer": "a lone row's depformer products as Triton GEMVs with norms and gates fused in (CUDA)",
+    "pdl_launches": "every Triton kernel launched as a programmatic dependent (CUDA sm_90 on; the same arithmetic)",
 }
 
 

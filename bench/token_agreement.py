@@ -69,7 +69,8 @@ CANDIDATES = {"decoder_bf16": {"mimi_decoder_bf16": True}, "encoder_bf16": {"mim
                                             "mimi_fused_decoder": True},
               "fp8_weights": {"fp8_weights": True}, "decoder_bf16_fp8_weights": {"mimi_decoder_bf16": True,
                                                                                  "fp8_weights": True},
-              "fused_draw": {"fused_draw": True}, "fused_depformer": {"fused_depformer": True}}
+              "fused_draw": {"fused_draw": True}, "fused_depformer": {"fused_depformer": True},
+              "pdl_launches": {"pdl_launches": True}}
 # Every arithmetic choice off: the reference's float32 Mimi on the torch path; a candidate turns on its own.
 REFERENCE = dict.fromkeys(ARITHMETIC_FLAGS, False)
 STREAMS = {"text": slice(0, 1), "agent": slice(1, 9), "user_codes": slice(9, 17)}

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model import launch
 from model.fused import fusable
 from model.rope import apply_rope
 
@@ -263,12 +264,13 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor, ord
     ks = store.k_scale[layer] if store.fp8 else k
     vs = store.v_scale[layer] if store.fp8 else v
     table = store.table
+    pdl = launch.dependent(q.device)
     _partial_kernel[(B * H, splits)](
         q, k, v, ks, vs, n_valid, order, table, acc, m, denom,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
         table.shape[1], H, span, 1.0 / math.sqrt(D),
         HAS_SCALE=store.fp8, BLOCK_N=block, D=D, PAGE=store.page, STAGES=cfg.stages, USE_DOT=cfg.use_dot,
-        DIRECT=direct, num_warps=cfg.warps,
+        DIRECT=direct, PDL=pdl, launch_pdl=pdl, num_warps=cfg.warps,
     )
     return acc if direct else merge_partials(acc, m, denom).to(q.dtype)
 
@@ -299,10 +301,12 @@ def rope_and_store(store: KVStore, layer: int, projected: Tensor, rotation: Tens
     ks = store.k_scale[layer] if store.fp8 else k
     vs = store.v_scale[layer] if store.fp8 else v
     table = store.table
+    pdl = launch.dependent(projected.device)
     _rope_store_kernel[(B, H)](
         projected, rotation, slot, slot if active is None else active, table, q, k, v, ks, vs,
         projected.stride(0), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
-        H * D, HAS_ACTIVE=active is not None, HAS_SCALE=store.fp8, D=D, PAGE=store.page, num_warps=1,
+        H * D, HAS_ACTIVE=active is not None, HAS_SCALE=store.fp8, D=D, PAGE=store.page, PDL=pdl, launch_pdl=pdl,
+        num_warps=1,
     )
     return q
 
@@ -331,9 +335,10 @@ def depformer_attention(qkv: Tensor, keys: Tensor, values: Tensor, step: Tensor,
         return depformer_attention_reference(qkv, keys, values, step, heads)
     B, steps, D = qkv.shape[0], keys.shape[2], keys.shape[3]
     out = torch.empty(B, heads * D, device=qkv.device, dtype=qkv.dtype)
+    pdl = launch.dependent(qkv.device)
     _depformer_attention_kernel[(B, heads)](
         qkv, keys, values, step, out, qkv.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), D ** -0.5,
-        D=D, BLOCK_S=triton.next_power_of_2(steps), num_warps=1,
+        D=D, BLOCK_S=triton.next_power_of_2(steps), PDL=pdl, launch_pdl=pdl, num_warps=1,
     )
     return out
 
@@ -376,10 +381,12 @@ if triton is not None:
                         sqb, sqh, skp, skh, sks, ssp, ssh, stb, pages,
                         H, SPAN, scale,
                         HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                        STAGES: tl.constexpr, USE_DOT: tl.constexpr, DIRECT: tl.constexpr):
+                        STAGES: tl.constexpr, USE_DOT: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
         """Partial softmax of one (row, head) over one span of its keys into ACC/M/L [B, H, splits(, D)]; with
         DIRECT (a single span) the normalised result goes straight into ACC [B, H, D] in its dtype. Key n of row b
         sits at offset n % PAGE of page TABLE[b, n // PAGE]. Program (i, h) serves row ORDER[i]."""
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
         b = tl.load(ORDER + tl.program_id(0) // H)
@@ -479,7 +486,10 @@ if triton is not None:
     @triton.jit
     def _rope_store_kernel(P, ROT, SLOT, ACTIVE, TABLE, QOUT, K, V, KS, VS,
                            spb, skp, skh, sks, ssp, ssh, stb, DIM,
-                           HAS_ACTIVE: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+                           HAS_ACTIVE: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                           PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         heads = tl.num_programs(1)
@@ -507,7 +517,9 @@ if triton is not None:
 
     @triton.jit
     def _depformer_attention_kernel(QKV, K, V, STEP, OUT, sq, skb, skh, sks, scale,
-                                    D: tl.constexpr, BLOCK_S: tl.constexpr):
+                                    D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         dim = tl.num_programs(1) * D

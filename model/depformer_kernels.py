@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model import launch
 from model.attention import TRITON_INTERPRETED
 
 try:
@@ -26,10 +27,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
-try:  # grid dependency control (programmatic dependent launch: Hopper on, Triton 3.3 on)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:
-    gdc_launch_dependents = gdc_wait = None
 
 # The engine takes the kernel for a lone row only: each row's programs read the weights again (H100: the depformer
 # 1.83 -> 1.42 ms at one row in one run, none in another: docs/benchmarks.md; 1.91 -> 2.94 at eight), and a variant
@@ -39,10 +36,6 @@ FUSED_ROWS_MAX = 1
 BLOCK_N = 8              # outputs a program computes (the fastest of 2-16 at one row on an H100)
 INTERPRETED_BLOCK_N = 128  # Triton's interpreter pays per program: the tests' 2,048-logit heads in 16, not 256
 BLOCK_K = 512            # inputs a program loads at once (at most)
-# Each product launched as a programmatic dependent of the kernel before it (sm_90 on): its programs start while
-# that kernel's last ones run and load their first block of weights, which no kernel writes, then wait for it
-# (`gdc_wait`) before reading activations or writing anything. The chain's launches are latency, not bytes.
-LAUNCH_PDL = True
 
 
 def fused_linear_reference(x: Tensor, weight: Tensor, *, delta: Tensor | None = None, alpha: Tensor | None = None,
@@ -82,7 +75,7 @@ def fused_linear(x: Tensor, weight: Tensor, *, delta: Tensor | None = None, alph
     y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     stream = x if delta is None else torch.empty_like(x)
     block_n = BLOCK_N if x.is_cuda else INTERPRETED_BLOCK_N
-    pdl = pdl_launches(x.device)
+    pdl = launch.dependent(x.device)
     _fused_linear_kernel[(triton.cdiv(N, block_n), M)](
         x, x if delta is None else delta, x if alpha is None else alpha, weight, x if add is None else add, y, stream,
         N, K, x.stride(0), 0 if delta is None else delta.stride(0), weight.stride(0),
@@ -91,12 +84,6 @@ def fused_linear(x: Tensor, weight: Tensor, *, delta: Tensor | None = None, alph
         BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return stream, y
-
-
-def pdl_launches(device: torch.device) -> bool:
-    """Whether fused_linear's launches on `device` are programmatic dependents (LAUNCH_PDL; CUDA sm_90 on)."""
-    return (LAUNCH_PDL and gdc_wait is not None and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 if triton is not None:
@@ -134,10 +121,10 @@ if triton is not None:
                              HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              PDL: tl.constexpr):
         """Program (n, m): outputs [n * BLOCK_N, (n + 1) * BLOCK_N) of row m, on CUDA cores (one row leaves the
-        tensor cores' tiles empty); program (0, m) also writes row m's residual stream. With PDL, the first block of
-        weights is loaded before the wait for the kernel before (LAUNCH_PDL)."""
-        if PDL:
-            gdc_launch_dependents()
+        tensor cores' tiles empty); program (0, m) also writes row m's residual stream. Launched as a programmatic
+        dependent (model/launch.py), it loads its first block of weights, which no kernel writes, before it waits
+        for the kernel before: the chain's launches are latency, not bytes."""
+        launch.allow_next(PDL)
         pid_n = tl.program_id(0)
         m = tl.program_id(1)
         row_x = m * sx
@@ -150,8 +137,7 @@ if triton is not None:
         w_up_first = w_first
         if GATE:
             w_up_first = tl.load(W + (rn[:, None] + N) * sw + rk[None, :], mask=mask, other=0.0)
-        if PDL:
-            gdc_wait()
+        launch.wait_for_previous(PDL)
         rstd = 0.0
         if HAS_NORM:
             squares = tl.zeros([BLOCK_K], dtype=tl.float32)

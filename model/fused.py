@@ -76,6 +76,18 @@ def enable() -> None:
             _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+def recompile() -> None:
+    """Compile the enabled helpers again, under Inductor's settings of now (model/launch.py); CUDA graphs captured
+    before keep the kernels they hold."""
+    if not _COMPILED:
+        return
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    _COMPILED.clear()
+    enable()
+
+
 def disable() -> None:
     """Back to the eager helpers (the compiled ones are process-wide: an engine's start enables them for all)."""
     _COMPILED.clear()

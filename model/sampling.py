@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model import launch
 from model.attention import use_kernel
 from model.fused import fusable
 from model.sampling_params import SamplingParams
@@ -106,8 +107,10 @@ def draw_triton(logits: Tensor, params: RowSampling, salt: Tensor) -> Tensor:
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and vocab <= FUSED_DRAW_MAX_VOCAB
     tokens = torch.empty(rows, device=logits.device, dtype=torch.long)
+    pdl = launch.dependent(logits.device)
     _draw_kernel[(rows,)](logits, logits.stride(0), params.greedy, params.temperature, params.top_k, params.seed,
-                          salt, tokens, vocab, BLOCK=triton.next_power_of_2(vocab), num_warps=4)
+                          salt, tokens, vocab, BLOCK=triton.next_power_of_2(vocab), PDL=pdl, launch_pdl=pdl,
+                          num_warps=4)
     return tokens
 
 
@@ -154,7 +157,10 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _draw_kernel(LOGITS, s_row, GREEDY, TEMPERATURE, TOP_K, SEED, SALT, TOKENS, V, BLOCK: tl.constexpr):
+    def _draw_kernel(LOGITS, s_row, GREEDY, TEMPERATURE, TOP_K, SEED, SALT, TOKENS, V, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         row = tl.program_id(0)
         ids = tl.arange(0, BLOCK)
         valid = ids < V

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model import launch
+
 try:
     import triton
     import triton.language as tl
@@ -156,11 +158,13 @@ def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d,
     out = torch.empty(b, c, length, device=x.device, dtype=x.dtype)
     window_strides = (0, 0, 0) if window is None else window.stride()  # never read without a context
     tile = RESIDUAL_TILE
+    pdl = launch.dependent(x.device)
     _residual_kernel[(b, triton.cdiv(length, tile.samples))](
         x, x if window is None else window, _taps_first(conv.weight), conv.bias, conv_1x1.weight, conv_1x1.bias, out,
         length, *x.stride(), *window_strides, alpha, alpha_hidden, C=c, H=hidden, K=k, DILATION=dilation,
         CONTEXT=context, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.samples,
-        PRECISION=_precision(x, torch.backends.cudnn.allow_tf32), num_warps=max(1, tile.warps * c // 64),
+        PRECISION=_precision(x, torch.backends.cudnn.allow_tf32), PDL=pdl, launch_pdl=pdl,
+        num_warps=max(1, tile.warps * c // 64),
     )
     if context:
         _keep(x, window, context, alpha)
@@ -180,12 +184,13 @@ def fused_strided_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: 
     assert strided_fits(c_in, c_out, stride) and conv.bias is not None
     out = torch.empty(b, c_out, frames, device=x.device, dtype=x.dtype)
     tile = STRIDED_TILE
+    pdl = launch.dependent(x.device)
     _strided_kernel[(b, triton.cdiv(frames, tile.frames), c_out // tile.channels)](
         x, window, _taps_first(conv.weight), conv.bias, out, frames, *x.stride(), *window.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, CONTEXT=context, HAS_ELU=alpha is not None,
         CHANNELS_INNER=x.stride(2) != 1, BLOCK_L=tile.frames, BLOCK_CO=tile.channels, BLOCK_CI=INPUT_BLOCK,
-        PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), num_warps=tile.warps,
+        PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), PDL=pdl, launch_pdl=pdl, num_warps=tile.warps,
     )
     _keep(x, window, context, alpha)
     return out
@@ -202,11 +207,12 @@ def fused_thin_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: flo
     assert thin_fits(c_in, c_out, conv.stride[0], conv.dilation[0]) and conv.bias is not None
     out = torch.empty(b, c_out, length, device=x.device, dtype=x.dtype)
     tile = THIN_TILE
+    pdl = launch.dependent(x.device)
     _thin_kernel[(b, triton.cdiv(length, tile.samples))](
         x, window, _taps_first(conv.weight), conv.bias, out, length, *x.stride(), *window.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, CONTEXT=context, HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1,
-        BLOCK_T=tile.samples, num_warps=tile.warps,
+        BLOCK_T=tile.samples, PDL=pdl, launch_pdl=pdl, num_warps=tile.warps,
     )
     _keep(x, window, context, alpha)
     return out
@@ -227,12 +233,14 @@ def fused_transposed_step(x: Tensor, tail: Tensor, convtr: torch.nn.ConvTranspos
     new_tail = torch.empty_like(tail)  # the programs of the first frames still read the old one
     tile = TRANSPOSED_TILE
     block_co = tile.channels(stride)
+    pdl = launch.dependent(x.device)
     _transposed_kernel[(b, triton.cdiv(frames + shifts - 1, tile.frames), c_out // block_co)](
         x, tail, new_tail, convtr.weight.permute(1, 2, 0).contiguous(), convtr.bias, out, frames, *x.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, PADDED_STRIDE=padded(stride), SHIFTS=shifts,
         HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.frames, BLOCK_CO=block_co,
-        BLOCK_CI=INPUT_BLOCK, PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), num_warps=tile.warps,
+        BLOCK_CI=INPUT_BLOCK, PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), PDL=pdl,
+        launch_pdl=pdl, num_warps=tile.warps,
     )
     tail.copy_(new_tail)
     return out
@@ -270,7 +278,9 @@ if triton is not None:
     def _residual_kernel(X, WINDOW, W1, B1, W2, B2, OUT, L, sxb, sxc, sxt, swb, swc, swt, alpha, alpha_hidden,
                          C: tl.constexpr, H: tl.constexpr, K: tl.constexpr, DILATION: tl.constexpr,
                          CONTEXT: tl.constexpr, CHANNELS_INNER: tl.constexpr, BLOCK_T: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         c = tl.arange(0, C)
@@ -295,7 +305,9 @@ if triton is not None:
                         C_IN: tl.constexpr, C_OUT: tl.constexpr, K: tl.constexpr, STRIDE: tl.constexpr,
                         CONTEXT: tl.constexpr, HAS_ELU: tl.constexpr, CHANNELS_INNER: tl.constexpr,
                         BLOCK_L: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         row = tl.program_id(0)
         frame = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
         co = tl.program_id(2) * BLOCK_CO + tl.arange(0, BLOCK_CO)
@@ -320,7 +332,9 @@ if triton is not None:
     @triton.jit
     def _thin_kernel(X, WINDOW, W, BIAS, OUT, L, sxb, sxc, sxt, swb, swc, swt, alpha, C_IN: tl.constexpr,
                      C_OUT: tl.constexpr, K: tl.constexpr, CONTEXT: tl.constexpr, HAS_ELU: tl.constexpr,
-                     CHANNELS_INNER: tl.constexpr, BLOCK_T: tl.constexpr):
+                     CHANNELS_INNER: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         if C_IN == 1:
@@ -355,7 +369,9 @@ if triton is not None:
                            C_IN: tl.constexpr, C_OUT: tl.constexpr, K: tl.constexpr, STRIDE: tl.constexpr,
                            PADDED_STRIDE: tl.constexpr, SHIFTS: tl.constexpr, HAS_ELU: tl.constexpr,
                            CHANNELS_INNER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr,
-                           BLOCK_CI: tl.constexpr, PRECISION: tl.constexpr):
+                           BLOCK_CI: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         row = tl.program_id(0)
         # Output frame u covers output samples u * STRIDE + offset; frames from T on are the overrun: the new tail.
         u = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from model import launch
 from model.attention import use_kernel
 
 try:
@@ -58,10 +59,11 @@ def overlap_add_triton(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: 
     overlap = k - stride
     assert t * stride >= overlap and tail.is_contiguous() and tail.shape[-1] == overlap
     out = torch.empty(b, c, t * stride, device=taps.device, dtype=taps.dtype)
+    pdl = launch.dependent(taps.device)
     _overlap_add_kernel[(b * c,)](
         taps, tail, tail if bias is None else bias, out, c, t, taps.stride(0), taps.stride(1), taps.stride(2),
         taps.stride(3), overlap, STRIDE=stride, SHIFTS=k // stride, HAS_BIAS=bias is not None,
-        BLOCK=triton.next_power_of_2(t * stride + overlap), num_warps=4,
+        BLOCK=triton.next_power_of_2(t * stride + overlap), PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return out
 
@@ -71,7 +73,9 @@ if triton is not None:
     @triton.jit
     def _overlap_add_kernel(TAPS, TAIL, BIAS, OUT, C, T, stb, stc, stt, stk, OVERLAP,
                             STRIDE: tl.constexpr, SHIFTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
         row = tl.program_id(0)
         b = row // C
         c = row % C

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import depformer_kernels
-from model.depformer_kernels import FUSED_ROWS_MAX, fused_linear, fused_linear_reference, pdl_launches
+from model import launch
+from model.depformer_kernels import FUSED_ROWS_MAX, fused_linear, fused_linear_reference
 from model.step import StepConstants, frame_step
 from tests.test_lm import make_lm, random_user, sampling
 
@@ -101,9 +101,9 @@ def test_frames_through_the_fused_depformer_carry_the_torch_paths_tokens() -> No
     assert torch.equal(out[0], out[1])
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda" or not pdl_launches(DEVICE),
+@pytest.mark.skipif(not launch.supported(DEVICE),
                     reason="programmatic dependent launch: CUDA sm_90 on, a Triton with grid dependency control")
-def test_products_launched_as_programmatic_dependents_equal_plain_launches(monkeypatch) -> None:
+def test_products_launched_as_programmatic_dependents_equal_plain_launches() -> None:
     """A chain of 24 dependent products (each takes the last one's output as its residual delta), eager and graphed,
     over three inputs: launched as programmatic dependents (each waits for the one before only where it reads
     activations) the outputs equal the plain launches' bit for bit; a read before the wait would show as a stale
@@ -125,7 +125,7 @@ def test_products_launched_as_programmatic_dependents_equal_plain_launches(monke
 
     outputs = {}
     for pdl in (False, True):
-        monkeypatch.setattr(depformer_kernels, "LAUNCH_PDL", pdl)
+        launch.enable(pdl)
         with torch.no_grad():
             eager = []
             for value in inputs:
@@ -145,6 +145,7 @@ def test_products_launched_as_programmatic_dependents_equal_plain_launches(monke
                 graph.replay()
                 replayed.append(out.clone())
         outputs[pdl] = eager + replayed
+    launch.enable(False)
     for plain, dependent in zip(outputs[False], outputs[True], strict=True):
         assert torch.equal(plain, dependent)
     assert not torch.equal(outputs[True][0], outputs[True][1])  # the inputs reached the chain's end

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_engine import GREEDY, Collector, QueueSource, speechlike
 
-from model import fused
+from model import fused, launch
 from model.engine import Engine, EngineConfig, SamplingParams, SessionParams
 from model.loading import load_model
 from model.precision import Fp8Linear
@@ -223,3 +223,27 @@ def test_the_fused_draw_in_the_graphs_draws_the_torch_paths_tokens(cuda_model):
         return np.stack([engine.step_rows(rows, pcm[i])[0].copy() for i in range(frames)])
 
     assert np.array_equal(tokens(True), tokens(False))
+
+
+def stepped_frames(model, rows: int, pcm: np.ndarray, **config) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and audio of `rows` sampled rows (server defaults, row r seeded r) stepped through pcm [frames, rows,
+    1920] by an engine of `config`."""
+    engine = Engine(model, EngineConfig(max_sessions=rows, **config))
+    engine.sample_rows(rows, SamplingParams())
+    steps = [engine.step_rows(rows, frame) for frame in pcm]
+    return np.stack([s[0].copy() for s in steps]), np.stack([s[1].copy() for s in steps])
+
+
+@pytest.mark.skipif(not launch.supported(torch.device("cuda")), reason="programmatic dependent launch: sm_90 on")
+def test_kernels_launched_as_programmatic_dependents_step_the_same_frames(cuda_model):
+    """EngineConfig.pdl_launches: every Triton kernel of the step (attention, KV writes, the draws, the decoder's
+    SEANet kernels, the depformer's fused products at one row, Inductor's helpers) launched as a programmatic
+    dependent, in the graphs: the same tokens and the same audio, bit for bit, as plain launches, frame after
+    frame; four rows, and a lone row with the fused depformer."""
+    frames = 20
+    for rows, fused_depformer in ((4, False), (1, True)):
+        pcm = np.stack([speechlike(frames, seed) for seed in range(rows)], axis=1)
+        plain = stepped_frames(cuda_model, rows, pcm, fused_depformer=fused_depformer)
+        dependent = stepped_frames(cuda_model, rows, pcm, fused_depformer=fused_depformer, pdl_launches=True)
+        assert np.array_equal(plain[0], dependent[0]) and np.array_equal(plain[1], dependent[1])
+    Engine(cuda_model, EngineConfig(max_sessions=1))  # plain launches again for the tests after this one

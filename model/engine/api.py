@@ -159,6 +159,11 @@ class EngineConfig:
     # 0.41-0.45 ms shorter in two runs (H100, H200), not in a third (docs/benchmarks.md: to settle). Other sum orders
     # than cuBLAS's, so tokens move (2.8 % of frames equal at one row): a flag (docs/fidelity.md). CUDA only.
     fused_depformer: bool = False
+    # On CUDA sm_90 on, every Triton kernel of the engine (ours and Inductor's compiled helpers) launched as a
+    # programmatic dependent of the kernel before it (model/launch.py): its programs start while that kernel
+    # finishes and wait for it before touching memory. The same arithmetic in the same order: the same tokens.
+    # Process-wide, like the compiled helpers: an engine's start sets it for all. Off until measured faster.
+    pdl_launches: bool = False
     # On the CPU (the tiny model in tests, a laptop), the threads torch gives the engine's operations; None: half
     # the cores this process may use, at least one. A tick there is hundreds of tiny operations: on every core, each
     # one waits on a hand-off between threads, and they fight the server's own loops for the cores (a 2-core

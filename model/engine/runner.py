@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from model import fused
+from model import fused, launch
 from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, prefill_chunks
 from model.config import FRAME_SAMPLES, SAMPLE_RATE
 from model.engine.api import EngineConfig, ResourceExhausted
@@ -79,6 +79,7 @@ class Runner:
         if self.device.type == "cuda":
             # Mimi runs in fp32: TF32 puts its GEMMs on tensor cores, as cuDNN already does for its convolutions.
             torch.backends.cuda.matmul.allow_tf32 = True
+        launch.enable(config.pdl_launches and self.device.type == "cuda")  # before any kernel compiles
         if config.fuse_kernels and self.device.type == "cuda":
             if fused.available():
                 fused.enable()

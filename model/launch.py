@@ -1,0 +1,71 @@
+"""How the engine's Triton kernels launch: as programmatic dependents of the kernel before them (PDL, sm_90 on).
+
+A tick of one session is ~1,900 kernels of a few microseconds each (docs/benchmarks.md), so the gaps between them
+(a launch's scheduling, its programs' ramp-up) are a large part of it. A kernel launched as a programmatic dependent
+has its programs start while the kernel before it still runs; they wait for it (`griddepcontrol.wait`) before they
+read or write anything: the same arithmetic in the same order, so the same tokens. Inductor does the same for the
+compiled helpers (model/fused.py) with a setting of its own, which `enable` sets too. Off unless
+`EngineConfig.pdl_launches`.
+
+A kernel takes part with a `PDL: tl.constexpr` argument, `allow_next(PDL)` and `wait_for_previous(PDL)` before its
+first access to memory another kernel writes, and `launch_pdl=PDL` at its launch, PDL being `dependent(device)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model import fused
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+try:  # grid dependency control: Triton 3.3 on
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+_enabled = False
+
+
+def enable(on: bool) -> None:
+    """Launch the engine's kernels as programmatic dependents from now on (or not), Inductor's among them: its
+    helpers compile again, and CUDA graphs captured before keep the kernels they hold."""
+    global _enabled
+    if on == _enabled:
+        return
+    _enabled = on
+    import torch._inductor.config as inductor
+
+    if hasattr(inductor.triton, "enable_pdl"):  # torch 2.9 on
+        inductor.triton.enable_pdl = on
+        fused.recompile()
+
+
+def supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch as programmatic dependents (CUDA sm_90 on, Triton's grid dependency
+    control)."""
+    return (gdc_wait is not None and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def dependent(device: torch.device) -> bool:
+    """Whether a kernel launched now on `device` is a programmatic dependent (`enable`d, and `supported`)."""
+    return _enabled and supported(device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def allow_next(PDL: tl.constexpr):
+        """Let the next kernel's programs start (they wait for this one before touching memory)."""
+        if PDL:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def wait_for_previous(PDL: tl.constexpr):
+        """Wait until the kernel before has finished and its writes are visible."""
+        if PDL:
+            gdc_wait()
