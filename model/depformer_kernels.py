@@ -81,7 +81,7 @@ def fused_linear(x: Tensor, weight: Tensor, *, delta: Tensor | None = None, alph
         N, K, x.stride(0), 0 if delta is None else delta.stride(0), weight.stride(0),
         0 if add is None else add.stride(0), y.stride(0), stream.stride(0), eps,
         HAS_DELTA=delta is not None, HAS_NORM=alpha is not None, GATE=gate, HAS_ADD=add is not None,
-        BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), PDL=pdl, num_warps=4, launch_pdl=pdl,
+        BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return stream, y
 

@@ -3,7 +3,7 @@
 A tick of one session is ~1,900 kernels of a few microseconds each (docs/benchmarks.md), so the gaps between them
 (a launch's scheduling, its programs' ramp-up) are a large part of it. A kernel launched as a programmatic dependent
 has its programs start while the kernel before it still runs; they wait for it (`griddepcontrol.wait`) before they
-read or write anything: the same arithmetic in the same order, so the same tokens. Inductor does the same for the
+touch memory a kernel writes: the same arithmetic in the same order, so the same tokens. Inductor does the same for the
 compiled helpers (model/fused.py) with a setting of its own, which `enable` sets too. Off unless
 `EngineConfig.pdl_launches`.
 
