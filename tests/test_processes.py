@@ -64,10 +64,18 @@ async def test_realtime_two_workers_share_sessions_and_one_dying_frees_only_its_
             clock = await EngineClock.start(url)
             streams = [asyncio.ensure_future(c.stream(6.0)) for c in callers]
             await eventually(lambda: all(c.frames for c in callers), 30.0, "every caller hears frames")
-            report = await health(http, url)
+
+            async def counted() -> dict | None:
+                # The other worker's count and the engine's reach the worker answering in pushed stats (twice a
+                # second): the last caller opened a moment ago.
+                report = await health(http, url)
+                every = report is not None and report["sessions"]["in_use"] == len(callers)
+                return report if every and sum(w["sessions"] for w in _workers(report).values()) == len(callers) \
+                    else None
+            report = await eventually(counted, 10.0, "every caller counted, by the engine and by its worker",
+                                      every_s=0.1)
             victim = max(_workers(report).values(), key=lambda w: w["sessions"])
             in_use, lost = report["sessions"]["in_use"], victim["sessions"]
-            assert in_use == len(callers)
             # Any worker serves the server's totals: its own counters and the others', and the engine's figures
             # (pushed twice a second). The callers hear frames before their input has reached the engine (it steps
             # every row each tick), so the input frames' dispatch time is waited for too: a push in between carries
