@@ -77,8 +77,9 @@ def enable() -> None:
 
 
 def recompile() -> None:
-    """Compile the enabled helpers again, under Inductor's settings of now (model/launch.py); CUDA graphs captured
-    before keep the kernels they hold."""
+    """Compile the enabled helpers again, under Inductor's settings of now (model/launch.py). CUDA graphs captured
+    before keep the kernels they hold: Dynamo's reset drops its caches, not Inductor's loaded modules, which own the
+    kernels (Triton unloads a kernel's module when its object goes)."""
     if not _COMPILED:
         return
     import torch._dynamo
