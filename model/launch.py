@@ -13,6 +13,8 @@ first access to memory another kernel writes, and `launch_pdl=PDL` at its launch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from model import fused
@@ -44,6 +46,7 @@ def enable(on: bool) -> None:
         fused.recompile()
 
 
+@functools.cache  # asked at every launch; the device's capability is a query
 def supported(device: torch.device) -> bool:
     """Whether kernels on `device` can launch as programmatic dependents (CUDA sm_90 on, Triton's grid dependency
     control)."""
