@@ -264,13 +264,12 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor, ord
     ks = store.k_scale[layer] if store.fp8 else k
     vs = store.v_scale[layer] if store.fp8 else v
     table = store.table
-    pdl = launch.dependent(q.device)
     _partial_kernel[(B * H, splits)](
         q, k, v, ks, vs, n_valid, order, table, acc, m, denom,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
         table.shape[1], H, span, 1.0 / math.sqrt(D),
         HAS_SCALE=store.fp8, BLOCK_N=block, D=D, PAGE=store.page, STAGES=cfg.stages, USE_DOT=cfg.use_dot,
-        DIRECT=direct, PDL=pdl, launch_pdl=pdl, num_warps=cfg.warps,
+        DIRECT=direct, **launch.arguments(q.device), num_warps=cfg.warps,
     )
     return acc if direct else merge_partials(acc, m, denom).to(q.dtype)
 
@@ -301,12 +300,11 @@ def rope_and_store(store: KVStore, layer: int, projected: Tensor, rotation: Tens
     ks = store.k_scale[layer] if store.fp8 else k
     vs = store.v_scale[layer] if store.fp8 else v
     table = store.table
-    pdl = launch.dependent(projected.device)
     _rope_store_kernel[(B, H)](
         projected, rotation, slot, slot if active is None else active, table, q, k, v, ks, vs,
         projected.stride(0), k.stride(0), k.stride(1), k.stride(2), ks.stride(0), ks.stride(1), table.stride(0),
-        H * D, HAS_ACTIVE=active is not None, HAS_SCALE=store.fp8, D=D, PAGE=store.page, PDL=pdl, launch_pdl=pdl,
-        num_warps=1,
+        H * D, HAS_ACTIVE=active is not None, HAS_SCALE=store.fp8, D=D, PAGE=store.page,
+        **launch.arguments(projected.device), num_warps=1,
     )
     return q
 
@@ -335,10 +333,9 @@ def depformer_attention(qkv: Tensor, keys: Tensor, values: Tensor, step: Tensor,
         return depformer_attention_reference(qkv, keys, values, step, heads)
     B, steps, D = qkv.shape[0], keys.shape[2], keys.shape[3]
     out = torch.empty(B, heads * D, device=qkv.device, dtype=qkv.dtype)
-    pdl = launch.dependent(qkv.device)
     _depformer_attention_kernel[(B, heads)](
         qkv, keys, values, step, out, qkv.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), D ** -0.5,
-        D=D, BLOCK_S=triton.next_power_of_2(steps), PDL=pdl, launch_pdl=pdl, num_warps=1,
+        D=D, BLOCK_S=triton.next_power_of_2(steps), **launch.arguments(qkv.device), num_warps=1,
     )
     return out
 

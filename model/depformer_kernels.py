@@ -75,13 +75,12 @@ def fused_linear(x: Tensor, weight: Tensor, *, delta: Tensor | None = None, alph
     y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     stream = x if delta is None else torch.empty_like(x)
     block_n = BLOCK_N if x.is_cuda else INTERPRETED_BLOCK_N
-    pdl = launch.dependent(x.device)
     _fused_linear_kernel[(triton.cdiv(N, block_n), M)](
         x, x if delta is None else delta, x if alpha is None else alpha, weight, x if add is None else add, y, stream,
         N, K, x.stride(0), 0 if delta is None else delta.stride(0), weight.stride(0),
         0 if add is None else add.stride(0), y.stride(0), stream.stride(0), eps,
         HAS_DELTA=delta is not None, HAS_NORM=alpha is not None, GATE=gate, HAS_ADD=add is not None,
-        BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), PDL=pdl, launch_pdl=pdl, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), **launch.arguments(x.device), num_warps=4,
     )
     return stream, y
 

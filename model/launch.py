@@ -8,7 +8,7 @@ compiled helpers (model/fused.py) with a setting of its own, which `enable` sets
 `EngineConfig.pdl_launches`.
 
 A kernel takes part with a `PDL: tl.constexpr` argument, `allow_next(PDL)` and `wait_for_previous(PDL)` before its
-first access to memory another kernel writes, and `launch_pdl=PDL` at its launch, PDL being `dependent(device)`.
+first access to memory another kernel writes, and `**arguments(device)` at its launch.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
-def dependent(device: torch.device) -> bool:
-    """Whether a kernel launched now on `device` is a programmatic dependent (`enable`d, and `supported`)."""
-    return _enabled and supported(device)
+def arguments(device: torch.device) -> dict[str, bool]:
+    """A kernel's launch arguments for it on `device` now: its `PDL` constexpr, and Triton's launch attribute only
+    where it is a dependent (`enable`d and `supported`): a plain launch passes what it did before PDL existed."""
+    return {"PDL": True, "launch_pdl": True} if _enabled and supported(device) else {"PDL": False}
 
 
 if triton is not None:

@@ -107,9 +107,8 @@ def draw_triton(logits: Tensor, params: RowSampling, salt: Tensor) -> Tensor:
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and vocab <= FUSED_DRAW_MAX_VOCAB
     tokens = torch.empty(rows, device=logits.device, dtype=torch.long)
-    pdl = launch.dependent(logits.device)
     _draw_kernel[(rows,)](logits, logits.stride(0), params.greedy, params.temperature, params.top_k, params.seed,
-                          salt, tokens, vocab, BLOCK=triton.next_power_of_2(vocab), PDL=pdl, launch_pdl=pdl,
+                          salt, tokens, vocab, BLOCK=triton.next_power_of_2(vocab), **launch.arguments(logits.device),
                           num_warps=4)
     return tokens
 

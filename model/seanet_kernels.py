@@ -158,12 +158,11 @@ def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d,
     out = torch.empty(b, c, length, device=x.device, dtype=x.dtype)
     window_strides = (0, 0, 0) if window is None else window.stride()  # never read without a context
     tile = RESIDUAL_TILE
-    pdl = launch.dependent(x.device)
     _residual_kernel[(b, triton.cdiv(length, tile.samples))](
         x, x if window is None else window, _taps_first(conv.weight), conv.bias, conv_1x1.weight, conv_1x1.bias, out,
         length, *x.stride(), *window_strides, alpha, alpha_hidden, C=c, H=hidden, K=k, DILATION=dilation,
         CONTEXT=context, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.samples,
-        PRECISION=_precision(x, torch.backends.cudnn.allow_tf32), PDL=pdl, launch_pdl=pdl,
+        PRECISION=_precision(x, torch.backends.cudnn.allow_tf32), **launch.arguments(x.device),
         num_warps=max(1, tile.warps * c // 64),
     )
     if context:
@@ -184,13 +183,13 @@ def fused_strided_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: 
     assert strided_fits(c_in, c_out, stride) and conv.bias is not None
     out = torch.empty(b, c_out, frames, device=x.device, dtype=x.dtype)
     tile = STRIDED_TILE
-    pdl = launch.dependent(x.device)
     _strided_kernel[(b, triton.cdiv(frames, tile.frames), c_out // tile.channels)](
         x, window, _taps_first(conv.weight), conv.bias, out, frames, *x.stride(), *window.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, CONTEXT=context, HAS_ELU=alpha is not None,
         CHANNELS_INNER=x.stride(2) != 1, BLOCK_L=tile.frames, BLOCK_CO=tile.channels, BLOCK_CI=INPUT_BLOCK,
-        PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), PDL=pdl, launch_pdl=pdl, num_warps=tile.warps,
+        PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), **launch.arguments(x.device),
+        num_warps=tile.warps,
     )
     _keep(x, window, context, alpha)
     return out
@@ -207,12 +206,11 @@ def fused_thin_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: flo
     assert thin_fits(c_in, c_out, conv.stride[0], conv.dilation[0]) and conv.bias is not None
     out = torch.empty(b, c_out, length, device=x.device, dtype=x.dtype)
     tile = THIN_TILE
-    pdl = launch.dependent(x.device)
     _thin_kernel[(b, triton.cdiv(length, tile.samples))](
         x, window, _taps_first(conv.weight), conv.bias, out, length, *x.stride(), *window.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, CONTEXT=context, HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1,
-        BLOCK_T=tile.samples, PDL=pdl, launch_pdl=pdl, num_warps=tile.warps,
+        BLOCK_T=tile.samples, **launch.arguments(x.device), num_warps=tile.warps,
     )
     _keep(x, window, context, alpha)
     return out
@@ -233,14 +231,13 @@ def fused_transposed_step(x: Tensor, tail: Tensor, convtr: torch.nn.ConvTranspos
     new_tail = torch.empty_like(tail)  # the programs of the first frames still read the old one
     tile = TRANSPOSED_TILE
     block_co = tile.channels(stride)
-    pdl = launch.dependent(x.device)
     _transposed_kernel[(b, triton.cdiv(frames + shifts - 1, tile.frames), c_out // block_co)](
         x, tail, new_tail, convtr.weight.permute(1, 2, 0).contiguous(), convtr.bias, out, frames, *x.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, PADDED_STRIDE=padded(stride), SHIFTS=shifts,
         HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.frames, BLOCK_CO=block_co,
-        BLOCK_CI=INPUT_BLOCK, PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32), PDL=pdl,
-        launch_pdl=pdl, num_warps=tile.warps,
+        BLOCK_CI=INPUT_BLOCK, PRECISION=_precision(x, torch.backends.cuda.matmul.allow_tf32),
+        **launch.arguments(x.device), num_warps=tile.warps,
     )
     tail.copy_(new_tail)
     return out

@@ -59,11 +59,10 @@ def overlap_add_triton(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: 
     overlap = k - stride
     assert t * stride >= overlap and tail.is_contiguous() and tail.shape[-1] == overlap
     out = torch.empty(b, c, t * stride, device=taps.device, dtype=taps.dtype)
-    pdl = launch.dependent(taps.device)
     _overlap_add_kernel[(b * c,)](
         taps, tail, tail if bias is None else bias, out, c, t, taps.stride(0), taps.stride(1), taps.stride(2),
         taps.stride(3), overlap, STRIDE=stride, SHIFTS=k // stride, HAS_BIAS=bias is not None,
-        BLOCK=triton.next_power_of_2(t * stride + overlap), PDL=pdl, launch_pdl=pdl, num_warps=4,
+        BLOCK=triton.next_power_of_2(t * stride + overlap), **launch.arguments(taps.device), num_warps=4,
     )
     return out
 
