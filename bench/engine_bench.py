@@ -128,8 +128,7 @@ async def trace_host_calls(engine: Engine, ticks: int) -> list[dict]:
         p50, p99 = np.percentile(us, [50, 99])
         lines.append({"bench": "host_calls", "call": name, "ticks": traced,
                       "calls_per_tick": round(len(us) / traced, 2), "ms_per_tick": round(sum(us) / traced / 1000, 4),
-                      "us_p50": round(float(p50), 1),
-                      "us_p99": round(float(p99), 1), "us_max": round(max(us), 1)})
+                      "us_p50": round(float(p50), 1), "us_p99": round(float(p99), 1), "us_max": round(max(us), 1)})
     return sorted(lines, key=lambda line: -line["ms_per_tick"])
 
 
