@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from bench.fullsize import bench_model, machine
-from bench.roofline import p50
+from bench.roofline import captured, event_ms, p50
 from model import fused, launch
 from model.lm import LM
 
@@ -58,31 +58,12 @@ def frame_chain(lm: LM, rows: int, path: str) -> tuple[Callable[[], None], torch
     return run, hidden, tokens, logits_out
 
 
-def graphed(run: Callable[[], None]) -> Callable[[], None]:
-    """`run` captured as a CUDA graph after two warm-up calls on a side stream; its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph.replay
-
-
 def timed_ms(fn: Callable[[], None], cuda: bool) -> float:
-    if not cuda:
-        started = time.perf_counter()
-        fn()
-        return (time.perf_counter() - started) * 1000.0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    if cuda:
+        return event_ms(fn)
+    started = time.perf_counter()
     fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return (time.perf_counter() - started) * 1000.0
 
 
 def measure(lm: LM, rows: int, args: argparse.Namespace) -> list[dict]:
@@ -90,7 +71,7 @@ def measure(lm: LM, rows: int, args: argparse.Namespace) -> list[dict]:
     paths = list(PATHS) if cuda else ["torch"]
     chains = {path: frame_chain(lm, rows, path) for path in paths}
     with torch.no_grad():
-        runs = {path: graphed(chain[0]) if cuda else chain[0] for path, chain in chains.items()}
+        runs = {path: captured(chain[0]).replay if cuda else chain[0] for path, chain in chains.items()}
         times: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(args.rounds):  # interleaved: a drift of the machine's clocks falls on every path alike
             for path in paths:

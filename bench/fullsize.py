@@ -30,7 +30,7 @@ def bench_model(tiny: bool) -> PersonaPlex:
     return random_personaplex()
 
 
-# The engine's arithmetic choices a bench can turn each way (EngineConfig's fields of these names).
+# The engine's arithmetic (and launch) choices a bench can turn each way (EngineConfig's fields of these names).
 ARITHMETIC_FLAGS = {
     "mimi_encoder_bf16": "Mimi's streaming encoder in bf16 (CUDA)",
     "mimi_decoder_bf16": "Mimi's streaming decoder in bf16 (CUDA)",

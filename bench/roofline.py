@@ -248,34 +248,36 @@ def measure_load(engine: Engine, sessions: int, context: int, args: argparse.Nam
     return lines
 
 
-def replay_ms(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
-    """Each function captured as a CUDA graph (after two warm-up calls on a side stream) and replayed `steps`
-    times: p50 ms of a replay, by name."""
-    pool = torch.cuda.graph_pool_handle()
-    graphs = {}
-    for name, fn in fns.items():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+def captured(fn: Callable[[], object], pool=None) -> torch.cuda.CUDAGraph:
+    """`fn` captured as a CUDA graph (in `pool`), after two warm-up calls on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
             fn()
-        graphs[name] = graph
-    out = {}
-    for name, graph in graphs.items():
-        times = []
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        out[name] = p50(times)
-    return out
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+        fn()
+    return graph
+
+
+def event_ms(fn: Callable[[], object]) -> float:
+    """One call of `fn`, timed on the device by CUDA events: ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def replay_ms(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
+    """Each function captured as a CUDA graph (`captured`) and replayed `steps` times: p50 ms of a replay, by
+    name."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {name: captured(fn, pool) for name, fn in fns.items()}
+    return {name: p50([event_ms(graph.replay) for _ in range(steps)]) for name, graph in graphs.items()}
 
 
 def time_mimi(mimi: Mimi, rows: int, device: torch.device, steps: int) -> dict[str, float]:

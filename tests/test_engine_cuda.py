@@ -210,21 +210,6 @@ def test_a_window_shrinks_and_grows_back_under_graphs(cuda_model):
     assert all(np.isfinite(o.audio).all() for o in outputs)
 
 
-def test_the_fused_draw_in_the_graphs_draws_the_torch_paths_tokens(cuda_model):
-    """EngineConfig.fused_draw: the audio draws as one Triton kernel each, captured in the step's graphs. The tiny
-    model's float32 logits do not tie, so sampled rows (server defaults, row r seeded r) draw exactly the tokens of
-    the torch path's draws, frame after frame."""
-    rows, frames = 4, 20
-    pcm = np.stack([speechlike(frames, seed) for seed in range(rows)], axis=1)  # [frames, rows, 1920]
-
-    def tokens(fused_draw: bool) -> np.ndarray:
-        engine = Engine(cuda_model, EngineConfig(max_sessions=rows, fused_draw=fused_draw))
-        engine.sample_rows(rows, SamplingParams())
-        return np.stack([engine.step_rows(rows, pcm[i])[0].copy() for i in range(frames)])
-
-    assert np.array_equal(tokens(True), tokens(False))
-
-
 def stepped_frames(model, rows: int, pcm: np.ndarray, **config) -> tuple[np.ndarray, np.ndarray]:
     """Tokens and audio of `rows` sampled rows (server defaults, row r seeded r) stepped through pcm [frames, rows,
     1920] by an engine of `config`."""
@@ -232,6 +217,16 @@ def stepped_frames(model, rows: int, pcm: np.ndarray, **config) -> tuple[np.ndar
     engine.sample_rows(rows, SamplingParams())
     steps = [engine.step_rows(rows, frame) for frame in pcm]
     return np.stack([s[0].copy() for s in steps]), np.stack([s[1].copy() for s in steps])
+
+
+def test_the_fused_draw_in_the_graphs_draws_the_torch_paths_tokens(cuda_model):
+    """EngineConfig.fused_draw: the audio draws as one Triton kernel each, captured in the step's graphs. The tiny
+    model's float32 logits do not tie, so sampled rows (server defaults, row r seeded r) draw exactly the tokens of
+    the torch path's draws, frame after frame."""
+    rows, frames = 4, 20
+    pcm = np.stack([speechlike(frames, seed) for seed in range(rows)], axis=1)  # [frames, rows, 1920]
+    fused_tokens = stepped_frames(cuda_model, rows, pcm, fused_draw=True)[0]
+    assert np.array_equal(fused_tokens, stepped_frames(cuda_model, rows, pcm, fused_draw=False)[0])
 
 
 @pytest.mark.skipif(not launch.supported(torch.device("cuda")), reason="programmatic dependent launch: sm_90 on")
