@@ -19,7 +19,9 @@ engine (`EngineConfig.stage_inputs`, model/engine/staging.py; the lines' `stage_
 - "host_calls" (with `--trace-host TICKS`, CUDA): after a load's timed ticks, TICKS more under the profiler, and
   each CUDA runtime call the process made meanwhile (every thread's, the engine thread's uploads and launches among
   them): calls a tick, ms a tick, and each call's p50, p99 and longest in us, longest first; the host's share of a
-  tick, call by call (an asynchronous copy that returns in a quarter of a millisecond is a copy that waited);
+  tick, call by call (an asynchronous copy that returns in a quarter of a millisecond is a copy that waited). The
+  tracer records kernels too, which apparently makes a graph's launch pay per node: `cudaGraphLaunch` reads ~0.8 ms
+  a call under it where it returns in 3.5-6 us untraced (docs/benchmarks.md), so its line is the tracer's cost;
 - "capacity": the largest session count whose p99 tick stayed under 80 ms, per context;
 - "open": session-open latency (voice .wav + persona prompt) cold and cached, while N sessions tick: until the
   open returned, and until the session's first frame came out.
@@ -114,7 +116,8 @@ def percentiles(values: list[float]) -> tuple[float, float]:
 
 async def trace_host_calls(engine: Engine, ticks: int) -> list[dict]:
     """The CUDA runtime calls of `ticks` ticks, by name: CUPTI sees every thread's (the profiler's operator records
-    are the calling thread's only, and the ticks run on the engine's)."""
+    are the calling thread's only, and the ticks run on the engine's). Graph launches read the tracer's own cost
+    (module docstring)."""
     before = engine.stats().ticks
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         await asyncio.sleep(ticks * engine.config.tick_ms / 1000)

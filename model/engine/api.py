@@ -162,7 +162,8 @@ class EngineConfig:
     # On CUDA sm_90 on, every Triton kernel of the engine (ours and Inductor's compiled helpers) launched as a
     # programmatic dependent of the kernel before it (model/launch.py): its programs start while that kernel
     # finishes and wait for it before touching memory. The same arithmetic in the same order: the same tokens.
-    # Process-wide, like the compiled helpers: an engine's start sets it for all. Off until measured faster.
+    # Process-wide, like the compiled helpers: an engine's start sets it for all. Off: measured on an H100, the
+    # one-row temporal step 0.17 ms faster, every part at 8 and 250 rows 0.1-0.5 ms slower (docs/benchmarks.md).
     pdl_launches: bool = False
     # On the CPU (the tiny model in tests, a laptop), the threads torch gives the engine's operations; None: half
     # the cores this process may use, at least one. A tick there is hundreds of tiny operations: on every core, each
