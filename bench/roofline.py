@@ -13,7 +13,8 @@ KV writes, embeddings, the text head and sampling), the depformer, Mimi decode, 
   key and layer, Mimi's convolutions and products as torch's FLOP counter counts one row's step);
 - `ms`: its device time, the p50 of `--steps` graph replays timed by CUDA events (attention and the temporal rest
   split by their kernels' share of the profiled step); the host's from an engine_bench line of the same load,
-  with its phases (`prepare_inputs_ms`, `prepare_launch_ms`, `deliver_ms`, and `hand_off_ms` over the channel);
+  with its phases (`prepare_inputs_ms`, `prepare_launch_ms` and its parts `prepare_uploads_ms`,
+  `prepare_steps_ms`, `prepare_outputs_ms`, `deliver_ms`, and `hand_off_ms` over the channel);
 - `tb_s`, `tflop_s`: bytes and FLOPs over that time; `floor_ms`: the larger of bytes at `--peak-tbs` and FLOPs at
   the part's matrix peak (bf16, or TF32 for a float32 Mimi side); `x_floor`: ms over floor_ms;
 - `kernels`: launches per step, and `kernel_ms` their summed device time, profiled on the engine's own graph
@@ -43,6 +44,7 @@ from model import fused
 from model.batch_step import BatchStep, bucket
 from model.config import FRAME_SAMPLES
 from model.engine import Engine, EngineConfig
+from model.engine.stats import PREPARE_LAUNCH_PARTS
 from model.lm import LM
 from model.mimi import Mimi
 
@@ -163,7 +165,7 @@ def part_line(base: dict, part: str, ms: float, cost: tuple[float, float], peak_
     return line
 
 
-HOST_PHASES = ("prepare_inputs", "prepare_launch", "deliver", "hand_off")
+HOST_PHASES = ("prepare_inputs", "prepare_launch", *PREPARE_LAUNCH_PARTS, "deliver", "hand_off")
 
 
 def host_ms(engine_lines: list[dict], sessions: int, context: int) -> tuple[float | None, dict[str, float]]:

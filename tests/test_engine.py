@@ -670,6 +670,25 @@ async def test_a_ticks_time_and_its_prepare_phase_count_reading_the_inputs(make_
         assert 30.0 <= host["prepare_inputs"] <= host["prepare"] - host["prepare_launch"], host
 
 
+async def test_prepare_launch_splits_into_uploads_steps_and_outputs_around_the_step(make_engine):
+    """"prepare_launch" is its three parts end to end: the uploads before the step, the step's parts (on the CPU,
+    run: every device part's time falls in "prepare_steps"), and the outputs' queueing after them."""
+    engine = make_engine()
+    slot, sink, records = engine.reserve(), Collector(), []
+    engine.add_tick_listener(lambda record, _: records.append(record))
+    await slot.start(SessionParams(voice="NATF2", sampling=GREEDY), QueueSource(speechlike(8, 1)), sink.on_output,
+                     sink.on_error)
+    await sink.wait_for(5)
+    slot.close()
+    stepped = [r for r in records if r.batch >= 1 and r.parts_ms]
+    assert stepped, records
+    for record in stepped:
+        host = record.host_ms
+        parts = [host[name] for name in ("prepare_uploads", "prepare_steps", "prepare_outputs")]
+        assert min(parts) >= 0.0 and sum(parts) == pytest.approx(host["prepare_launch"], abs=1e-6), host
+        assert host["prepare_steps"] >= sum(record.parts_ms.values()) > 0.0, (host, record.parts_ms)
+
+
 async def test_tick_listeners_hear_each_tick_after_its_frames_with_the_next_deadline(make_engine):
     """An engine process forwards each tick's frames as one batch: after a realtime tick's deliveries, on the
     engine thread, a listener gets the tick's record and the monotonic deadline of the next tick; the stats say

@@ -207,9 +207,9 @@ class EngineStats:
     tick_ms_p99: float
     parts_ms: dict[str, float]
     # The last tick's host work outside the device step: "prepare" (reading the inputs, batch, input upload, graph
-    # launches; its parts "prepare_inputs" and "prepare_launch", stats.py), "deliver" (from its outputs reaching the
-    # host to the last callback), and "leads" when the tick ran sessions' first halves before its batch (the
-    # external name of that phase).
+    # launches; its parts "prepare_inputs" and "prepare_launch", and the latter's "prepare_uploads", "prepare_steps"
+    # and "prepare_outputs", stats.py), "deliver" (from its outputs reaching the host to the last callback), and
+    # "leads" when the tick ran sessions' first halves before its batch (the external name of that phase).
     host_ms: dict[str, float]
     sessions_in_use: int
     max_sessions: int

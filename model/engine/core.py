@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import queue
 import sys
@@ -58,6 +59,7 @@ from model.engine.stats import (
     HAND_OFF_HOST_PHASE,
     PREPARE_INPUTS_HOST_PHASE,
     PREPARE_LAUNCH_HOST_PHASE,
+    PREPARE_LAUNCH_PARTS,
     EngineCounters,
 )
 from model.loading import PersonaPlex
@@ -764,10 +766,13 @@ class Engine:
             self._set_first_half_pending(session, False)
         end = time.perf_counter()
         elapsed = (end - t0) * 1000.0
-        entered, launched, returned = runner.step_marks
-        host_ms = {"prepare": (launched - t0 - first_halves_s) * 1000.0, "deliver": (end - returned) * 1000.0,
+        marks = runner.step_marks
+        host_ms = {"prepare": (marks.launched - t0 - first_halves_s) * 1000.0,
+                   "deliver": (end - marks.returned) * 1000.0,
                    PREPARE_INPUTS_HOST_PHASE: (inputs_read - t0 - first_halves_s) * 1000.0,
-                   PREPARE_LAUNCH_HOST_PHASE: (launched - entered) * 1000.0}
+                   PREPARE_LAUNCH_HOST_PHASE: (marks.launched - marks.entered) * 1000.0}
+        for name, (a, b) in zip(PREPARE_LAUNCH_PARTS, itertools.pairwise(marks[:4]), strict=True):
+            host_ms[name] = (b - a) * 1000.0
         if first_halves_s:
             host_ms[FIRST_HALF_HOST_PHASE] = first_halves_s * 1000.0
         return self.counters.record_tick(elapsed, n, started_late or elapsed > self.config.tick_ms, runner.parts_ms,
@@ -779,8 +784,8 @@ class Engine:
         flight."""
         outputs = self.runner.run_batch(n, protected_rows, out_rows,
                                         lambda launched: self._serve_in_flight(n, launched))
-        _, launched, returned = self.runner.step_marks
-        self.scheduler.record_in_flight(n, returned - launched)
+        marks = self.runner.step_marks
+        self.scheduler.record_in_flight(n, marks.returned - marks.launched)
         return outputs
 
     def _serve_in_flight(self, n: int, launched: float) -> None:

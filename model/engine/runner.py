@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +33,19 @@ from model.sampling import SamplingParams, row_sampling
 from model.step import StepConstants
 
 log = logging.getLogger(__name__)
+
+
+class StepMarks(NamedTuple):
+    """perf_counter marks of the last batch step on the host: when it began, when its pages, inputs and flags were
+    queued for the device, when its parts were (on CUDA their graphs launched; on the CPU, run), when its outputs'
+    gathers and copies to the host were queued, and when those outputs landed."""
+
+    entered: float
+    uploaded: float
+    stepped: float
+    launched: float
+    returned: float
+
 
 # One row's outputs on the host: its token frame [17], whether it emitted, its audio [1920], whether that is finite.
 RowOutputs = tuple[np.ndarray, bool, np.ndarray, bool]
@@ -120,8 +134,7 @@ class Runner:
         self._spare_step: BatchStep | None = None
         self._timer = PartTimer(self.device)
         self.parts_ms: dict[str, float] = {}  # the last batch step's device parts
-        # perf_counter when the last step began (pages, uploads), was launched, and when its outputs landed
-        self.step_marks = (0.0, 0.0, 0.0)
+        self.step_marks = StepMarks(0.0, 0.0, 0.0, 0.0, 0.0)
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def _stepping_lm(self) -> LM:
@@ -225,11 +238,13 @@ class Runner:
         self.pcm_in[:n].copy_(self._pcm_host[:n], non_blocking=True)
         self.active[:n].copy_(self._active_host[:n], non_blocking=True)
         self.takes_input[:n].copy_(self._takes_input_host[:n], non_blocking=True)
+        uploaded = time.perf_counter()
         self._timer.start()
         frame, emitted, audio = step.run(self._timer)
         for r, enc, dec in saved:
             self.mimi_state.encoder.rows(slice(r, r + 1)).copy_(enc)
             self.mimi_state.decoder.rows(slice(r, r + 1)).copy_(dec)
+        stepped = time.perf_counter()
         # Outputs come back in one transfer wait per tick, through pinned buffers. The rows are gathered in the
         # order they are handed out, into blocks of their own: the host's copy of them out of a reused buffer, in
         # that order, took ~0.4 ms of a tick of 250 on an H100's host (memory the transfer just wrote).
@@ -249,7 +264,7 @@ class Runner:
             self._outputs_ready.synchronize()  # not the stream: work queued in flight waits behind the outputs
         returned = time.perf_counter()
         self.parts_ms = self._timer.parts_ms()
-        self.step_marks = (entered, launched, returned)
+        self.step_marks = StepMarks(entered, uploaded, stepped, launched, returned)
         finite = self._finite_host[:n].numpy()
         if not cuda:  # numpy's check is ~10x torch's on the CPU
             finite[:] = np.isfinite(audio.float().numpy()).all(axis=1)
