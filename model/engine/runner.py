@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 
 
 class StepMarks(NamedTuple):
-    """perf_counter marks of the last batch step on the host: when it began, when its pages, inputs and flags were
-    queued for the device, when its parts were (on CUDA their graphs launched; on the CPU, run), when its outputs'
-    gathers and copies to the host were queued, and when those outputs landed."""
+    """perf_counter marks of the last batch step on the host: when it began; when its pages, inputs and flags were
+    queued for the device; when its parts were launched (on CUDA their graphs; on the CPU they run there and then);
+    when its outputs' gathers and copies to the host were queued; and when those outputs landed."""
 
     entered: float
     uploaded: float

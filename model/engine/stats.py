@@ -30,7 +30,7 @@ HAND_OFF_HOST_PHASE = "hand_off"
 # of "prepare" is the batch's flags and its pages' books).
 PREPARE_INPUTS_HOST_PHASE = "prepare_inputs"
 PREPARE_LAUNCH_HOST_PHASE = "prepare_launch"
-# The parts of "prepare_launch" (Runner.StepMarks): the pages, inputs and flags queued for the device; the step's
+# The parts of "prepare_launch" (runner.StepMarks): the pages, inputs and flags queued for the device; the step's
 # parts launched (on the CPU, run); the outputs' gathers, finiteness check and copies to the host queued. Only what
 # precedes the device's first work delays the tick; the rest overlaps it.
 PREPARE_LAUNCH_PARTS = ("prepare_uploads", "prepare_steps", "prepare_outputs")
