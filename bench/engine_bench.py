@@ -3,7 +3,8 @@
     python -m bench.engine_bench [--sessions 1 16 32 64 72 76] [--contexts 0 3000] [--ticks 60] [--max-sessions 76]
                                  [--loads 1x0 250x1650 144x3000] [--open-background 64] [--opens 5] [--fp8-kv]
                                  [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16]
-                                 [--over-channel [--workers 1] [--compare-staging]] [--trace-host TICKS] [--tiny]
+                                 [--over-channel [--workers 1] [--compare-staging]] [--trace-host TICKS]
+                                 [--warm-lead-ms 0] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
@@ -144,7 +145,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
         await worker.open(sessions)
     await engine.submit(lambda: engine.fill_context(slice(0, sessions), context))
     await asyncio.sleep(1.0)  # settle
-    before = engine.stats()
+    before, warm_ups_before = engine.stats(), engine.runner.tick_warm_ups
     if worker is not None:
         worker.host.frames_dispatch_s.clear()
     # Read after the run's wall time, not every tick (polling stats() would contend with the tick thread it
@@ -155,6 +156,7 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
         after = engine.stats()
         missing = ticks - (after.ticks - before.ticks)
     records = engine.recent_ticks(after.ticks - before.ticks)
+    warm_ups = engine.runner.tick_warm_ups - warm_ups_before
     calls = await trace_host_calls(engine, trace_ticks) if trace_ticks else []
     for slot in slots:
         slot.close()
@@ -174,7 +176,8 @@ async def measure_ticks(engine: Engine, sessions: int, context: int, ticks: int,
     line = {"bench": "engine_tick", "sessions": sessions, "context_frames": context, "batch": after.batch,
             "tick_ms_p50": p50, "tick_ms_p99": p99, "late_ticks": after.late_ticks - before.late_ticks,
             "ticks": after.ticks - before.ticks,
-            "input_frames_staged": after.input_frames_staged - before.input_frames_staged}
+            "input_frames_staged": after.input_frames_staged - before.input_frames_staged,
+            "warm_lead_ms": engine.config.warm_lead_ms, "tick_warm_ups": warm_ups}
     for name, values in parts.items():
         line[f"{name}_ms_p50"], line[f"{name}_ms_p99"] = percentiles(values)
     dispatch_ms = [1000.0 * s for s in worker.host.frames_dispatch_s] if worker is not None else []
@@ -271,7 +274,8 @@ async def main_async(args: argparse.Namespace) -> None:
     model = bench_model(args.tiny)
     started = time.perf_counter()
     arithmetic = arithmetic_config(args)
-    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv, **arithmetic))
+    engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv,
+                                        warm_lead_ms=args.warm_lead_ms, **arithmetic))
     engine.start()
     kv = "fp8" if args.fp8_kv else "bf16"
     print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **arithmetic, **machine(),
@@ -335,6 +339,8 @@ def main() -> None:
                         help="with --over-channel: each load with input staging off, then on (stage_inputs)")
     parser.add_argument("--trace-host", type=int, default=0, metavar="TICKS",
                         help="after each load's ticks, TICKS more with each CUDA runtime call timed (CUDA)")
+    parser.add_argument("--warm-lead-ms", type=float, default=EngineConfig.warm_lead_ms,
+                        help="wake this long before each tick to warm its first host calls (EngineConfig)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     if args.trace_host and args.tiny:

@@ -670,6 +670,21 @@ async def test_a_ticks_time_and_its_prepare_phase_count_reading_the_inputs(make_
         assert 30.0 <= host["prepare_inputs"] <= host["prepare"] - host["prepare_launch"], host
 
 
+async def test_warming_the_ticks_first_calls_before_each_deadline_changes_no_frame(make_engine):
+    """EngineConfig.warm_lead_ms: the engine thread wakes that long before each tick's deadline and makes the tick's
+    first host calls once on samples of their own: the ticks are warmed, and a session's frames are those of an
+    engine that does not warm them."""
+    params = dataclasses.replace(PARAMS, pacing="realtime")
+    _, plain = await run_session(make_engine(), params, speechlike(12, 3), 10)
+    engine = make_engine(warm_lead_ms=2.0)
+    _, warmed = await run_session(engine, params, speechlike(12, 3), 10)
+    assert len(warmed) == 10 and same(plain, warmed)
+    stats = engine.stats()
+    # every tick that started on time had its lead first (one started late on this busy machine may not)
+    assert engine.runner.tick_warm_ups >= stats.ticks - stats.late_ticks - 1 > 0, (engine.runner.tick_warm_ups,
+                                                                                   stats.ticks, stats.late_ticks)
+
+
 async def test_prepare_launch_splits_into_uploads_steps_and_outputs_around_the_step(make_engine):
     """"prepare_launch" is its three parts end to end: the uploads before the step, the step's parts (on the CPU,
     run: every device part's time falls in "prepare_steps"), and the outputs' queueing after them."""

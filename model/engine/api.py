@@ -174,6 +174,12 @@ class EngineConfig:
     # (model/engine/staging.py), so the tick only takes it; off, every frame queues and the tick copies it. Read at
     # every offer: a bench compares the two on one engine (bench.engine_bench --compare-staging).
     stage_inputs: bool = True
+    # How long before each tick's deadline the engine thread wakes to make the tick's first host calls once on a
+    # sample of their own (Runner.warm_tick_calls), 0: not. A thread that slept most of a period finds their code
+    # cold: on the 2-core CI machine a copy took 91 us after 50 ms asleep and 1.6 us at once, and a 0.5 ms lead took
+    # one session's host share of a tick from 0.82 to 0.66 ms (docs/benchmarks.md). Off until measured on a GPU host
+    # (bench.engine_bench --warm-lead-ms).
+    warm_lead_ms: float = 0.0
 
 
 @dataclass

@@ -151,6 +151,7 @@ class Engine:
         self._pending: set[Callable[[BaseException | None], None]] = set()
         self._tick_listeners: tuple[TickListener, ...] = ()
         self._collect_at: float | None = None  # when the engine thread collects garbage next (after a tick)
+        self._warmed_for: float | None = None  # the tick deadline whose lead warmed the tick's calls
 
     # ----- public, any thread ------------------------------------------------------------------------------
 
@@ -612,8 +613,23 @@ class Engine:
         wait_s = scheduler.wait_s(now, offline_live=bool(self.slots.live(offline=True)))
         if self._collect_at is not None:
             wait_s = min(wait_s, self._collect_at - now)
+        wait_s = self._warm_before_tick(now, wait_s)
         self._wake.wait(timeout=max(0.0, wait_s))
         self._wake.clear()
+
+    def _warm_before_tick(self, now: float, wait_s: float) -> float:
+        """With EngineConfig.warm_lead_ms, the wait cut to end that long before the tick's deadline and, in that
+        lead, the tick's first host calls warmed once (Runner.warm_tick_calls); the wait left."""
+        lead = self.config.warm_lead_ms / 1000.0
+        until_tick = self.scheduler.deadline - now
+        if lead <= 0.0 or until_tick <= 0.0:
+            return wait_s
+        if until_tick > lead:
+            return min(wait_s, until_tick - lead)
+        if self._warmed_for != self.scheduler.deadline:
+            self._warmed_for = self.scheduler.deadline
+            self.runner.warm_tick_calls()
+        return wait_s
 
     def _collect(self) -> None:
         self._collect_at = None

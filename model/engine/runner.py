@@ -136,6 +136,9 @@ class Runner:
         self.parts_ms: dict[str, float] = {}  # the last batch step's device parts
         self.step_marks = StepMarks(0.0, 0.0, 0.0, 0.0, 0.0)
         self._outputs_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._warm_host = torch.zeros(1, pin_memory=pin)
+        self._warm_device = torch.zeros(1, device=self.device)
+        self.tick_warm_ups = 0
 
     def _stepping_lm(self) -> LM:
         """The language model the steps and prompts run through: the model's, or a sibling with its temporal
@@ -269,6 +272,13 @@ class Runner:
         if not cuda:  # numpy's check is ~10x torch's on the CPU
             finite[:] = np.isfinite(audio.float().numpy()).all(axis=1)
         return frames_out.numpy(), self._emitted_host[:n].numpy(), audio_out.numpy(), finite
+
+    def warm_tick_calls(self) -> None:
+        """The tick's first host calls made once on a sample of their own, shortly before it: a host-to-device copy
+        and a finiteness check (EngineConfig.warm_lead_ms). Touches no buffer a step reads."""
+        self._warm_device.copy_(self._warm_host, non_blocking=True)
+        np.isfinite(self._warm_host.numpy()).all()
+        self.tick_warm_ups += 1
 
     def _on_device(self, rows: np.ndarray) -> Tensor:
         """`rows` as an index on the device, uploaded again only when they are another array (a tick's plan keeps
