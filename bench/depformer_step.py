@@ -32,7 +32,7 @@ PATHS = {"torch": (False, False), "torch_pdl": (False, True), "fused": (True, Fa
 
 def frame_chain(lm: LM, rows: int, path: str) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chain as a function of static buffers: (run, hidden to write, tokens [rows, 8] out, last logits out)."""
-    fused, pdl = PATHS[path]
+    fused_products, pdl = PATHS[path]
     weight = lm.text_linear.weight
     hidden = torch.zeros(rows, lm.cfg.dim, device=weight.device, dtype=weight.dtype)
     text = torch.zeros(rows, dtype=torch.long, device=weight.device)
@@ -45,7 +45,7 @@ def frame_chain(lm: LM, rows: int, path: str) -> tuple[Callable[[], None], torch
         launch.enable(pdl)  # read at each launch: a graph keeps the launches it captured
         previous = lm.depformer_text_emb(text)
         for k in range(steps):
-            if fused:
+            if fused_products:
                 logits = lm.depformer_step_fused(k, hidden, previous, cache)
             else:
                 logits = lm.depformer_step(k, lm.depformer_in[k](hidden) + previous, cache)
