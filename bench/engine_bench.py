@@ -4,7 +4,7 @@
                                  [--loads 1x0 250x1650 144x3000] [--open-background 64] [--opens 5] [--fp8-kv]
                                  [--(no-)mimi-encoder-bf16] [--(no-)mimi-decoder-bf16]
                                  [--over-channel [--workers 1] [--compare-staging]] [--trace-host TICKS]
-                                 [--warm-lead-ms 0] [--tiny]
+                                 [--warm-lead-ms 0 [0.5 ...]] [--tiny]
 
 Full 7B shape with random bf16 weights. Sessions are real engine sessions (realtime pacing, 80 ms wall-clock ticks)
 fed by sources that always have a frame. Every session count is measured at every context, or, with `--loads`,
@@ -13,7 +13,9 @@ process's channel (model/engine/process.py) on a Unix socket, as the server runs
 include `hand_off`, the listeners that encode each worker's outputs (each worker a process of its own,
 bench/channel_worker.py, as in the server; `--workers` of them, the sessions split evenly); with
 `--compare-staging` too, each load is measured with the engine process's input staging off, then on, on the same
-engine (`EngineConfig.stage_inputs`, model/engine/staging.py; the lines' `stage_inputs`). One JSON line per measurement:
+engine (`EngineConfig.stage_inputs`, model/engine/staging.py; the lines' `stage_inputs`). With several
+`--warm-lead-ms` values, each load is measured with each lead in turn on the same engine (`EngineConfig.warm_lead_ms`;
+an A/B with no restart between, so no recompile and no new machine state). One JSON line per measurement:
 - "tick": sessions, context, tick p50/p99 ms total, per part and on the host, late ticks, input frames staged as
   they arrived and the engine process's time on each worker's Frames message (over the channel), GPU memory, the
   fused helpers that fell back to eager (`fused_eager`, model/fused.py);
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import sys
@@ -275,7 +278,7 @@ async def main_async(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     arithmetic = arithmetic_config(args)
     engine = Engine(model, EngineConfig(max_sessions=args.max_sessions, fp8_kv=args.fp8_kv,
-                                        warm_lead_ms=args.warm_lead_ms, **arithmetic))
+                                        warm_lead_ms=args.warm_lead_ms[0], **arithmetic))
     engine.start()
     kv = "fp8" if args.fp8_kv else "bf16"
     print(json.dumps({"bench": "engine_start", "max_sessions": args.max_sessions, "kv": kv, **arithmetic, **machine(),
@@ -290,8 +293,9 @@ async def main_async(args: argparse.Namespace) -> None:
         for sessions, context in loads:
             if sessions > args.max_sessions:
                 continue
-            for staging in (False, True) if args.compare_staging else (engine.config.stage_inputs,):
-                engine.config.stage_inputs = staging
+            for staging, lead in itertools.product(
+                    (False, True) if args.compare_staging else (engine.config.stage_inputs,), args.warm_lead_ms):
+                engine.config.stage_inputs, engine.config.warm_lead_ms = staging, lead
                 line, calls = await measure_ticks(engine, sessions, context, args.ticks, worker, args.trace_host)
                 print(json.dumps({**line, **arithmetic, "over_channel": args.over_channel,
                                   "workers": args.workers if args.over_channel else 0, "stage_inputs": staging,
@@ -339,8 +343,9 @@ def main() -> None:
                         help="with --over-channel: each load with input staging off, then on (stage_inputs)")
     parser.add_argument("--trace-host", type=int, default=0, metavar="TICKS",
                         help="after each load's ticks, TICKS more with each CUDA runtime call timed (CUDA)")
-    parser.add_argument("--warm-lead-ms", type=float, default=EngineConfig.warm_lead_ms,
-                        help="wake this long before each tick to warm its first host calls (EngineConfig)")
+    parser.add_argument("--warm-lead-ms", type=float, nargs="+", default=[EngineConfig.warm_lead_ms],
+                        help="wake this long before each tick to warm its first host calls (EngineConfig); "
+                             "several: each load measured with each in turn")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     if args.trace_host and args.tiny:
