@@ -69,7 +69,7 @@ def test_strict_model_ends_the_server_when_the_load_fails(tmp_path, workers):
     ("--ice-connect-timeout-s", "0"), ("--max-realtime-backlog-s", "0"), ("--max-input-backlog-s", "-1"),
     ("--max-output-backlog-s", "0"), ("--shutdown-timeout-s", "-1"), ("--engine-stalled-s", "0"),
     ("--input-lead-ms", "-1"), ("--drain-timeout-s", "-1"), ("--webhook-retry-s", "0"),
-    ("--webhook-backoff-max-s", "-1"),
+    ("--webhook-backoff-max-s", "-1"), ("--engine-warm-lead-ms", "-0.5"),
 ])
 def test_every_numeric_flag_out_of_range_is_one_line(flag, value):
     env_name = "PERSONAPLEX_" + flag[2:].replace("-", "_").upper()

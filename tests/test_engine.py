@@ -675,7 +675,9 @@ async def test_warming_the_ticks_first_calls_before_each_deadline_changes_no_fra
     first host calls once on samples of their own: the ticks are warmed, and a session's frames are those of an
     engine that does not warm them."""
     params = dataclasses.replace(PARAMS, pacing="realtime")
-    _, plain = await run_session(make_engine(), params, speechlike(12, 3), 10)
+    unwarmed = make_engine(warm_lead_ms=0.0)
+    _, plain = await run_session(unwarmed, params, speechlike(12, 3), 10)
+    assert unwarmed.runner.tick_warm_ups == 0
     engine = make_engine(warm_lead_ms=2.0)
     _, warmed = await run_session(engine, params, speechlike(12, 3), 10)
     assert len(warmed) == 10 and same(plain, warmed)

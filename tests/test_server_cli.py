@@ -51,6 +51,16 @@ def test_mimi_decoder_precision_is_a_choice_and_reaches_the_engine(tiny_checkpoi
         parse_settings([], {"PERSONAPLEX_MIMI_DECODER": "fp16"})
 
 
+def test_the_engines_warm_up_lead_is_a_setting_and_reaches_the_engine(tiny_checkpoint):
+    """--engine-warm-lead-ms (EngineConfig.warm_lead_ms): on by default, 0 turns the warm-up off, the environment
+    sets it too."""
+    tiny_model = load_model(str(tiny_checkpoint))
+    assert build_engine(parse_settings([], {}), tiny_model).config.warm_lead_ms == 0.5
+    assert build_engine(parse_settings(["--engine-warm-lead-ms", "0"], {}), tiny_model).config.warm_lead_ms == 0.0
+    from_env = parse_settings([], {"PERSONAPLEX_ENGINE_WARM_LEAD_MS": "1.5"})
+    assert build_engine(from_env, tiny_model).config.warm_lead_ms == 1.5
+
+
 async def test_no_gpu_falls_back_to_tiny_loudly_and_exits_on_sigterm(tiny_checkpoint, tmp_path):
     if torch.cuda.is_available():
         return  # the fallback under test is the no-GPU one

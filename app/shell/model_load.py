@@ -68,5 +68,6 @@ def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
         logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)
     return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda",
                                       stalled_after_s=settings.engine_stalled_s,
+                                      warm_lead_ms=settings.engine_warm_lead_ms,
                                       mimi_decoder_bf16=settings.mimi_decoder == "bf16",
                                       mimi_fused_decoder=settings.mimi_decoder == "bf16"))

@@ -62,6 +62,7 @@ class Settings:
     max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
     audiosocket_port: int = 0             # Asterisk AudioSocket TCP door; 0: off
     engine_stalled_s: float = 2.0         # this long without an engine tick and /health reports the engine down
+    engine_warm_lead_ms: float = 0.5      # the engine thread wakes this long before each tick to warm its first calls
     sip_port: int = 0                     # SIP user agent server on UDP and TCP; 0: off (app/doors/sip)
     sip_address: str = ""                 # the address our SDP and Contact give; "": the bind address, else found
     rtp_ports: str = "20000-29999"        # RTP on even ports of this range, RTCP on the next odd one
@@ -116,6 +117,7 @@ BOUNDS: dict[str, Bound] = {
     "first_message_timeout_s": _POSITIVE, "idle_timeout_s": _POSITIVE, "max_events_per_s": _POSITIVE,
     "max_realtime_backlog_s": _POSITIVE, "max_input_backlog_s": _POSITIVE, "max_output_backlog_s": _POSITIVE,
     "engine_stalled_s": _POSITIVE, "webhook_retry_s": _POSITIVE, "webhook_backoff_max_s": _POSITIVE,
+    "engine_warm_lead_ms": _NOT_NEGATIVE,
 }
 
 
@@ -223,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-stalled-s", type=float,
                    help=f"/health reports the engine down (503) after this long without a tick "
                         f"(default {d.engine_stalled_s:g})")
+    p.add_argument("--engine-warm-lead-ms", type=float,
+                   help=f"the engine wakes this long before each tick to make its first host calls once, so the tick "
+                        f"finds them warm; 0: off (default {d.engine_warm_lead_ms:g})")
     p.add_argument("--sip-port", type=int, help="SIP user agent server port, UDP and TCP (default: off)")
     p.add_argument("--sip-address", help="the address SDP and Contact advertise (default: the bind address, or the "
                                          "local address towards each caller when bound to all)")

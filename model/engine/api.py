@@ -176,10 +176,11 @@ class EngineConfig:
     stage_inputs: bool = True
     # How long before each tick's deadline the engine thread wakes to make the tick's first host calls once on a
     # sample of their own (Runner.warm_tick_calls), 0: not. A thread that slept most of a period finds their code
-    # cold: on the 2-core CI machine a copy took 91 us after 50 ms asleep and 1.6 us at once, and a 0.5 ms lead took
-    # one session's host share of a tick from 0.82 to 0.66 ms (docs/benchmarks.md). Off until measured on a GPU host
-    # (bench.engine_bench --warm-lead-ms).
-    warm_lead_ms: float = 0.0
+    # cold: on the 2-core CI machine a copy took 91 us after 50 ms asleep and 1.6 us at once. On an H100's host a
+    # 0.5 ms lead took 0.15-0.26 ms off the tick's host share at 1 and 250 rows, in process and over the channel;
+    # 0.25 ms was sometimes too short to wake in time, 1-2 ms took no more (docs/benchmarks.md; bench.engine_bench
+    # --warm-lead-ms 0 0.5). The server's --engine-warm-lead-ms.
+    warm_lead_ms: float = 0.5
 
 
 @dataclass
