@@ -50,12 +50,16 @@ def test_engine_bench_prints_ticks_capacity_and_opens() -> None:
 def test_engine_bench_over_the_channel_times_the_hand_off_to_the_workers() -> None:
     """The sessions workers', as the server runs them (here two worker processes, a session each): each tick's
     outputs go out over the engine's channel, and the listeners that encode them show as a host phase of their own;
-    with --compare-staging, each load with the engine process's input staging off, then on."""
+    with --compare-staging, each load with the engine process's input staging off, then on; and with two
+    --warm-lead-ms, each of those with the tick's warm-up off, then on, on the same engine."""
     ticks = [line for line in bench_lines("bench.engine_bench", "--loads", "2x0", "--ticks", "5", "--max-sessions",
-                                          "2", "--opens", "0", "--over-channel", "--workers", "2", "--compare-staging")
+                                          "2", "--opens", "0", "--over-channel", "--workers", "2", "--compare-staging",
+                                          "--warm-lead-ms", "0", "2")
              if line["bench"] == "engine_tick"]
-    assert [tick["stage_inputs"] for tick in ticks] == [False, True], ticks
-    assert ticks[0]["input_frames_staged"] == 0 and ticks[1]["input_frames_staged"] > 0, ticks
+    assert [(tick["stage_inputs"], tick["warm_lead_ms"]) for tick in ticks] == [
+        (False, 0.0), (False, 2.0), (True, 0.0), (True, 2.0)], ticks
+    assert [tick["input_frames_staged"] > 0 for tick in ticks] == [False, False, True, True], ticks
+    assert [tick["tick_warm_ups"] > 0 for tick in ticks] == [False, True, False, True], ticks
     for tick in ticks:
         assert tick["over_channel"] and tick["workers"] == 2 and tick["ticks"] >= 5 and tick["batch"] == 2, tick
         assert tick["host_hand_off_ms_p99"] >= tick["host_hand_off_ms_p50"] > 0 < tick["host_deliver_ms_p50"], tick
