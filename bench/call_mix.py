@@ -265,7 +265,7 @@ async def main_async(args: argparse.Namespace) -> None:
     memory = gpu_memory_gb()
     print(json.dumps({"bench": "call_mix_start", "max_sessions": args.max_sessions,
                       "kv": "fp8" if args.fp8_kv else "bf16", **arithmetic_config(args), **machine(),
-                      "pool_pages": engine.stats().kv_pages,
+                      "warm_lead_ms": config.warm_lead_ms, "pool_pages": engine.stats().kv_pages,
                       "page_frames": engine.lm_state.kv.page, "start_s": round(time.perf_counter() - started, 1),
                       **memory, **memory_parts_gb(engine)}), flush=True)
     try:

@@ -108,7 +108,7 @@ def test_call_mix_prints_steady_state_equal_contexts_and_worst_case() -> None:
                         "--worst-seconds", "0.5", "--equal-seconds", "0.5")
     start, mix, equal, worst = lines
     assert start["pool_pages"] == 8 and start["page_frames"] == 50  # the largest divisor of 250 up to 75
-    assert start["host_cpu"] and start["host_cpus"] >= 1
+    assert start["host_cpu"] and start["host_cpus"] >= 1 and start["warm_lead_ms"] == 0.5  # the engine's default
     assert mix["ticks"] > 0 and mix["tick_ms_p99"] >= mix["tick_ms_p50"] > 0 and mix["sessions_max"] <= 4
     assert mix["open_shrink_events"] >= 1 and mix["pool_occupancy_max"] == 1.0
     assert 0 < mix["pool_occupancy_mean"] <= mix["pool_occupancy_max"]
