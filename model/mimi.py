@@ -202,23 +202,27 @@ class Mimi(nn.Module):
         decoder's last two), the strided convolutions with the ELU before them (`strided`: the encoder's first two
         downsampling ones, the decoder's last two upsampling ones), and the convolutions from and to audio (`ends`),
         in the `encoder`, the `decoder` or both. Not bit-equal to the torch path: the engine fuses the decoder's,
-        whose audio is never fed back, and not the encoder's, whose codes are (EngineConfig)."""
+        whose audio is never fed back, and not the encoder's, whose codes are (EngineConfig). A fused layer holds its
+        weight in its kernel's order as it is here: fuse after loading the weights."""
         other = sibling(self)
         for name in [name for name, chosen in (("encoder", encoder), ("decoder", decoder)) if chosen]:
             seanet = copy.deepcopy(getattr(self, name))
             for layer in seanet.model:
                 if isinstance(layer, ResidualBlock):
                     conv = layer.block[1].conv
-                    layer.fused = residual and residual_fits(conv.in_channels, conv.out_channels)
+                    fits = residual and residual_fits(conv.in_channels, conv.out_channels)
                 elif isinstance(layer, CausalConv1d) and layer.pad_mode == "constant":
                     conv = layer.conv
-                    layer.fused = (strided and strided_fits(conv.in_channels, conv.out_channels, conv.stride[0])
-                                   or ends and thin_fits(conv.in_channels, conv.out_channels, conv.stride[0],
-                                                         conv.dilation[0]))
+                    fits = (strided and strided_fits(conv.in_channels, conv.out_channels, conv.stride[0])
+                            or ends and thin_fits(conv.in_channels, conv.out_channels, conv.stride[0],
+                                                  conv.dilation[0]))
                 elif isinstance(layer, CausalConvTranspose1d):
                     convtr = layer.convtr
-                    layer.fused = strided and transposed_fits(convtr.in_channels, convtr.out_channels,
-                                                              convtr.kernel_size[0], convtr.stride[0], convtr.groups)
+                    fits = strided and transposed_fits(convtr.in_channels, convtr.out_channels, convtr.kernel_size[0],
+                                                       convtr.stride[0], convtr.groups)
+                else:
+                    continue
+                layer.fuse(fits)
             setattr(other, name, seanet)
         return other
 

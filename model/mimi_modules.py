@@ -18,7 +18,14 @@ from model.attention import TRITON_INTERPRETED
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
-from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_thin_step, fused_transposed_step
+from model.seanet_kernels import (
+    fused_residual_step,
+    fused_strided_step,
+    fused_thin_step,
+    fused_transposed_step,
+    taps_first,
+    transposed_taps,
+)
 from model.stream_kernels import overlap_add
 
 NORM_EPS = 1e-5
@@ -30,7 +37,30 @@ def _kernel_takes(x: Tensor) -> bool:
     return (x.is_cuda or TRITON_INTERPRETED) and 1 in x.stride()[1:]
 
 
-class CausalConv1d(nn.Module):
+class _FusableStep(nn.Module):
+    """A SEANet layer whose streaming step can run as one Triton kernel (model/seanet_kernels.py): `fuse()` holds
+    its weight in the kernel's order (`kernel_weight`, a buffer outside the checkpoint that moves and casts with the
+    layer), made once there rather than on every step."""
+
+    kernel_weight: Tensor | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("kernel_weight", None, persistent=False)
+
+    @property
+    def fused(self) -> bool:
+        return self.kernel_weight is not None
+
+    def fuse(self, on: bool = True) -> None:
+        """Step as one Triton kernel from now on, with the weight as it is now (on), or through the torch path."""
+        self.kernel_weight = self._weight_in_kernel_order() if on else None
+
+    def _weight_in_kernel_order(self) -> Tensor:
+        raise NotImplementedError
+
+
+class CausalConv1d(_FusableStep):
     """Conv1d padded on the left only; streaming keeps its whole input window.
 
     A strided convolution (SEANet's downsampling) steps as one GEMM over its input windows: for the few output
@@ -62,7 +92,9 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride, dilation=dilation, bias=bias)
         self.pad_mode = pad_mode
         self.context = (kernel_size - 1) * dilation + 1 - stride
-        self.fused = False  # its steps as one Triton kernel, by its shape (Mimi.with_fused_seanet)
+
+    def _weight_in_kernel_order(self) -> Tensor:
+        return taps_first(self.conv.weight)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The streaming state for steps of up to `length` input samples: (channels, samples, samples carried from
@@ -96,7 +128,8 @@ class CausalConv1d(nn.Module):
             return self._step_conv(x if activation is None else activation(x))
         if self.fused and _kernel_takes(x) and x.shape[-1] % self.conv.stride[0] == 0 and x.shape[-1] >= self.context:
             fused_step = fused_strided_step if self.conv.stride[0] > 1 else fused_thin_step
-            return fused_step(x, next(buffers), self.conv, None if activation is None else activation.alpha)
+            alpha = None if activation is None else activation.alpha
+            return fused_step(x, next(buffers), self.conv, self.kernel_weight, alpha)
         window = next(buffers)
         kept, length = self.context, x.shape[-1]
         if kept + length > window.shape[-1]:
@@ -116,7 +149,7 @@ class CausalConv1d(nn.Module):
         return y
 
 
-class CausalConvTranspose1d(nn.Module):
+class CausalConvTranspose1d(_FusableStep):
     """ConvTranspose1d trimmed on the right; streaming carries the `kernel - stride` overlap tail to the next call.
 
     The streaming step computes the transposed convolution itself, as one GEMM (or, depthwise, one product) and an
@@ -135,7 +168,9 @@ class CausalConvTranspose1d(nn.Module):
         self.convtr = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride, groups=groups, bias=bias)
         self.stride = stride
         self.overlap = kernel_size - stride
-        self.fused = False  # its steps as one Triton kernel (Mimi.with_fused_seanet)
+
+    def _weight_in_kernel_order(self) -> Tensor:
+        return transposed_taps(self.convtr.weight)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The overlap tail, whatever the step's length, all of it carried."""
@@ -161,16 +196,16 @@ class CausalConvTranspose1d(nn.Module):
         """`activation` (the ELU before this convolution) is applied to the input first."""
         if self.fused and _kernel_takes(x) and x.shape[-1] * self.stride >= self.overlap:
             alpha = None if activation is None else activation.alpha
-            return fused_transposed_step(x, next(buffers), self.convtr, alpha)
+            return fused_transposed_step(x, next(buffers), self.convtr, self.kernel_weight, alpha)
         return overlap_add(self._taps(x if activation is None else activation(x)), next(buffers), self.convtr.bias,
                            self.stride)
 
 
-class ResidualBlock(nn.Module):
+class ResidualBlock(_FusableStep):
     """SEANet residual unit: x + conv1x1(elu(conv_k(elu(x)))), identity skip. Indices 1 and 3 hold the convs.
 
-    With `fused` set (`Mimi.with_fused_seanet`), a streaming step runs as one Triton kernel where its widths and
-    input allow (model/seanet_kernels.py)."""
+    Once fused (`Mimi.with_fused_seanet`), a streaming step runs as one Triton kernel where its input allows
+    (model/seanet_kernels.py)."""
 
     def __init__(self, dim: int, hidden: int, kernel_size: int, dilation: int) -> None:
         super().__init__()
@@ -182,7 +217,9 @@ class ResidualBlock(nn.Module):
                 CausalConv1d(hidden, dim, 1),
             ]
         )
-        self.fused = False
+
+    def _weight_in_kernel_order(self) -> Tensor:  # the first convolution's; the kernel reads the 1x1's as it is
+        return taps_first(self.block[1].conv.weight)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         return [s for layer in self.block if isinstance(layer, CausalConv1d) for s in layer.buffer_shapes(length)]
@@ -200,7 +237,8 @@ class ResidualBlock(nn.Module):
         elu, conv, elu_hidden, conv_1x1 = self.block
         if self.fused and _kernel_takes(x) and x.shape[-1] >= conv.context:
             window = next(buffers) if conv.context else None
-            return fused_residual_step(x, window, conv.conv, conv_1x1.conv, elu.alpha, elu_hidden.alpha)
+            return fused_residual_step(x, window, conv.conv, self.kernel_weight, conv_1x1.conv, elu.alpha,
+                                       elu_hidden.alpha)
         y = conv.step(x, buffers, activation=elu)
         return x + conv_1x1.step(y, buffers, activation=elu_hidden)
 

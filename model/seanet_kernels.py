@@ -133,20 +133,27 @@ def _keep(x: Tensor, window: Tensor, context: int, alpha: float | None) -> None:
         torch.ops.aten.elu.out(kept, alpha, out=window[..., :context])
 
 
-def _taps_first(weight: Tensor) -> Tensor:
-    """A convolution's weight [C_out, C_in, K] as [K, C_out, C_in], contiguous: a kernel's [C_out, C_in] tile of
-    one tap is then read along C_in, where torch's layout puts its neighbours K apart. Every program reads the whole
-    weight; the copy is the weight's size, once a step."""
-    return weight.permute(2, 0, 1).contiguous()
+def taps_first(weight: Tensor) -> Tensor:
+    """A convolution's weight [C_out, C_in, K] as the kernels read it, [K, C_out, C_in] contiguous: a kernel's
+    [C_out, C_in] tile of one tap is then read along C_in, where torch's layout puts its neighbours K apart. A copy
+    of the weight's size, made once as a layer is fused (`fuse()` in model/mimi_modules.py), not every step."""
+    return weight.detach().permute(2, 0, 1).contiguous()
 
 
-def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d, conv_1x1: torch.nn.Conv1d,
-                        alpha: float, alpha_hidden: float) -> Tensor:
+def transposed_taps(weight: Tensor) -> Tensor:
+    """A transposed convolution's weight [C_in, C_out, K] as its kernel reads it, [C_out, K, C_in] contiguous (made
+    once, as `taps_first`)."""
+    return weight.detach().permute(1, 2, 0).contiguous()
+
+
+def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d, taps: Tensor,
+                        conv_1x1: torch.nn.Conv1d, alpha: float, alpha_hidden: float) -> Tensor:
     """One streaming step of a residual unit over x [B, C, L] (time or channels contiguous, as a strided
     convolution's product leaves it; L >= the context): the output [B, C, L], contiguous.
 
     `window` is the first convolution's state as `CausalConv1d` keeps it (its first `context` samples the ELU'd
     input kept from the last step, read here and then replaced; the rest unused), None for a convolution of one tap.
+    `taps` is `conv`'s weight as `taps_first` orders it.
     """
     b, c, length = x.shape
     hidden, _, k = conv.weight.shape
@@ -159,7 +166,7 @@ def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d,
     window_strides = (0, 0, 0) if window is None else window.stride()  # never read without a context
     tile = RESIDUAL_TILE
     _residual_kernel[(b, triton.cdiv(length, tile.samples))](
-        x, x if window is None else window, _taps_first(conv.weight), conv.bias, conv_1x1.weight, conv_1x1.bias, out,
+        x, x if window is None else window, taps, conv.bias, conv_1x1.weight, conv_1x1.bias, out,
         length, *x.stride(), *window_strides, alpha, alpha_hidden, C=c, H=hidden, K=k, DILATION=dilation,
         CONTEXT=context, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.samples,
         PRECISION=_precision(x, torch.backends.cudnn.allow_tf32), **launch.arguments(x.device),
@@ -170,10 +177,12 @@ def fused_residual_step(x: Tensor, window: Tensor | None, conv: torch.nn.Conv1d,
     return out
 
 
-def fused_strided_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: float | None) -> Tensor:
+def fused_strided_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, taps: Tensor, alpha: float | None
+                       ) -> Tensor:
     """One streaming step of a strided causal convolution over x [B, C_in, L] (time or channels contiguous; L a
     multiple of the stride and at least the context), the ELU of `alpha` applied to x first when given: the output
-    [B, C_out, L / stride], contiguous (the torch path leaves it transposed). `window` as for a residual unit."""
+    [B, C_out, L / stride], contiguous (the torch path leaves it transposed). `window` and `taps` as for a residual
+    unit."""
     b, c_in, length = x.shape
     c_out, _, k = conv.weight.shape
     stride = conv.stride[0]
@@ -184,7 +193,7 @@ def fused_strided_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: 
     out = torch.empty(b, c_out, frames, device=x.device, dtype=x.dtype)
     tile = STRIDED_TILE
     _strided_kernel[(b, triton.cdiv(frames, tile.frames), c_out // tile.channels)](
-        x, window, _taps_first(conv.weight), conv.bias, out, frames, *x.stride(), *window.stride(),
+        x, window, taps, conv.bias, out, frames, *x.stride(), *window.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, CONTEXT=context, HAS_ELU=alpha is not None,
         CHANNELS_INNER=x.stride(2) != 1, BLOCK_L=tile.frames, BLOCK_CO=tile.channels, BLOCK_CI=INPUT_BLOCK,
@@ -195,10 +204,10 @@ def fused_strided_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: 
     return out
 
 
-def fused_thin_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: float | None) -> Tensor:
+def fused_thin_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, taps: Tensor, alpha: float | None) -> Tensor:
     """One streaming step of a causal convolution to or from one channel over x [B, C_in, L] (time or channels
     contiguous; L >= the context), the ELU of `alpha` applied to x first when given: the output [B, C_out, L],
-    contiguous. `window` as for a residual unit."""
+    contiguous. `window` and `taps` as for a residual unit."""
     b, c_in, length = x.shape
     c_out, _, k = conv.weight.shape
     context = k - 1
@@ -207,7 +216,7 @@ def fused_thin_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: flo
     out = torch.empty(b, c_out, length, device=x.device, dtype=x.dtype)
     tile = THIN_TILE
     _thin_kernel[(b, triton.cdiv(length, tile.samples))](
-        x, window, _taps_first(conv.weight), conv.bias, out, length, *x.stride(), *window.stride(),
+        x, window, taps, conv.bias, out, length, *x.stride(), *window.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, CONTEXT=context, HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1,
         BLOCK_T=tile.samples, **launch.arguments(x.device), num_warps=tile.warps,
@@ -216,11 +225,13 @@ def fused_thin_step(x: Tensor, window: Tensor, conv: torch.nn.Conv1d, alpha: flo
     return out
 
 
-def fused_transposed_step(x: Tensor, tail: Tensor, convtr: torch.nn.ConvTranspose1d, alpha: float | None) -> Tensor:
+def fused_transposed_step(x: Tensor, tail: Tensor, convtr: torch.nn.ConvTranspose1d, taps: Tensor,
+                          alpha: float | None) -> Tensor:
     """One streaming step of a transposed convolution over x [B, C_in, T] (time or channels contiguous), the ELU
     of `alpha` applied to x first when given: the output [B, C_out, T * stride], contiguous. `tail` [B, C_out,
     kernel - stride] (CausalConvTranspose1d's state) is added to the output's start and then holds the part that
-    overruns this step, without the bias, as `overlap_add` leaves it."""
+    overruns this step, without the bias, as `overlap_add` leaves it. `taps` is `convtr`'s weight as
+    `transposed_taps` orders it."""
     b, c_in, frames = x.shape
     _, c_out, k = convtr.weight.shape
     stride = convtr.stride[0]
@@ -232,7 +243,7 @@ def fused_transposed_step(x: Tensor, tail: Tensor, convtr: torch.nn.ConvTranspos
     tile = TRANSPOSED_TILE
     block_co = tile.channels(stride)
     _transposed_kernel[(b, triton.cdiv(frames + shifts - 1, tile.frames), c_out // block_co)](
-        x, tail, new_tail, convtr.weight.permute(1, 2, 0).contiguous(), convtr.bias, out, frames, *x.stride(),
+        x, tail, new_tail, taps, convtr.bias, out, frames, *x.stride(),
         1.0 if alpha is None else alpha,
         C_IN=c_in, C_OUT=c_out, K=k, STRIDE=stride, PADDED_STRIDE=padded(stride), SHIFTS=shifts,
         HAS_ELU=alpha is not None, CHANNELS_INNER=x.stride(2) != 1, BLOCK_T=tile.frames, BLOCK_CO=block_co,

@@ -3,6 +3,7 @@ without CUDA through Triton's interpreter (tests/conftest.py sets it), so CI che
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,7 +12,14 @@ import torch
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
 from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, ResidualBlock
 from model.random_model import random_mimi
-from model.seanet_kernels import fused_residual_step, fused_strided_step, fused_thin_step, fused_transposed_step
+from model.seanet_kernels import (
+    fused_residual_step,
+    fused_strided_step,
+    fused_thin_step,
+    fused_transposed_step,
+    taps_first,
+    transposed_taps,
+)
 from model.stream_kernels import overlap_add_reference, overlap_add_triton
 
 pytest.importorskip("triton")
@@ -58,13 +66,14 @@ def test_a_fused_residual_step_computes_the_units_steps(channels, dtype) -> None
     assert [kept for _, _, kept in shapes] == [2]
     windows = [torch.zeros(ROWS, c, n, device=DEVICE, dtype=dtype) for c, n, _ in shapes]
     fused_window = windows[0].clone()
+    taps = taps_first(conv.conv.weight)
     tolerance = TOLERANCE[dtype]
     for length, channels_inner in ((130, False), (64, True), (2, False), (200, True)):
         # Time contiguous, or channels (as the encoder's strided convolution leaves its product).
         x = 2 * torch.randn(ROWS, channels, length, device=DEVICE, dtype=dtype)
         x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
         want = unit.step(x, iter(windows)).float()
-        got = fused_residual_step(x, fused_window, conv.conv, conv_1x1.conv, 1.0, 1.0).float()
+        got = fused_residual_step(x, fused_window, conv.conv, taps, conv_1x1.conv, 1.0, 1.0).float()
         assert (got - want).abs().max() <= tolerance * want.abs().max(), length
         torch.testing.assert_close(fused_window[..., :2], windows[0][..., :2], rtol=1e-6, atol=1e-6)
 
@@ -86,13 +95,14 @@ def test_a_fused_convolution_step_computes_the_convolutions_steps(channels_in, c
     (shape,) = conv.buffer_shapes(40 * stride)
     window = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
     fused_window = window.clone()
+    taps = taps_first(conv.conv.weight)
     shortest = -(-context // stride)  # frames
     for frames, channels_inner, elu in ((40, False, True), (7, True, True), (shortest, False, False), (33, True, True)):
         x = 2 * torch.randn(ROWS, channels_in, frames * stride, device=DEVICE, dtype=dtype)
         x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
         activation = torch.nn.ELU() if elu else None
         want = conv.step(x, iter([window]), activation=activation).float()
-        got = fused_step(x, fused_window, conv.conv, None if activation is None else activation.alpha)
+        got = fused_step(x, fused_window, conv.conv, taps, None if activation is None else activation.alpha)
         assert got.is_contiguous() and got.shape == want.shape
         assert (got.float() - want).abs().max() <= TOLERANCE[dtype] * want.abs().max(), frames
         torch.testing.assert_close(fused_window[..., :context], window[..., :context], rtol=1e-6, atol=1e-6)
@@ -111,12 +121,14 @@ def test_a_fused_transposed_step_computes_the_convolutions_steps(channels, kerne
     (shape,) = convtr.buffer_shapes(40)
     tail = torch.zeros(ROWS, *shape[:2], device=DEVICE, dtype=dtype)
     fused_tail = tail.clone()
+    taps = transposed_taps(convtr.convtr.weight)
     tolerance = TOLERANCE[dtype]
     for frames, channels_inner, activation in ((40, False, elu), (3, True, elu), (1, False, None), (33, True, elu)):
         x = 2 * torch.randn(ROWS, channels, frames, device=DEVICE, dtype=dtype)
         x = x.transpose(1, 2).contiguous().transpose(1, 2) if channels_inner else x
         want = convtr.step(x, iter([tail]), activation=activation).float()
-        got = fused_transposed_step(x, fused_tail, convtr.convtr, None if activation is None else activation.alpha)
+        alpha = None if activation is None else activation.alpha
+        got = fused_transposed_step(x, fused_tail, convtr.convtr, taps, alpha)
         assert got.is_contiguous() and got.shape == want.shape
         assert (got.float() - want).abs().max() <= tolerance * want.abs().max(), frames
         assert (fused_tail.float() - tail.float()).abs().max() <= tolerance * want.abs().max(), frames
@@ -164,6 +176,38 @@ def test_only_the_steps_the_kernels_take_are_fused() -> None:
         for part in ("encoder", "decoder"):
             assert fused(one, part) == (fused(both, part) if part == side else fused(mimi, part))
     assert not any(on for part in ("encoder", "decoder") for _, _, on in fused(mimi, part))
+
+
+@torch.no_grad()
+def test_a_fused_layer_steps_with_its_weight_put_in_the_kernels_order_once() -> None:
+    """Fusing copies each fused layer's weight into its kernel's order once, not on every step (each step made a
+    fresh copy before: ~5-10 small copy kernels a tick): a buffer kept out of the checkpoint (a fused codec's state
+    dict is the codec's), that casts with the layer, and that the fused step reads: zeroed, the step gives the
+    bias alone, where the torch path still gives the convolution."""
+    mimi = random_mimi(MimiConfig(), "cpu")
+    fused = mimi.with_fused_seanet()
+    assert fused.state_dict().keys() == mimi.state_dict().keys()
+    transposed = [layer for layer in fused.decoder.model if isinstance(layer, CausalConvTranspose1d) and layer.fused]
+    assert transposed
+    for layer in transposed:
+        assert layer.kernel_weight.is_contiguous()
+        assert torch.equal(layer.kernel_weight, layer.convtr.weight.permute(1, 2, 0))
+    half = copy.deepcopy(fused.decoder).to(torch.bfloat16)
+    assert {layer.kernel_weight.dtype for layer in half.model if getattr(layer, "fused", False)} == {torch.bfloat16}
+
+    conv = CausalConv1d(1, 64, 7).to(DEVICE)  # the encoder's first convolution: from audio, fused as `ends` fits
+    conv.fuse()
+    assert torch.equal(conv.kernel_weight, conv.conv.weight.permute(2, 0, 1))
+    (shape,) = conv.buffer_shapes(FRAME_SAMPLES // 8)
+    x = torch.randn(ROWS, 1, FRAME_SAMPLES // 8, device=DEVICE)
+    window = torch.zeros(ROWS, *shape[:2], device=DEVICE)
+    steps = conv.step(x, iter([window.clone()]))
+    conv.kernel_weight.zero_()
+    bias_alone = conv.step(x, iter([window.clone()]))
+    assert torch.equal(bias_alone, conv.conv.bias.view(1, -1, 1).expand_as(bias_alone))
+    conv.fuse(False)
+    torch_path = conv.step(x, iter([window.clone()]))
+    assert (torch_path - steps).abs().max() <= TOLERANCE[torch.float32] * steps.abs().max()
 
 
 @torch.no_grad()
