@@ -71,45 +71,63 @@ class RowSampling:
         self.seed[row].fill_(seed_bits(seed))
 
 
+@dataclass(frozen=True)
+class Forced:
+    """Rows whose token is given rather than drawn: where `rows` (bool [B]) is set, the token is `tokens` [B] (long)."""
+
+    rows: Tensor
+    tokens: Tensor
+
+    def apply(self, drawn: Tensor) -> Tensor:
+        return torch.where(self.rows, self.tokens, drawn)
+
+
 def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, max_top_k: int,
-           fused: bool = False) -> Tensor:
-    """One token per row from logits [B, V] (fp32) -> [B] long.
+           fused: bool = False, forced: Forced | None = None) -> Tensor:
+    """One token per row from logits [B, V] (fp32) -> [B] long; the `forced` rows take their given token.
 
     Sampled rows take argmax(logits / T + Gumbel) over their own top-k, which is the reference's draw
     (softmax, top-k, then argmax of p / q with q ~ Exp(1)) written in log space. Greedy rows take the reference's
-    argmax, the first of equal maxima: logits out of bf16 products tie often, and topk orders ties its own way.
+    argmax, the first of equal maxima: logits out of bf16 products tie often, and topk orders ties its own way. The
+    noise's salt is `counter * 64 + stream` (counter [B], the row's frame).
     `fused`: on CUDA, a vocabulary of up to FUSED_DRAW_MAX_VOCAB is drawn by one kernel (`draw_triton`).
     """
-    salt = counter * 64 + stream
     if fused and logits.shape[-1] <= FUSED_DRAW_MAX_VOCAB and use_kernel(logits.device):
-        return draw_triton(logits, params, salt)
+        return draw_triton(logits, params, counter, stream, forced)
     k = min(max_top_k, logits.shape[-1])
     values, ids = logits.topk(k, dim=-1)
-    return _choose(values, ids, logits.argmax(dim=-1), params.greedy, params.temperature, params.top_k, params.seed,
-                   salt)
+    drawn = _choose(values, ids, logits.argmax(dim=-1), params.greedy, params.temperature, params.top_k,
+                    params.seed, counter * 64 + stream)
+    return drawn if forced is None else forced.apply(drawn)
 
 
-def draw_reference(logits: Tensor, params: RowSampling, salt: Tensor) -> Tensor:
+def draw_reference(logits: Tensor, params: RowSampling, counter: Tensor, stream: int,
+                   forced: Forced | None = None) -> Tensor:
     """The fused draw through torch ops (the kernel's oracle): every candidate ranked by value, equal values by
     index, which is where it may differ from `sample`'s (topk ranks equal values its own way)."""
     values, ids = logits.sort(dim=-1, descending=True, stable=True)
-    return _choose(values, ids, ids[:, 0], params.greedy, params.temperature, params.top_k, params.seed, salt)
+    drawn = _choose(values, ids, ids[:, 0], params.greedy, params.temperature, params.top_k, params.seed,
+                    counter * 64 + stream)
+    return drawn if forced is None else forced.apply(drawn)
 
 
-def draw_triton(logits: Tensor, params: RowSampling, salt: Tensor) -> Tensor:
+def draw_triton(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, forced: Forced | None = None
+                ) -> Tensor:
     """The draw of `sample` as one Triton kernel per row, on whatever device Triton runs (CUDA; the CPU through its
     interpreter). torch's path sorts each row's candidates (a top 2048 of 2048 is a whole sort) and takes four more
     kernels; at one row on the H200 the tick's eight audio draws spent 0.27 ms in topk alone, of a depformer of 2.1
     (docs/bench/h200_roofline_graphs.jsonl). The kernel draws over the whole row and keeps that token where it is one
     of the row's top_k (most draws); else it finds the top_k-th largest logit by bisection on the floats'
     order-preserving integer keys and draws again among the top_k, equal values at that boundary lowest index
-    first."""
+    first. The salt and the forced rows' select are its own too (they were three more launches a draw)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and vocab <= FUSED_DRAW_MAX_VOCAB
     tokens = torch.empty(rows, device=logits.device, dtype=torch.long)
+    given = (tokens, tokens) if forced is None else (forced.rows, forced.tokens)  # read only with HAS_FORCED
     _draw_kernel[(rows,)](logits, logits.stride(0), params.greedy, params.temperature, params.top_k, params.seed,
-                          salt, tokens, vocab, BLOCK=triton.next_power_of_2(vocab), **launch.arguments(logits.device),
-                          num_warps=4)
+                          counter, stream, *given, given[0].stride(0), given[1].stride(0), tokens, vocab,
+                          HAS_FORCED=forced is not None, BLOCK=triton.next_power_of_2(vocab),
+                          **launch.arguments(logits.device), num_warps=4)
     return tokens
 
 
@@ -156,8 +174,8 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _draw_kernel(LOGITS, s_row, GREEDY, TEMPERATURE, TOP_K, SEED, SALT, TOKENS, V, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+    def _draw_kernel(LOGITS, s_row, GREEDY, TEMPERATURE, TOP_K, SEED, COUNTER, stream, FORCED, GIVEN, s_forced,
+                     s_given, TOKENS, V, HAS_FORCED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         launch.allow_next(PDL)
         launch.wait_for_previous(PDL)
         row = tl.program_id(0)
@@ -172,7 +190,7 @@ if triton is not None:
         k = tl.minimum(tl.load(TOP_K + row), V)
 
         seed = tl.load(SEED + row)
-        salt = tl.load(SALT + row)
+        salt = tl.load(COUNTER + row).to(tl.int64) * 64 + stream
         base = _hash32(_hash32(seed) ^ _hash32(salt))
         h = _hash32(base + ids.to(tl.int64) * 0x9E3779B1)
         uniform = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
@@ -202,4 +220,7 @@ if triton is not None:
         greedy = (tl.load(GREEDY + row) != 0) | (temperature <= 0)
         # A row of NaN logits matches no maximum: it still gets a token of the vocabulary (the embedding that takes
         # it would fault the device, every session's), and its audio then fails that session alone.
-        tl.store(TOKENS + row, tl.minimum(tl.where(greedy, first_max, sampled), V - 1).to(tl.int64))
+        token = tl.minimum(tl.where(greedy, first_max, sampled), V - 1).to(tl.int64)
+        if HAS_FORCED:
+            token = tl.where(tl.load(FORCED + row * s_forced) != 0, tl.load(GIVEN + row * s_given), token)
+        tl.store(TOKENS + row, token)

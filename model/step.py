@@ -20,7 +20,7 @@ from torch import Tensor
 
 from model.depformer_kernels import FUSED_ROWS_MAX
 from model.lm import LM, RING_SIZE, DepformerCache, LMState
-from model.sampling import RowSampling, sample
+from model.sampling import Forced, RowSampling, sample
 from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
 
 
@@ -103,8 +103,8 @@ def temporal_half(
 
     inputs = ring.gather(2, ((o - 1) % RING_SIZE).view(B, 1, 1).expand(B, R, 1)).squeeze(2)
     hidden = lm.temporal_step(lm.embed_column(inputs), state, active)
-    text = sample(lm.text_logits(hidden), text_sampling, o, 0, const.max_top_k_text)
-    text = torch.where(forced[:, 0], given[:, 0], text)
+    text = sample(lm.text_logits(hidden), text_sampling, o, 0, const.max_top_k_text,
+                  forced=Forced(forced[:, 0], given[:, 0]))
     return TemporalResult(hidden, text, given, forced, ring_before)
 
 
@@ -130,8 +130,8 @@ def depformer_half(
             logits = lm.depformer_step_fused(k, hidden, previous, dep_cache)
         else:
             logits = lm.depformer_step(k, lm.depformer_in[k](hidden) + previous, dep_cache)
-        token = sample(logits, audio_sampling, o, 1 + k, const.max_top_k_audio, const.fused_draw)
-        token = torch.where(forced[:, 1 + k], given[:, 1 + k], token)
+        token = sample(logits, audio_sampling, o, 1 + k, const.max_top_k_audio, const.fused_draw,
+                       Forced(forced[:, 1 + k], given[:, 1 + k]))
         tokens.append(token)
         if k + 1 < K:
             previous = lm.depformer_emb[k](token)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.sampling import RowSampling, draw_reference, draw_triton, row_sampling, sample
+from model.sampling import Forced, RowSampling, draw_reference, draw_triton, row_sampling, sample
 from model.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
@@ -36,8 +36,8 @@ def test_the_fused_draw_equals_its_torch_oracle_with_ties_everywhere(vocab: int)
     logits = logits.to(DEVICE)
     params = mixed_rows(rows, [1, 2, 7, 25, 250, 2048], seed=11)
     for frame in range(2):
-        salt = torch.full((rows,), frame * 64 + 1, device=DEVICE, dtype=torch.long)
-        got, want = draw_triton(logits, params, salt), draw_reference(logits, params, salt)
+        counter = torch.full((rows,), frame, device=DEVICE, dtype=torch.long)
+        got, want = draw_triton(logits, params, counter, 1), draw_reference(logits, params, counter, 1)
         assert torch.equal(got, want), (got != want).nonzero().flatten().tolist()
     # The boundary's equal values are taken lowest index first: a row of equal logits with top_k 3 draws from 0-2.
     flat = torch.zeros(32, vocab, device=DEVICE)
@@ -45,18 +45,18 @@ def test_the_fused_draw_equals_its_torch_oracle_with_ties_everywhere(vocab: int)
     three.greedy.fill_(False)
     three.temperature.fill_(1.0)
     three.top_k.fill_(3)
-    drawn = draw_triton(flat, three, torch.arange(32, device=DEVICE))
+    drawn = draw_triton(flat, three, torch.arange(32, device=DEVICE), 1)
     assert set(drawn.tolist()) == {0, 1, 2}
     # Four equal top logits and top_k 2: whichever of the four the noise favours, the draw is among the first two
     # (a draw over the whole row won by the third or fourth must not be taken as one of the top two).
     tied = torch.full((32, vocab), -1000.0, device=DEVICE)
     tied[:, [10, 20, 30, 40]] = 5.0
     three.top_k.fill_(2)
-    salts = torch.arange(32, device=DEVICE)
-    drawn = draw_triton(tied, three, salts)
-    assert set(drawn.tolist()) == {10, 20} and torch.equal(drawn, draw_reference(tied, three, salts))
+    frames = torch.arange(32, device=DEVICE)
+    drawn = draw_triton(tied, three, frames, 1)
+    assert set(drawn.tolist()) == {10, 20} and torch.equal(drawn, draw_reference(tied, three, frames, 1))
     # Rows of NaN (greedy and sampled) still draw a token of the vocabulary, as torch's path does.
-    broken = draw_triton(torch.full((rows, vocab), float("nan"), device=DEVICE), params, salt)
+    broken = draw_triton(torch.full((rows, vocab), float("nan"), device=DEVICE), params, counter, 1)
     assert bool(((broken >= 0) & (broken < vocab)).all())
 
 
@@ -69,7 +69,28 @@ def test_the_fused_draw_equals_samples_tokens_where_no_values_tie() -> None:
     params = mixed_rows(rows, [5, 250, 2048], seed=99)
     counter = torch.arange(rows, device=DEVICE) * 3
     for stream in (1, 8):
-        fused = draw_triton(logits, params, counter * 64 + stream)
+        fused = draw_triton(logits, params, counter, stream)
         assert torch.equal(fused, sample(logits, params, counter, stream, 2048))
         if DEVICE == "cuda":
             assert torch.equal(sample(logits, params, counter, stream, 2048, fused=True), fused)
+
+
+def test_the_fused_draw_gives_the_forced_rows_their_token_as_the_torch_path_does() -> None:
+    """The rows a step forces (a session's delay, a prompt's tokens) take their given token in the draw's own
+    kernel, as the torch path's select after its draw gives them: columns of a [rows, 17] block, as the step passes
+    them, the other rows drawn as without any."""
+    rows = 32
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(rows, 2048, generator=gen) * 2.0).to(DEVICE)
+    params = mixed_rows(rows, [5, 250], seed=7)
+    counter = torch.arange(rows, device=DEVICE) * 5
+    given = torch.randint(0, 2048, (rows, 17), generator=gen).to(DEVICE)
+    flags = (torch.rand(rows, 17, generator=gen) < 0.4).to(DEVICE)
+    for column in (1, 8):
+        forced = Forced(flags[:, column], given[:, column])
+        drawn = draw_triton(logits, params, counter, column)
+        got = draw_triton(logits, params, counter, column, forced)
+        assert torch.equal(got, torch.where(flags[:, column], given[:, column], drawn))
+        assert 0 < int(flags[:, column].sum()) < rows and not torch.equal(got, drawn)
+        assert torch.equal(got, sample(logits, params, counter, column, 2048, forced=forced))
+        assert torch.equal(got, draw_reference(logits, params, counter, column, forced))
