@@ -185,6 +185,12 @@ def hearing(client: DoorClient) -> dict[str, Any]:
     return {"fixed": [fixed_delay_player(client.received.times, client.received.ends_s, ms) for ms in PLAYERS_MS]}
 
 
+def hear(calls: list[tuple[dict[str, Any], DoorClient]]) -> None:
+    """Each ended call's report gets what its caller heard (`run_session`'s `to_hear`)."""
+    for report, client in calls:
+        report["hearing"] = hearing(client)
+
+
 def impairment(models: tuple[LinkModel, LinkModel], peer: PeerImpairment | None, spec: str) -> dict[str, Any]:
     up, down = models
     out = {"link": spec, "up": up.stats.summary(), "down": down.stats.summary()}
@@ -195,8 +201,13 @@ def impairment(models: tuple[LinkModel, LinkModel], peer: PeerImpairment | None,
     return out
 
 
-async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0: float) -> dict[str, Any]:
-    """Open at its time (behind its link, if any), stream, drain, close; its report (or why it has none)."""
+async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0: float,
+                      to_hear: list[tuple[dict[str, Any], DoorClient]]) -> dict[str, Any]:
+    """Open at its time (behind its link, if any), stream, drain, close; its report (or why it has none). What its
+    caller heard is worked out once every session of the process has ended (`to_hear`): WebRTC's adaptive player
+    replays the whole call through a jitter buffer (~50-80 ms of this loop's time a call), and run as each call
+    ended it stalled the calls still streaming beside it (their send and output lateness, at 250 sessions, up to
+    200 ms in the last seconds of every call)."""
     await asyncio.sleep(max(0.0, t0 + p.open_at_s - time.monotonic()))
     audio = job.session_audio(p)
     link = Link.parse(p.link) if p.link else None
@@ -216,6 +227,7 @@ async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0:
         url = f"http://127.0.0.1:{relay.port}"
     client = make_client(p.door, f"{p.door}{p.index}", url, job.headers, audio, on_answer, udp)
     extra: dict[str, Any] = {}
+    listened = False
     try:
         refused = await client.open(http)
         if refused is not None:
@@ -223,7 +235,7 @@ async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0:
                     "refused": refused.get("error", refused)}
         await client.stream(audio, time.monotonic(), pieces=job.pieces.get(p.index))
         await client.wait_output(job.drain_s)
-        extra["hearing"] = hearing(client)
+        listened = True
         await asyncio.wait_for(client.close(), 15)
     except Exception as e:   # one broken session is a finding of the run, not the end of it
         return {"index": p.index, "link": p.link, **client.report(), "failed": repr(e)}
@@ -237,7 +249,10 @@ async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0:
             relay.models[0] if relay and relay.models else None
         if models is not None:
             extra["impairment"] = impairment(models, peers[0] if peers else None, p.link)
-    return {"index": p.index, "open_at_s": p.open_at_s, "link": p.link, **client.report(), **extra}
+    report = {"index": p.index, "open_at_s": p.open_at_s, "link": p.link, **client.report(), **extra}
+    if listened:
+        to_hear.append((report, client))
+    return report
 
 
 def rusage_cpu_s() -> float:
@@ -247,11 +262,14 @@ def rusage_cpu_s() -> float:
 
 async def run_proc(job: ProcJob, t0: float) -> dict[str, Any]:
     c0, w0 = rusage_cpu_s(), time.monotonic()
+    to_hear: list[tuple[dict[str, Any], DoorClient]] = []
     async with client_session() as http:
-        reports = await asyncio.gather(*(run_session(http, job, p, t0) for p in job.sessions))
+        reports = await asyncio.gather(*(run_session(http, job, p, t0, to_hear) for p in job.sessions))
     wall = time.monotonic() - w0
-    return {"pid": os.getpid(), "sessions": len(job.sessions), "wall_s": round(wall, 2),
-            "cpu_pct": round(100.0 * (rusage_cpu_s() - c0) / wall, 1), "reports": reports}
+    cpu_pct = round(100.0 * (rusage_cpu_s() - c0) / wall, 1)  # the calls', not the players' replays after them
+    hear(to_hear)
+    return {"pid": os.getpid(), "sessions": len(job.sessions), "wall_s": round(wall, 2), "cpu_pct": cpu_pct,
+            "reports": reports}
 
 
 def proc_main(conn: Connection, job: ProcJob) -> None:
@@ -354,7 +372,9 @@ async def extra_open(http: aiohttp.ClientSession, args: argparse.Namespace, audi
     await asyncio.sleep(args.extra_settle_s)
     seconds = min(args.extra_seconds, args.seconds)
     job = ProcJob(args.url, headers, [], audio, seconds, args.drain_s)
-    report = await run_session(http, job, Planned(args.sessions, args.extra_door, -1, 0.0), time.monotonic())
+    to_hear: list[tuple[dict[str, Any], DoorClient]] = []
+    report = await run_session(http, job, Planned(args.sessions, args.extra_door, -1, 0.0), time.monotonic(), to_hear)
+    hear(to_hear)
     return {"live_before": in_use, **report}
 
 

@@ -63,6 +63,10 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
         assert s["session_id"] and s["frames_in"] > 0 and s["frames_out"] > 0, s
         assert s["rtf"] is not None and s["first_audio_ms"] > 0 and s["missing_frames"] >= 0, s
         assert s["output_lateness_ms"]["p99"] >= s["output_lateness_ms"]["p50"] >= 0, s
+    # What each caller heard (its player replayed once every call of its process had ended, not beside them).
+    for s in sessions:
+        heard = s["hearing"]["adaptive" if s["door"] == "webrtc" else "fixed"]
+        assert heard and ("concealed_ms" in heard if s["door"] == "webrtc" else len(heard) == 3), s
     webrtc = next(s for s in sessions if s["door"] == "webrtc")
     assert webrtc["server"]["input_added_ms"]["p50"] is not None
     assert webrtc["server"]["input_buffered_ms"]["p95"] >= webrtc["server"]["input_buffered_ms"]["p50"] >= 0
