@@ -14,18 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import seanet_kernels
 from model.attention import TRITON_INTERPRETED
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.fused import fusable
 from model.rope import apply_rope, rope_rotation
-from model.seanet_kernels import (
-    fused_residual_step,
-    fused_strided_step,
-    fused_thin_step,
-    fused_transposed_step,
-    taps_first,
-    transposed_taps,
-)
 from model.stream_kernels import overlap_add
 
 NORM_EPS = 1e-5
@@ -94,7 +87,7 @@ class CausalConv1d(_FusableStep):
         self.context = (kernel_size - 1) * dilation + 1 - stride
 
     def _weight_in_kernel_order(self) -> Tensor:
-        return taps_first(self.conv.weight)
+        return seanet_kernels.taps_first(self.conv.weight)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The streaming state for steps of up to `length` input samples: (channels, samples, samples carried from
@@ -127,7 +120,8 @@ class CausalConv1d(_FusableStep):
         if self.context == 0:
             return self._step_conv(x if activation is None else activation(x))
         if self.fused and _kernel_takes(x) and x.shape[-1] % self.conv.stride[0] == 0 and x.shape[-1] >= self.context:
-            fused_step = fused_strided_step if self.conv.stride[0] > 1 else fused_thin_step
+            strided = self.conv.stride[0] > 1
+            fused_step = seanet_kernels.fused_strided_step if strided else seanet_kernels.fused_thin_step
             alpha = None if activation is None else activation.alpha
             return fused_step(x, next(buffers), self.conv, self.kernel_weight, alpha)
         window = next(buffers)
@@ -170,7 +164,7 @@ class CausalConvTranspose1d(_FusableStep):
         self.overlap = kernel_size - stride
 
     def _weight_in_kernel_order(self) -> Tensor:
-        return transposed_taps(self.convtr.weight)
+        return seanet_kernels.transposed_taps(self.convtr.weight)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         """The overlap tail, whatever the step's length, all of it carried."""
@@ -196,7 +190,7 @@ class CausalConvTranspose1d(_FusableStep):
         """`activation` (the ELU before this convolution) is applied to the input first."""
         if self.fused and _kernel_takes(x) and x.shape[-1] * self.stride >= self.overlap:
             alpha = None if activation is None else activation.alpha
-            return fused_transposed_step(x, next(buffers), self.convtr, self.kernel_weight, alpha)
+            return seanet_kernels.fused_transposed_step(x, next(buffers), self.convtr, self.kernel_weight, alpha)
         return overlap_add(self._taps(x if activation is None else activation(x)), next(buffers), self.convtr.bias,
                            self.stride)
 
@@ -219,7 +213,7 @@ class ResidualBlock(_FusableStep):
         )
 
     def _weight_in_kernel_order(self) -> Tensor:  # the first convolution's; the kernel reads the 1x1's as it is
-        return taps_first(self.block[1].conv.weight)
+        return seanet_kernels.taps_first(self.block[1].conv.weight)
 
     def buffer_shapes(self, length: int) -> list[tuple[int, int, int]]:
         return [s for layer in self.block if isinstance(layer, CausalConv1d) for s in layer.buffer_shapes(length)]
@@ -237,8 +231,8 @@ class ResidualBlock(_FusableStep):
         elu, conv, elu_hidden, conv_1x1 = self.block
         if self.fused and _kernel_takes(x) and x.shape[-1] >= conv.context:
             window = next(buffers) if conv.context else None
-            return fused_residual_step(x, window, conv.conv, self.kernel_weight, conv_1x1.conv, elu.alpha,
-                                       elu_hidden.alpha)
+            return seanet_kernels.fused_residual_step(x, window, conv.conv, self.kernel_weight, conv_1x1.conv,
+                                                      elu.alpha, elu_hidden.alpha)
         y = conv.step(x, buffers, activation=elu)
         return x + conv_1x1.step(y, buffers, activation=elu_hidden)
 
