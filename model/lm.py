@@ -409,7 +409,8 @@ class LM(nn.Module):
     # ----- depformer ---------------------------------------------------------------------------------------
 
     def depformer_step(self, step: int, x: Tensor, cache: DepformerCache) -> Tensor:
-        """Depformer step `step` for every row: x [B, depformer_dim] -> audio logits [B, card] (fp32).
+        """Depformer step `step` for every row: x [B, depformer_dim] -> audio logits [B, card], in the weights'
+        dtype (`sample` reads them as float32: the fused draw as it loads them, one cast kernel a draw fewer).
 
         `cache.kv[layer]` holds (k, v) [B, heads, steps, head_dim] of the earlier steps of this frame; causal over
         steps, no positional encoding.
@@ -428,7 +429,7 @@ class LM(nn.Module):
                 h, normed = add_rms_norm(h, delta, layers[i + 1].norm1.alpha, layers[i + 1].norm1.eps)
             else:
                 h = h + delta
-        return self.linears[step](h).float()
+        return self.linears[step](h)
 
     def depformer_step_fused(self, step: int, hidden: Tensor, previous: Tensor, cache: DepformerCache) -> Tensor:
         """depformer_step of `depformer_in[step](hidden) + previous` through model.depformer_kernels: five launches a

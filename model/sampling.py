@@ -84,7 +84,8 @@ class Forced:
 
 def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, max_top_k: int,
            fused: bool = False, forced: Forced | None = None) -> Tensor:
-    """One token per row from logits [B, V] (fp32) -> [B] long; the `forced` rows take their given token.
+    """One token per row from logits [B, V] (float32, or bf16 read as float32) -> [B] long; the `forced` rows take
+    their given token.
 
     Sampled rows take argmax(logits / T + Gumbel) over their own top-k, which is the reference's draw
     (softmax, top-k, then argmax of p / q with q ~ Exp(1)) written in log space. Greedy rows take the reference's
@@ -94,6 +95,7 @@ def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, ma
     """
     if fused and logits.shape[-1] <= FUSED_DRAW_MAX_VOCAB and use_kernel(logits.device):
         return draw_triton(logits, params, counter, stream, forced)
+    logits = logits.float()
     k = min(max_top_k, logits.shape[-1])
     values, ids = logits.topk(k, dim=-1)
     drawn = _choose(values, ids, logits.argmax(dim=-1), params.greedy, params.temperature, params.top_k,
@@ -105,7 +107,7 @@ def draw_reference(logits: Tensor, params: RowSampling, counter: Tensor, stream:
                    forced: Forced | None = None) -> Tensor:
     """The fused draw through torch ops (the kernel's oracle): every candidate ranked by value, equal values by
     index, which is where it may differ from `sample`'s (topk ranks equal values its own way)."""
-    values, ids = logits.sort(dim=-1, descending=True, stable=True)
+    values, ids = logits.float().sort(dim=-1, descending=True, stable=True)
     drawn = _choose(values, ids, ids[:, 0], params.greedy, params.temperature, params.top_k, params.seed,
                     counter * 64 + stream)
     return drawn if forced is None else forced.apply(drawn)
@@ -181,7 +183,7 @@ if triton is not None:
         row = tl.program_id(0)
         ids = tl.arange(0, BLOCK)
         valid = ids < V
-        x = tl.load(LOGITS + row * s_row + ids, mask=valid, other=float("-inf"))
+        x = tl.load(LOGITS + row * s_row + ids, mask=valid, other=float("-inf")).to(tl.float32)  # bf16 exactly
         first_max = tl.min(tl.where(valid & (x == tl.max(x, 0)), ids, BLOCK), 0)
         # Keys order as the floats do (a negative float's magnitude bits flipped; -0 made +0 first, as they are
         # equal): candidates are the first k in (key descending, index ascending).

@@ -94,3 +94,19 @@ def test_the_fused_draw_gives_the_forced_rows_their_token_as_the_torch_path_does
         assert 0 < int(flags[:, column].sum()) < rows and not torch.equal(got, drawn)
         assert torch.equal(got, sample(logits, params, counter, column, 2048, forced=forced))
         assert torch.equal(got, draw_reference(logits, params, counter, column, forced))
+
+
+def test_bf16_logits_draw_as_their_float32_values() -> None:
+    """The depformer hands its logits over in the weights' dtype: the fused draw reads bf16 as it loads them, the
+    torch path converts first, and both draw exactly what they draw from the same values in float32."""
+    rows = 32
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(rows, 2048, generator=gen) * 2.0).bfloat16().to(DEVICE)
+    params = mixed_rows(rows, [5, 250, 2048], seed=3)
+    counter = torch.arange(rows, device=DEVICE) * 7
+    for stream in (1, 5):
+        want = draw_triton(logits.float(), params, counter, stream)
+        assert torch.equal(draw_triton(logits, params, counter, stream), want)
+        assert torch.equal(draw_reference(logits, params, counter, stream), want)
+        assert torch.equal(sample(logits, params, counter, stream, 2048), sample(logits.float(), params, counter,
+                                                                                  stream, 2048))
