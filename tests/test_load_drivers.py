@@ -7,10 +7,13 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from webrtc_support import ensure_ice_host_address
 
+from bench.doors import client_session, synthetic_speech
+from bench.e2e import Planned, ProcJob, hear, run_session
 from bench.impair_table import input_figures, lost_ms, silence_by_door
 from bench.server_probe import parse_metrics, server_report
 
@@ -102,6 +105,23 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     procs = report["driver"]["procs"]
     assert len(procs) == 2 and all(p["sessions"] == 2 and p["cpu_pct"] is not None for p in procs)
     assert len({p["pid"] for p in procs} | {os.getpid()}) == 3
+
+
+async def test_e2e_replays_what_a_caller_heard_once_the_calls_have_ended(start_server):
+    """A call's end leaves what its caller heard to be worked out after every call of its process has ended: the
+    players' replay (a WebRTC call's runs the whole call through a jitter buffer, ~50-80 ms of the loop) ran at each
+    call's end in the loop that streams the calls beside it, and at 250 sessions their lateness measured the driver
+    (worst per call up to 122 ms, the driver's own sends up to 200 ms late; docs/benchmarks.md)."""
+    server = await start_server(max_sessions=2)
+    job = ProcJob(server.url, {}, [], synthetic_speech(2.0), 1.0, 0.3)
+    to_hear: list = []
+    async with client_session() as http:
+        report = await run_session(http, job, Planned(0, "realtime", 0, 0.0), time.monotonic(), to_hear)
+    assert report["frames_out"] > 0 and "failed" not in report, report
+    assert "hearing" not in report and len(to_hear) == 1 and to_hear[0][0] is report
+    hear(to_hear)
+    players = report["hearing"]["fixed"]
+    assert [p["delay_ms"] for p in players] == [80.0, 160.0, 320.0] and all(p["gaps"] >= 0 for p in players)
 
 
 def test_a_far_callers_loss_is_weighed_after_fec_and_with_its_own_senders_skips():
