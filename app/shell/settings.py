@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from app.shell.model_choice import RANDOM_MODEL, TINY_MODEL, check_model_name
 from model.config import DEFAULT_REPO as DEFAULT_MODEL
+from model.engine.api import WARM_LEAD_MS
 
 __all__ = ["DEFAULT_MODEL", "RANDOM_MODEL", "TINY_MODEL", "Settings", "build_parser", "parse_settings"]
 
@@ -62,7 +63,7 @@ class Settings:
     max_connections_per_ip: int = 64      # open sockets and calls per client address; more get HTTP 429
     audiosocket_port: int = 0             # Asterisk AudioSocket TCP door; 0: off
     engine_stalled_s: float = 2.0         # this long without an engine tick and /health reports the engine down
-    engine_warm_lead_ms: float = 0.5      # the engine thread wakes this long before each tick to warm its first calls
+    engine_warm_lead_ms: float = WARM_LEAD_MS  # the engine wakes this long before each tick to warm its first calls
     sip_port: int = 0                     # SIP user agent server on UDP and TCP; 0: off (app/doors/sip)
     sip_address: str = ""                 # the address our SDP and Contact give; "": the bind address, else found
     rtp_ports: str = "20000-29999"        # RTP on even ports of this range, RTCP on the next odd one

@@ -86,6 +86,8 @@ class FrameSource(Protocol):
 # By default, an engine whose last tick is older than this is not running, whatever its thread or process says (a
 # tick stuck in a step, a source that blocks): health checks report it down (EngineConfig.stalled_after_s).
 ENGINE_STALLED_S = 2.0
+# How long before each tick the engine thread wakes to warm the tick's first host calls (EngineConfig.warm_lead_ms).
+WARM_LEAD_MS = 0.5
 
 
 @dataclass
@@ -180,7 +182,7 @@ class EngineConfig:
     # 0.5 ms lead took 0.15-0.26 ms off the tick's host share at 1 and 250 rows, in process and over the channel;
     # 0.25 ms was sometimes too short to wake in time, 1-2 ms took no more (docs/benchmarks.md; bench.engine_bench
     # --warm-lead-ms 0 0.5). The server's --engine-warm-lead-ms.
-    warm_lead_ms: float = 0.5
+    warm_lead_ms: float = WARM_LEAD_MS
 
 
 @dataclass
