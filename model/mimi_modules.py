@@ -101,10 +101,10 @@ class CausalConv1d(_FusableStep):
         # Inputs are whole frames, so every length is a multiple of the stride and no right padding is needed.
         return self.conv(F.pad(x, (self.context, 0), mode=self.pad_mode))
 
-    def _step_conv(self, x: Tensor) -> Tensor:
+    def _step_conv(self, x: Tensor, bias: bool = True) -> Tensor:
         stride = self.conv.stride[0]
         if stride == 1:
-            return self.conv(x)
+            return self.conv(x) if bias else F.conv1d(x, self.conv.weight, None, 1, 0, self.conv.dilation)
         w = self.conv.weight  # [C_out, C_in, K]
         c_out, c_in, k = w.shape
         windows = x.unfold(-1, k, stride)  # [B, C_in, L, K]
@@ -114,11 +114,12 @@ class CausalConv1d(_FusableStep):
         return y.view(b, length, c_out).transpose(1, 2)
 
     def step(self, x: Tensor, buffers: Iterator[Tensor], first: Tensor | None = None,
-             activation: nn.ELU | None = None) -> Tensor:
+             activation: nn.ELU | None = None, bias: bool = True) -> Tensor:
         """`first` [B] bool marks rows on their first frame; replicate padding uses their first sample there.
-        `activation` (the ELU before this convolution) is applied as the input is written into the window."""
+        `activation` (the ELU before this convolution) is applied as the input is written into the window.
+        `bias=False` leaves the bias for the caller to add (a stride-1 convolution's torch path only)."""
         if self.context == 0:
-            return self._step_conv(x if activation is None else activation(x))
+            return self._step_conv(x if activation is None else activation(x), bias)
         if self.fused and _kernel_takes(x) and x.shape[-1] % self.conv.stride[0] == 0 and x.shape[-1] >= self.context:
             strided = self.conv.stride[0] > 1
             fused_step = seanet_kernels.fused_strided_step if strided else seanet_kernels.fused_thin_step
@@ -137,7 +138,7 @@ class CausalConv1d(_FusableStep):
             assert first is not None, "replicate padding needs the per-row first-frame mask"
             past = window[..., :kept]
             past.copy_(torch.where(first[:, None, None], new[..., :1].expand_as(past), past))
-        y = self._step_conv(window[..., : kept + length])
+        y = self._step_conv(window[..., : kept + length], bias)
         newest = window[..., length : length + kept]
         window[..., :kept].copy_(newest if length >= kept else newest.clone())
         return y
@@ -233,8 +234,32 @@ class ResidualBlock(_FusableStep):
             window = next(buffers) if conv.context else None
             return seanet_kernels.fused_residual_step(x, window, conv.conv, self.kernel_weight, conv_1x1.conv,
                                                       elu.alpha, elu_hidden.alpha)
+        if _adds_bias_apart(x, conv.conv, conv_1x1.conv):
+            hidden = bias_elu(conv.step(x, buffers, activation=elu, bias=False), conv.conv.bias, elu_hidden.alpha)
+            return bias_residual(conv_1x1.step(hidden, buffers, bias=False), conv_1x1.conv.bias, x)
         y = conv.step(x, buffers, activation=elu)
         return x + conv_1x1.step(y, buffers, activation=elu_hidden)
+
+
+def _adds_bias_apart(x: Tensor, *convs: nn.Conv1d) -> bool:
+    """Whether torch adds these stride-1 convolutions' biases to x's results as a pass of its own (cuDNN's
+    convolutions on float32: `aten::_convolution` adds the bias after the product), so the add can join the pass
+    after it with every value the same. On the CPU the bias starts the sum (other roundings), and in a half dtype
+    a compiled chain would skip the rounding between the two ops: both keep torch's own path."""
+    return (x.dtype == torch.float32 and torch.backends.cudnn.is_acceptable(x)
+            and all(conv.bias is not None and conv.stride[0] == 1 and conv.groups == 1 for conv in convs))
+
+
+@fusable
+def bias_elu(y: Tensor, bias: Tensor, alpha: float) -> Tensor:
+    """elu(y + bias) for y [B, C, L] and bias [C]: a convolution's bias and the ELU after it, one pass."""
+    return F.elu(y + bias[:, None], alpha)
+
+
+@fusable
+def bias_residual(y: Tensor, bias: Tensor, x: Tensor) -> Tensor:
+    """x + (y + bias): a residual branch's last bias and the skip, one pass, in torch's order."""
+    return x + (y + bias[:, None])
 
 
 _Stateful = (CausalConv1d, CausalConvTranspose1d, ResidualBlock)
@@ -478,7 +503,13 @@ class MimiTransformer(nn.Module):
 
 class Codebook(nn.Module):
     """Euclidean codebook stored as running sums: centroid = embedding_sum / max(cluster_usage, eps), computed once
-    as the sums load (a division of the whole codebook at every lookup was 48 kernels of each tick's codec)."""
+    as the sums load (a division of the whole codebook at every lookup was 48 kernels of each tick's codec).
+
+    The nearest centroid is `torch.cdist`'s, value for value: with more than 25 centroids (every Mimi has 2,048) cdist
+    takes the distances as one product, [-2x, |x|^2, 1] against [c, 1, |c|^2], then clamps at 0 and takes the root.
+    The centroids' side of that product is the same every frame, so it is built once here (`augmented`, on the
+    device the codebook sits on: a sum's rounding depends on the device), where cdist built it at every lookup: four
+    kernels a codebook, 32 of each tick's encode."""
 
     def __init__(self, bins: int, dim: int) -> None:
         super().__init__()
@@ -486,18 +517,34 @@ class Codebook(nn.Module):
         self.register_buffer("cluster_usage", torch.ones(bins))
         self.register_buffer("embedding_sum", torch.zeros(bins, dim))
         self.register_buffer("centroids", self._centroids(), persistent=False)
+        self.register_buffer("augmented", self._augmented(), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, _: module.update_centroids())
 
     def _centroids(self) -> Tensor:
         return self.embedding_sum / self.cluster_usage.clamp(min=CODEBOOK_EPS)[:, None]
 
+    def _augmented(self) -> Tensor:
+        """[1, bins, dim + 2]: each centroid, a 1 and its squared norm, as cdist builds its second operand."""
+        c = self.centroids[None]
+        norm = c.pow(2).sum(-1, keepdim=True)
+        return torch.cat([c, torch.ones_like(norm), norm], dim=-1)
+
     def update_centroids(self) -> None:
         """The centroids from the sums as they are now (done as a state dict loads)."""
         self.centroids = self._centroids()
+        self.augmented = self._augmented()
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.augmented = self._augmented()  # the norms summed where the codebook now is, as cdist would sum them
+        return self
 
     def encode(self, x: Tensor) -> Tensor:
         """x [N, D] -> index of the nearest centroid (L2) [N]."""
-        return torch.cdist(x[None], self.centroids[None], p=2)[0].argmin(dim=-1)
+        x = x[None]
+        norm = x.pow(2).sum(-1, keepdim=True)
+        distances = torch.cat([x.mul(-2), norm, torch.ones_like(norm)], dim=-1).matmul(self.augmented.mT)
+        return distances.clamp_min_(0).sqrt_()[0].argmin(dim=-1)
 
     def decode(self, codes: Tensor) -> Tensor:
         return F.embedding(codes, self.centroids)

@@ -12,9 +12,19 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from model import fused
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.mimi import Mimi, MimiState, checkpoint_key, load_mimi, random_mimi_state_dict
-from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, scale_add, scale_add_layer_norm
+from model.mimi_modules import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    Codebook,
+    ResidualBlock,
+    bias_elu,
+    bias_residual,
+    scale_add,
+    scale_add_layer_norm,
+)
 
 CFG = TINY_MIMI
 K = CFG.num_codebooks
@@ -458,6 +468,65 @@ def test_fused_residual_helpers_compile_to_what_eager_computes() -> None:
         want = torch.nn.functional.layer_norm(x + scale * delta, (16,), weight, bias, 1e-5)
         torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(add(x, delta, scale), x + scale * delta, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only"))])
+def test_a_codebooks_nearest_centroid_is_cdists_value_for_value(device: str) -> None:
+    """The codebook keeps cdist's product form with the centroids' side built once: the same distances bit for bit,
+    so the same codes, ties included, at any rows; built again where the codebook moves (a sum rounds by device)."""
+    torch.manual_seed(4)
+    codebook = Codebook(2048, 256)
+    codebook.embedding_sum.normal_()
+    codebook.cluster_usage.uniform_(0.5, 3.0)
+    codebook.update_centroids()
+    codebook.to(device)
+    for rows in (1, 3, 250):
+        x = torch.randn(rows, 256, device=device)
+        want = torch.cdist(x[None], codebook.centroids[None], p=2)[0].argmin(dim=-1)
+        assert torch.equal(codebook.encode(x), want)
+    tied = codebook.centroids[:5].clone()  # rows at a centroid: distance 0 there, clamped, the first index kept
+    assert torch.equal(codebook.encode(tied), torch.cdist(tied[None], codebook.centroids[None])[0].argmin(dim=-1))
+    norm = codebook.centroids.pow(2).sum(-1)
+    assert torch.equal(codebook.augmented[0, :, -1], norm)
+
+
+def test_the_residual_units_bias_helpers_compile_whole_for_any_rows_and_layout() -> None:
+    """The SEANet residual unit's bias helpers (used on cuDNN) trace whole for any rows and for an input with its
+    channels fastest (a strided convolution's GEMM gives one), and compute the eager arithmetic."""
+    elu_after_bias = torch.compile(bias_elu.__wrapped__, fullgraph=True, dynamic=True)
+    skip_after_bias = torch.compile(bias_residual.__wrapped__, fullgraph=True, dynamic=True)
+    bias = torch.randn(6)
+    for y, x in ((torch.randn(1, 6, 8), torch.randn(1, 6, 8)), (torch.randn(3, 6, 5), torch.randn(3, 5, 6).mT)):
+        torch.testing.assert_close(elu_after_bias(y, bias, 1.0), torch.nn.functional.elu(y + bias[:, None]),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(skip_after_bias(y, bias, x), x + (y + bias[:, None]), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN only")
+@pytest.mark.parametrize("channels_fastest", [False, True])
+def test_a_residual_unit_on_cudnn_adds_its_biases_in_the_passes_after_bit_for_bit(channels_fastest: bool) -> None:
+    """On cuDNN in float32 a residual unit's step adds each convolution's bias in the pass after it (the hidden
+    ELU, the skip), eager and compiled: every value and its window as torch's own modules compute them, at the
+    encoder's first unit's 250-row shape (and its input as a strided convolution's GEMM leaves it)."""
+    torch.manual_seed(3)
+    unit = ResidualBlock(64, 32, kernel_size=3, dilation=1).cuda()
+    x = torch.randn(250, 1920, 64, device="cuda").mT if channels_fastest else torch.randn(250, 64, 1920, device="cuda")
+    kept = torch.randn(250, 64, 2, device="cuda")
+    conv, conv_1x1 = unit.block[1].conv, unit.block[3].conv
+    with torch.no_grad():
+        window_want = torch.cat([kept, torch.nn.functional.elu(x)], dim=-1)
+        want = x + conv_1x1(torch.nn.functional.elu(conv(window_want)))
+        for compiled in (False, True):
+            window = torch.cat([kept, torch.zeros_like(x)], dim=-1)
+            if compiled:
+                fused.enable()
+            try:
+                got = unit.step(x, iter([window]))
+            finally:
+                fused.disable()
+            assert torch.equal(got, want), f"compiled={compiled}: {(got - want).abs().max().item()}"
+            assert torch.equal(window[..., :2], window_want[..., -2:])
 
 
 def test_a_side_in_bf16_streams_near_float32_and_leaves_the_codec_as_it_was(mimi: Mimi) -> None:
