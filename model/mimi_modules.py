@@ -258,8 +258,10 @@ def bias_elu(y: Tensor, bias: Tensor, alpha: float) -> Tensor:
 
 @fusable
 def bias_residual(y: Tensor, bias: Tensor, x: Tensor) -> Tensor:
-    """x + (y + bias): a residual branch's last bias and the skip, one pass, in torch's order."""
-    return x + (y + bias[:, None])
+    """(y + bias) + x: a residual branch's last bias and the skip, one pass, the values of torch's x + (y + bias).
+    The sum takes the layout of its first term, the convolution's (time fastest): after a strided convolution x
+    has its channels fastest, and the ELU that writes the sum into the next window would read it across."""
+    return (y + bias[:, None]) + x
 
 
 _Stateful = (CausalConv1d, CausalConvTranspose1d, ResidualBlock)

@@ -500,7 +500,9 @@ def test_the_residual_units_bias_helpers_compile_whole_for_any_rows_and_layout()
     for y, x in ((torch.randn(1, 6, 8), torch.randn(1, 6, 8)), (torch.randn(3, 6, 5), torch.randn(3, 5, 6).mT)):
         torch.testing.assert_close(elu_after_bias(y, bias, 1.0), torch.nn.functional.elu(y + bias[:, None]),
                                    rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(skip_after_bias(y, bias, x), x + (y + bias[:, None]), rtol=0, atol=0)
+        total = skip_after_bias(y, bias, x)
+        torch.testing.assert_close(total, x + (y + bias[:, None]), rtol=0, atol=0)
+        assert total.is_contiguous()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN only")
@@ -526,6 +528,7 @@ def test_a_residual_unit_on_cudnn_adds_its_biases_in_the_passes_after_bit_for_bi
             finally:
                 fused.disable()
             assert torch.equal(got, want), f"compiled={compiled}: {(got - want).abs().max().item()}"
+            assert got.is_contiguous()
             assert torch.equal(window[..., :2], window_want[..., -2:])
 
 
