@@ -7,7 +7,7 @@ their state buffers from an iterator, in the order `buffer_shapes(length)` lists
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -536,7 +536,7 @@ class Codebook(nn.Module):
         self.centroids = self._centroids()
         self.augmented = self._augmented()
 
-    def _apply(self, fn, recurse: bool = True):
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Codebook:
         super()._apply(fn, recurse)
         self.augmented = self._augmented()  # the norms summed where the codebook now is, as cdist would sum them
         return self
