@@ -119,6 +119,12 @@ class Received:
         wall = self.times[hi] - self.times[lo]
         return round((self.ends_s[hi] - self.ends_s[lo]) / wall, 4) if wall > 0 else None
 
+    def latest_at(self) -> float | None:
+        """When the latest piece (against the schedule `lateness_ms` measures) arrived, monotonic s."""
+        if not self.times:
+            return None
+        return self.times[int((np.asarray(self.times) - np.asarray(self.ends_s)).argmax())]
+
     def lateness_ms(self, origin: float | None = None) -> dict[str, float]:
         """Quantiles of lateness; with `origin` (monotonic s), when the latest piece came after it: a stall
         shared by several sessions shows as one moment."""

@@ -17,8 +17,10 @@ p50/p99, first audio after the open began; WebRTC adds the call's server-added l
 summaries (worst RTF, most missing frames, worst lateness p99, first audio p50/p99); the server's ticks, late ticks
 and tick quantiles (`/health`'s recent window, and from the `/metrics` tick histogram over the run), underruns and
 errors by code over the run (`/metrics` before and after); CPU % of each server process (`/health`'s `processes`
-and `--server-pids`, read from /proc, so on this machine only) and of the driver's own processes. `--out FILE`
-appends the line.
+and `--server-pids`, read from /proc, so on this machine only) and of the driver's own processes, with each
+process's own loop lag (`loop_lag_ms`) and, per session, the driver's longest stall around its latest piece
+(`output_lateness_ms.driver_lag_ms`; `worst_with_driver_stall` counts the sessions whose worst moment came with a
+stall of their driver half its size or more). `--out FILE` appends the line.
 
 Far callers: `--impair far` (any `bench.impair.Link` spec) puts `--impaired-share` of each door's sessions (every
 other one at 0.5) behind that link both ways, seeded per session: WebSocket doors through a TCP relay in their
@@ -185,10 +187,46 @@ def hearing(client: DoorClient) -> dict[str, Any]:
     return {"fixed": [fixed_delay_player(client.received.times, client.received.ends_s, ms) for ms in PLAYERS_MS]}
 
 
-def hear(calls: list[tuple[dict[str, Any], DoorClient]]) -> None:
-    """Each ended call's report gets what its caller heard (`run_session`'s `to_hear`)."""
+class LoopTrace:
+    """A driver process's own event loop, sampled every 5 ms: how late each sleep woke, and when. A call whose worst
+    output moment came with a stall of this loop measured the driver as much as the server: at full load most calls'
+    worst moments fell in their last second, which a server and a driver busy with calls' ends would both explain."""
+
+    PERIOD_S = 0.005
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+        self.lag_ms: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            due = time.monotonic() + self.PERIOD_S
+            await asyncio.sleep(self.PERIOD_S)
+            now = time.monotonic()
+            self.at.append(now)
+            self.lag_ms.append(max(0.0, (now - due) * 1000.0))
+
+    def around(self, t: float, before_s: float = 0.1, after_s: float = 0.05) -> float:
+        """The longest stall this loop woke from between `before_s` before t and `after_s` after it, ms."""
+        at = np.asarray(self.at)
+        near = np.asarray(self.lag_ms)[(at >= t - before_s) & (at <= t + after_s)]
+        return round(float(near.max()), 1) if near.size else 0.0
+
+    def summary(self, t0: float) -> dict[str, float]:
+        if not self.lag_ms:
+            return {}
+        worst = int(np.argmax(self.lag_ms))
+        return {**quantiles(self.lag_ms), "max_at_s": round(self.at[worst] - t0, 2)}
+
+
+def hear(calls: list[tuple[dict[str, Any], DoorClient]], trace: LoopTrace | None = None) -> None:
+    """Each ended call's report gets what its caller heard (`run_session`'s `to_hear`) and, with the process's
+    `trace`, the driver's own longest stall around the call's latest piece (`output_lateness_ms.driver_lag_ms`)."""
     for report, client in calls:
         report["hearing"] = hearing(client)
+        latest = client.received.latest_at()
+        if trace is not None and latest is not None:
+            report["output_lateness_ms"]["driver_lag_ms"] = trace.around(latest)
 
 
 def impairment(models: tuple[LinkModel, LinkModel], peer: PeerImpairment | None, spec: str) -> dict[str, Any]:
@@ -263,13 +301,18 @@ def rusage_cpu_s() -> float:
 async def run_proc(job: ProcJob, t0: float) -> dict[str, Any]:
     c0, w0 = rusage_cpu_s(), time.monotonic()
     to_hear: list[tuple[dict[str, Any], DoorClient]] = []
-    async with client_session() as http:
-        reports = await asyncio.gather(*(run_session(http, job, p, t0, to_hear) for p in job.sessions))
+    trace = LoopTrace()
+    sampling = asyncio.ensure_future(trace.run())
+    try:
+        async with client_session() as http:
+            reports = await asyncio.gather(*(run_session(http, job, p, t0, to_hear) for p in job.sessions))
+    finally:
+        sampling.cancel()
     wall = time.monotonic() - w0
     cpu_pct = round(100.0 * (rusage_cpu_s() - c0) / wall, 1)  # the calls', not the players' replays after them
-    hear(to_hear)
+    hear(to_hear, trace)
     return {"pid": os.getpid(), "sessions": len(job.sessions), "wall_s": round(wall, 2), "cpu_pct": cpu_pct,
-            "reports": reports}
+            "loop_lag_ms": trace.summary(t0), "reports": reports}
 
 
 def proc_main(conn: Connection, job: ProcJob) -> None:
@@ -305,6 +348,10 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "first_audio_ms": quantiles(firsts) if firsts else None,
         "errors": sum(r.get("errors", 0) for r in live),
     }
+    traced = [r["output_lateness_ms"] for r in live if "driver_lag_ms" in r["output_lateness_ms"]]
+    if traced:
+        # a call's worst moment that came with a stall of its driver's own loop half its size or more
+        out["worst_with_driver_stall"] = sum(x["driver_lag_ms"] >= 0.5 * x["max"] > 0 for x in traced)
     servers = [r["server"] for r in live if "server" in r]
     if servers:
         out["server_added_ms"] = {f"{side}_{stat}_mean": _mean([s[f"{side}_added_ms"][stat] for s in servers
@@ -431,7 +478,8 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         "extra_open": extra,
         "server": server_report(before, after, pids),
         "driver": {"main_cpu_pct": round(100.0 * (rusage_cpu_s() - main_c0) / wall, 1),
-                   "procs": [{k: d[k] for k in ("pid", "sessions", "wall_s", "cpu_pct")} for d in done]},
+                   "procs": [{k: d[k] for k in ("pid", "sessions", "wall_s", "cpu_pct", "loop_lag_ms")}
+                             for d in done]},
         "per_session": reports,
     }
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from webrtc_support import ensure_ice_host_address
 
 from bench.doors import client_session, synthetic_speech
-from bench.e2e import Planned, ProcJob, hear, run_session
+from bench.e2e import LoopTrace, Planned, ProcJob, hear, run_session
 from bench.impair_table import input_figures, lost_ms, silence_by_door
 from bench.server_probe import parse_metrics, server_report
 
@@ -104,6 +104,11 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     assert [p["pid"] for p in srv["processes"]] == [os.getpid()] and srv["processes"][0]["cpu_pct"] > 0
     procs = report["driver"]["procs"]
     assert len(procs) == 2 and all(p["sessions"] == 2 and p["cpu_pct"] is not None for p in procs)
+    # The driver's own loop, and each call's worst moment set beside it.
+    assert all(p["loop_lag_ms"]["max"] >= p["loop_lag_ms"]["p99"] >= 0 and p["loop_lag_ms"]["max_at_s"] >= 0
+               for p in procs), procs
+    assert all(s["output_lateness_ms"]["driver_lag_ms"] >= 0 for s in sessions)
+    assert 0 <= report["summary"]["worst_with_driver_stall"] <= 4
     assert len({p["pid"] for p in procs} | {os.getpid()}) == 3
 
 
@@ -122,6 +127,24 @@ async def test_e2e_replays_what_a_caller_heard_once_the_calls_have_ended(start_s
     hear(to_hear)
     players = report["hearing"]["fixed"]
     assert [p["delay_ms"] for p in players] == [80.0, 160.0, 320.0] and all(p["gaps"] >= 0 for p in players)
+
+
+async def test_the_drivers_loop_trace_finds_a_stall_where_it_happened():
+    """A driver process samples its own loop: a 60 ms stall shows at its time and not a second away from it, so a
+    call's worst moment can be told from the driver's own."""
+    trace = LoopTrace()
+    sampling = asyncio.ensure_future(trace.run())
+    await asyncio.sleep(0.3)
+    quiet = time.monotonic()
+    await asyncio.sleep(0.5)
+    time.sleep(0.06)  # the loop held, as a call's end or a player's replay would hold it
+    stalled = time.monotonic()
+    await asyncio.sleep(0.1)
+    sampling.cancel()
+    assert trace.around(stalled) >= 50.0, trace.summary(quiet)
+    assert trace.around(quiet) < 50.0
+    summary = trace.summary(quiet)
+    assert summary["max"] >= 50.0 and 0.5 <= summary["max_at_s"] <= 0.7, summary
 
 
 def test_a_far_callers_loss_is_weighed_after_fec_and_with_its_own_senders_skips():
