@@ -16,8 +16,11 @@ WebRTC run reports those; before them, the link's loss alone); input underruns
 max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per run: ticks, late
 ticks, tick p50 / p99, the engine thread's garbage collections, and per door the silence the server sent its callers
 where a frame was due and had not come (calls reporting it, calls sent any, total ms: the server's gaps, not the
-link's); and one per worker process: its CPU, loop lag and the input frames it sent the engine late (the
-counters are the server's totals since its start), which is where a busy worker shows.
+link's); one per worker process: its CPU, loop lag and the input frames it sent the engine late (the
+counters are the server's totals since its start), which is where a busy worker shows; and, for runs that traced the
+load driver's own loops (bench.e2e since 2026-12-06), one per run with each driver process's loop lag max and how
+many sessions had their worst moment with a driver stall half its size or more beside it: the driver's share of the
+lateness maxima.
 """
 
 from __future__ import annotations
@@ -151,6 +154,11 @@ def main() -> None:
                 print(json.dumps({"run": name, "worker": process["worker"], "cpu_pct": process.get("cpu_pct"),
                                   "loop_lag_p99_ms": lag.get("p99"), "loop_lag_max_ms": lag.get("max"),
                                   "input_late_frames": process.get("input_late_frames")}))
+        procs = run.get("driver", {}).get("procs", [])
+        if any("loop_lag_ms" in proc for proc in procs):
+            print(json.dumps({"run": name, "driver_loop_lag_max_ms": [proc["loop_lag_ms"].get("max") for proc in procs],
+                              "worst_with_driver_stall": run["summary"].get("worst_with_driver_stall"),
+                              "live": run["summary"]["live"]}))
 
 
 if __name__ == "__main__":
