@@ -133,7 +133,7 @@ class Received:
         lag = np.asarray(self.times) - np.asarray(self.ends_s)
         out = quantiles((lag - lag.min()) * 1000)
         if origin is not None:
-            out["worst_at_s"] = round(self.times[int(lag.argmax())] - origin, 2)
+            out["worst_at_s"] = round(self.latest_at() - origin, 2)
         return out
 
 

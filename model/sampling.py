@@ -82,6 +82,12 @@ class Forced:
         return torch.where(self.rows, self.tokens, drawn)
 
 
+def _salt(counter: Tensor, stream: int) -> Tensor:
+    """The noise's salt of a row's draw: its frame `counter` [B] and the draw's `stream` (the fused draw's kernel
+    computes the same)."""
+    return counter * 64 + stream
+
+
 def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, max_top_k: int,
            fused: bool = False, forced: Forced | None = None) -> Tensor:
     """One token per row from logits [B, V] (float32, or bf16 read as float32) -> [B] long; the `forced` rows take
@@ -99,7 +105,7 @@ def sample(logits: Tensor, params: RowSampling, counter: Tensor, stream: int, ma
     k = min(max_top_k, logits.shape[-1])
     values, ids = logits.topk(k, dim=-1)
     drawn = _choose(values, ids, logits.argmax(dim=-1), params.greedy, params.temperature, params.top_k,
-                    params.seed, counter * 64 + stream)
+                    params.seed, _salt(counter, stream))
     return drawn if forced is None else forced.apply(drawn)
 
 
@@ -109,7 +115,7 @@ def draw_reference(logits: Tensor, params: RowSampling, counter: Tensor, stream:
     index, which is where it may differ from `sample`'s (topk ranks equal values its own way)."""
     values, ids = logits.float().sort(dim=-1, descending=True, stable=True)
     drawn = _choose(values, ids, ids[:, 0], params.greedy, params.temperature, params.top_k, params.seed,
-                    counter * 64 + stream)
+                    _salt(counter, stream))
     return drawn if forced is None else forced.apply(drawn)
 
 
