@@ -541,15 +541,45 @@ class Codebook(nn.Module):
         self.augmented = self._augmented()  # the norms summed where the codebook now is, as cdist would sum them
         return self
 
-    def encode(self, x: Tensor) -> Tensor:
-        """x [N, D] -> index of the nearest centroid (L2) [N]."""
-        x = x[None]
-        norm = x.pow(2).sum(-1, keepdim=True)
-        distances = torch.cat([x.mul(-2), norm, torch.ones_like(norm)], dim=-1).matmul(self.augmented.mT)
-        return distances.clamp_min_(0).sqrt_()[0].argmin(dim=-1)
+    def encode(self, x: Tensor, squares: Tensor | None = None) -> Tensor:
+        """x [N, D] -> index of the nearest centroid (L2) [N]. `squares`: x squared, where the caller has it."""
+        if squares is None:
+            squares = x.pow(2)
+        norm = squares[None].sum(-1, keepdim=True)  # torch's own sum: the order of cdist's
+        return nearest_centroid(cdist_operand(x[None], norm).matmul(self.augmented.mT))
 
-    def decode(self, codes: Tensor) -> Tensor:
-        return F.embedding(codes, self.centroids)
+
+# The quantizer's glue as one pass each where the engine compiles its helpers (every value as torch's ops compute
+# it: the products and the norms' sums stay torch's own, these are elementwise or an argmin, which keeps the first
+# of equal distances either way).
+
+@fusable
+def cdist_operand(x: Tensor, norm: Tensor) -> Tensor:
+    """x [1, N, D], its squared norms [1, N, 1] -> [1, N, D + 2]: cdist's first operand, [-2x, |x|^2, 1]."""
+    return torch.cat([x.mul(-2), norm, torch.ones_like(norm)], dim=-1)
+
+
+@fusable
+def nearest_centroid(distances: Tensor) -> Tensor:
+    """[1, N, bins] squared distances as cdist's product gives them -> the index of the least [N], as cdist's
+    clamp and root leave them (the root can make two distances equal: the first is kept, as before)."""
+    return distances.clamp_min(0).sqrt()[0].argmin(dim=-1)
+
+
+@fusable
+def subtract_centroid(residual: Tensor, centroids: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """The next level's residual [N, D] and its squares, for its norm."""
+    rest = residual - F.embedding(idx, centroids)
+    return rest, rest.pow(2)
+
+
+@fusable
+def centroid_sum(codes: Tensor, centroids: list[Tensor]) -> Tensor:
+    """codes [B, K, T] -> [B, T, D]: each level's centroid, summed level by level as the residual was taken."""
+    total = F.embedding(codes[:, 0], centroids[0])
+    for level in range(1, len(centroids)):
+        total = total + F.embedding(codes[:, level], centroids[level])
+    return total
 
 
 class ResidualVQ(nn.Module):
@@ -561,23 +591,28 @@ class ResidualVQ(nn.Module):
         self.output_proj = nn.Conv1d(cfg.dimension, cfg.output_dimension, 1, bias=False)
         self.layers = nn.ModuleList([Codebook(cfg.bins, cfg.dimension) for _ in range(levels)])
 
-    def encode(self, x: Tensor) -> Tensor:
-        """x [B, C, T] -> codes [B, levels, T]."""
+    def encode_levels(self, x: Tensor) -> list[Tensor]:
+        """x [B, C, T] -> each level's codes [B, T]. The last level's residual is never formed: nothing reads it."""
         residual = self.input_proj(x).transpose(1, 2)
         b, t, d = residual.shape
         residual = residual.reshape(b * t, d)
+        squares = None
         codes = []
-        for codebook in self.layers:
-            idx = codebook.encode(residual)
-            residual = residual - codebook.decode(idx)
+        for level, codebook in enumerate(self.layers):
+            idx = codebook.encode(residual, squares)
+            if level + 1 < len(self.layers):
+                residual, squares = subtract_centroid(residual, codebook.centroids, idx)
             codes.append(idx.view(b, t))
-        return torch.stack(codes, dim=1)
+        return codes
+
+    def encode(self, x: Tensor) -> Tensor:
+        """x [B, C, T] -> codes [B, levels, T]."""
+        return torch.stack(self.encode_levels(x), dim=1)
 
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, K, T] (K <= levels) -> [B, output_dimension, T]."""
-        quantized = self.layers[0].decode(codes[:, 0])
-        for i in range(1, codes.shape[1]):
-            quantized = quantized + self.layers[i].decode(codes[:, i])
+        levels = codes.shape[1]
+        quantized = centroid_sum(codes, [codebook.centroids for codebook in self.layers[:levels]])
         return self.output_proj(quantized.transpose(1, 2))
 
 
@@ -591,7 +626,7 @@ class SplitResidualVQ(nn.Module):
         self.rvq_rest = ResidualVQ(cfg, num_codebooks - 1)
 
     def encode(self, x: Tensor) -> Tensor:
-        return torch.cat([self.rvq_first.encode(x), self.rvq_rest.encode(x)], dim=1)
+        return torch.stack(self.rvq_first.encode_levels(x) + self.rvq_rest.encode_levels(x), dim=1)
 
     def decode(self, codes: Tensor) -> Tensor:
         return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])

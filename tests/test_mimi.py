@@ -20,6 +20,7 @@ from model.mimi_modules import (
     CausalConvTranspose1d,
     Codebook,
     ResidualBlock,
+    SplitResidualVQ,
     bias_elu,
     bias_residual,
     scale_add,
@@ -472,23 +473,66 @@ def test_fused_residual_helpers_compile_to_what_eager_computes() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA only"))])
-def test_a_codebooks_nearest_centroid_is_cdists_value_for_value(device: str) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_codebooks_nearest_centroid_is_cdists_value_for_value(device: str, compiled: bool) -> None:
     """The codebook keeps cdist's product form with the centroids' side built once: the same distances bit for bit,
-    so the same codes, ties included, at any rows; built again where the codebook moves (a sum rounds by device)."""
+    so the same codes, ties included, at any rows; built again where the codebook moves (a sum rounds by device).
+    Compiled (as the engine runs it on CUDA) its glue is two passes, with the same codes."""
     torch.manual_seed(4)
     codebook = Codebook(2048, 256)
     codebook.embedding_sum.normal_()
     codebook.cluster_usage.uniform_(0.5, 3.0)
     codebook.update_centroids()
     codebook.to(device)
-    for rows in (1, 3, 250):
-        x = torch.randn(rows, 256, device=device)
-        want = torch.cdist(x[None], codebook.centroids[None], p=2)[0].argmin(dim=-1)
-        assert torch.equal(codebook.encode(x), want)
-    tied = codebook.centroids[:5].clone()  # rows at a centroid: distance 0 there, clamped, the first index kept
-    assert torch.equal(codebook.encode(tied), torch.cdist(tied[None], codebook.centroids[None])[0].argmin(dim=-1))
+    twins = codebook.centroids[:4].repeat(2, 1)  # rows at a centroid: distance 0 there, clamped, the first index kept
+    near = codebook.centroids[100:300] + 1e-4 * torch.randn(200, 256, device=device)
+    if compiled:
+        fused.enable()
+    try:
+        for x in [torch.randn(rows, 256, device=device) for rows in (1, 3, 250)] + [twins, near]:
+            want = torch.cdist(x[None], codebook.centroids[None], p=2)[0].argmin(dim=-1)
+            assert torch.equal(codebook.encode(x), want)
+            assert torch.equal(codebook.encode(x, x.pow(2)), want)
+        assert not fused.fallen_back()
+    finally:
+        fused.disable()
     norm = codebook.centroids.pow(2).sum(-1)
     assert torch.equal(codebook.augmented[0, :, -1], norm)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only"))])
+def test_the_quantizers_compiled_glue_gives_every_code_and_latent_of_its_eager_path(device: str) -> None:
+    """The split quantizer with its glue compiled (the residual's next level with its squares, the levels' centroid
+    sum): the same codes and the same decoded latent, bit for bit, at one row and 250, one frame and several; and
+    its eager path is the levels' own residual quantization (each level's code is the nearest to what the levels
+    before it left)."""
+    torch.manual_seed(5)
+    cfg = QuantizerConfig(dimension=32, input_dimension=24, output_dimension=24, bins=64)
+    quantizer = SplitResidualVQ(cfg, num_codebooks=5)
+    for codebook in [*quantizer.rvq_first.layers, *quantizer.rvq_rest.layers]:
+        codebook.embedding_sum.normal_()
+        codebook.update_centroids()
+    quantizer.to(device)
+    with torch.no_grad():
+        for rows, frames in ((1, 1), (250, 1), (3, 4)):
+            x = torch.randn(rows, 24, frames, device=device)
+            codes = quantizer.encode(x)
+            latent = quantizer.decode(codes)
+            residual = quantizer.rvq_rest.input_proj(x).transpose(1, 2).reshape(rows * frames, 32)
+            for level, codebook in enumerate(quantizer.rvq_rest.layers):
+                want = torch.cdist(residual[None], codebook.centroids[None])[0].argmin(dim=-1)
+                assert torch.equal(codes[:, 1 + level].reshape(-1), want)
+                residual = residual - codebook.centroids[want]
+            fused.enable()
+            try:
+                assert torch.equal(quantizer.encode(x), codes)
+                assert torch.equal(quantizer.decode(codes), latent)
+                assert torch.equal(quantizer.decode(codes[:, :3]), quantizer.rvq_first.decode(codes[:, :1])
+                                   + quantizer.rvq_rest.decode(codes[:, 1:3]))
+                assert not fused.fallen_back()
+            finally:
+                fused.disable()
 
 
 def test_the_residual_units_bias_helpers_compile_whole_for_any_rows_and_layout() -> None:
