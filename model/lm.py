@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from model.attention import KVStore, decode_attention, depformer_attention, longest_first, rope_and_store, use_kernel
 from model.config import LMConfig
 from model.depformer_kernels import fused_linear
+from model.embed_kernel import EmbeddingTables, embed_column
 from model.fused import fusable
 from model.precision import Fp8Linear, sibling
 from model.rope import apply_rope, rope_rotation
@@ -199,6 +200,7 @@ class LM(nn.Module):
         self.depformer_steps = steps
         self.emb = nn.ModuleList(nn.Embedding(cfg.card + 1, cfg.dim) for _ in range(cfg.n_q))
         self.text_emb = nn.Embedding(cfg.text_card + 1, cfg.dim)
+        self.embedding_addresses = EmbeddingTables()  # embed_column's kernel reads the tables through it
         self.transformer = Transformer(cfg)
         self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.text_linear = nn.Linear(cfg.dim, cfg.text_card, bias=False)
@@ -305,16 +307,11 @@ class LM(nn.Module):
         """tokens [..., 17] (text, 8 agent, 8 user) -> summed input embedding [..., dim].
 
         Audio embeddings are added in codebook order and the text embedding last, as the reference does (the
-        order matters for bf16 parity). Negative ids (-1 "zero", -2 "ungenerated") embed to zero.
+        order matters for bf16 parity). Negative ids (-1 "zero", -2 "ungenerated") embed to zero. One kernel on
+        CUDA (model/embed_kernel.py), the same sum.
         """
-        total = None
-        for k, table in enumerate(self.emb):
-            tok = tokens[..., 1 + k]
-            e = table(tok.clamp(min=0)) * (tok >= 0).unsqueeze(-1).to(table.weight.dtype)
-            total = e if total is None else total + e
-        text = tokens[..., 0]
-        e = self.text_emb(text.clamp(min=0)) * (text >= 0).unsqueeze(-1).to(self.text_emb.weight.dtype)
-        return total + e
+        tables = [self.text_emb.weight, *(table.weight for table in self.emb)]
+        return embed_column(tokens, tables, self.embedding_addresses)
 
     # ----- temporal transformer ----------------------------------------------------------------------------
 

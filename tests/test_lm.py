@@ -450,3 +450,34 @@ def test_prefill_on_a_shrunk_or_slid_ring_equals_frame_by_frame(origin: int, win
     torch.testing.assert_close(whole, torch.cat(steps), atol=1e-5, rtol=1e-5)
     assert torch.equal(a.kpos, b.kpos) and torch.equal(a.pos, b.pos)
     torch.testing.assert_close(a.kv.k, b.kv.k, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton's interpreter rounds bf16 its own way: bf16 is checked on CUDA"))])
+def test_the_column_embedding_kernel_sums_as_torch_does_bit_for_bit(dtype: torch.dtype) -> None:
+    """The temporal input's 17 lookups as one Triton kernel (on CUDA as the engine runs it; elsewhere through
+    Triton's interpreter): every value of torch's sum, negative ids zeroed (with the sign torch's product leaves),
+    at one row, a batch, a prompt's frames and a strided view of the token ring; the table addresses made again
+    when the tables move."""
+    pytest.importorskip("triton")
+    from model.embed_kernel import EmbeddingTables, embed_column_reference, embed_column_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dim, card, text_card = (4096, 2049, 32001) if device == "cuda" else (48, 9, 17)
+    torch.manual_seed(6)
+    tables = [torch.randn(text_card, dim, dtype=dtype, device=device)]
+    tables += [torch.randn(card, dim, dtype=dtype, device=device) for _ in range(16)]
+    addresses = EmbeddingTables()
+    ring = torch.randint(-2, card, (250, 17, 4), device=device)
+    ring[:, 0] = torch.randint(-2, text_card, (250, 4), device=device)
+    for tokens in (ring[:1, :, 0], ring[:3, :, 1], ring[:, :, 2], ring[:5, :, 3].unsqueeze(1).expand(5, 2, 17)):
+        want = embed_column_reference(tokens, tables)
+        got = embed_column_triton(tokens, tables, addresses)
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    moved = [t.clone() for t in tables]
+    assert torch.equal(embed_column_triton(ring[:2, :, 0], moved, addresses),
+                       embed_column_reference(ring[:2, :, 0], tables))
+    with pytest.raises(ValueError, match="17 columns"):
+        embed_column_triton(ring[:2, :16, 0], tables, addresses)
