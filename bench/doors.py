@@ -281,10 +281,13 @@ async def _first_json(ws: aiohttp.ClientWebSocketResponse, timeout: float = 30.0
 
 class WebSocketDoor(DoorClient):
     """A door over one WebSocket: `read()` hands each message to `on_event` / `on_binary`; PCM16 24 kHz pieces
-    unless the door says otherwise; `close()` sends the door's goodbye, lets the reader see the end, and closes."""
+    unless the door says otherwise, of one frame or `piece_ms` (a PCM door's client may send any length; Twilio's
+    pieces are its 20 ms of μ-law); `close()` sends the door's goodbye, lets the reader see the end, and closes."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, piece_ms: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if piece_ms is not None:
+            self.send_period_s = round(RATE * piece_ms / 1000.0) / RATE
         self.ws: aiohttp.ClientWebSocketResponse | None = None
         self.closed: dict[str, Any] | None = None
         self._out_bytes = 0
@@ -322,7 +325,8 @@ class WebSocketDoor(DoorClient):
 
     def pieces(self, audio: np.ndarray) -> list[bytes]:
         pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
-        return [pcm[i:i + 2 * FRAME] for i in range(0, len(pcm) - 2 * FRAME + 1, 2 * FRAME)]
+        size = 2 * round(RATE * self.send_period_s)
+        return [pcm[i:i + size] for i in range(0, len(pcm) - size + 1, size)]
 
     def report(self) -> dict[str, Any]:
         out = super().report()
@@ -341,7 +345,8 @@ class WebSocketDoor(DoorClient):
 
 
 class RealtimeClient(WebSocketDoor):
-    """`WS /v1/realtime?duplex=1`: `session.update` (PCM16 24 kHz both ways), 80 ms appends, audio deltas out."""
+    """`WS /v1/realtime?duplex=1`: `session.update` (PCM16 24 kHz both ways), 80 ms appends (`piece_ms`), audio
+    deltas out."""
 
     door = "realtime"
 

@@ -41,6 +41,7 @@ import numpy as np
 from app.sessions.udp import DatagramSocket
 
 TCP_MIN_RTO_S = 0.2
+TCP_MSS = 1448       # bytes of payload a TCP segment carries on a 1,500-byte path (IPv4, timestamps)
 MAX_TAIL_S = 2.0
 
 
@@ -158,8 +159,11 @@ class LinkModel:
         self._origin: float | None = None
         self._fifo = -math.inf          # delivery time of the last in-order packet
 
-    def schedule(self, sent_at: float) -> list[float]:
-        """When the packet sent at `sent_at` arrives: [] if lost, two times if duplicated."""
+    def schedule(self, sent_at: float, segments: int = 1) -> list[float]:
+        """When the packet sent at `sent_at` arrives: [] if lost, two times if duplicated. On a reliable link a
+        write of several `segments` goes out back to back, one delay for all, each segment lost on its own (the
+        chain of a bursty loss advancing per segment): the write waits for a retransmission if any was, sooner
+        where segments behind the lost one bring the duplicate ACKs of a fast retransmit."""
         link, rng, st = self.link, self._rng, self.stats
         if self._origin is None:
             self._origin = sent_at
@@ -167,7 +171,8 @@ class LinkModel:
             self._interval += 0.2 * (sent_at - self._last_sent - self._interval)
         self._last_sent = sent_at
         st.sent += 1
-        lost = self._lost()
+        fates = [self._lost() for _ in range(segments)]     # every segment drawn, lost or not
+        lost = any(fates)
         at = sent_at + self._delay()
         reordered = not self.reliable and link.reorder > 0 and rng.random() < link.reorder
         if lost:
@@ -175,7 +180,11 @@ class LinkModel:
             st.lost_at.append(sent_at)
             if not self.reliable:
                 return []
-            resend = self.retransmit_s + min(TCP_MIN_RTO_S, 3 * self._interval)
+            # Fast retransmit needs three duplicate ACKs: from the segments behind the lost one in this write, else
+            # from the writes after it; the retransmission timeout fires first if they are slow to come.
+            behind = segments - 1 - fates.index(True)
+            writes = 0 if behind >= 3 else math.ceil((3 - behind) / segments)
+            resend = self.retransmit_s + min(TCP_MIN_RTO_S, writes * self._interval)
             at += resend
             # The retransmission can be lost too (then only the timeout finds it). It leaves a round trip later, when
             # a loss burst (counted in packets of the stream) has long passed: an independent draw at the mean rate.
@@ -356,10 +365,11 @@ class UdpRelay:
 
 class TcpRelay:
     """A listening port that forwards each connection to `target` through an `up` and a `down` reliable link: every
-    read is one segment, delivered in order at the model's time (loss is a retransmission later, holding everything
-    behind it). `port` is where clients connect (a WebSocket URL with this port reaches the server).
-    Each connection gets its own seeded models (seed, seed + 1 for the first; + 2 per further connection); `models`
-    keeps them, in connection order."""
+    read is one write of as many segments as its bytes fill (`TCP_MSS`), delivered in order at the model's time
+    (a lost segment is a retransmission later, holding everything behind it: an 80 ms PCM append, four segments,
+    meets four times a 20 ms μ-law message's loss, as on a real link). `port` is where clients connect (a WebSocket
+    URL with this port reaches the server). Each connection gets its own seeded models (seed, seed + 1 for the
+    first; + 2 per further connection); `models` keeps them, in connection order."""
 
     def __init__(self, target: tuple[str, int], up: Link, down: Link, seed: int = 0, host: str = "127.0.0.1") -> None:
         self.target = target
@@ -422,7 +432,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mode
     writing = asyncio.ensure_future(write())
     try:
         while data := await reader.read(65536):
-            queue.put_nowait((model.schedule(loop.time())[0], data))
+            queue.put_nowait((model.schedule(loop.time(), -(-len(data) // TCP_MSS))[0], data))
         queue.put_nowait(None)
         await writing
     except (ConnectionError, OSError):

@@ -108,6 +108,23 @@ def test_a_reliable_link_retransmits_lost_segments_and_holds_what_follows() -> N
     assert blocked > model.stats.lost                                  # ... and held the ones behind it
 
 
+def test_a_reliable_write_of_several_segments_meets_each_segments_loss() -> None:
+    """A write of four segments (an 80 ms PCM append) waits for a retransmission at four times a one-segment
+    write's rate, 1 - 0.99^4 at 1 % loss; each write still arrives whole, in order, once. A lost segment with
+    three behind it in its write is resent a round trip later (fast retransmit); otherwise the next write's
+    segments bring the duplicate ACKs, where a one-segment stream waits for three writes."""
+    for segments, p, resend_s in ((1, 0.01, 3 * PERIOD), (4, 1 - 0.99 ** 4, PERIOD)):
+        model = LinkModel(Link(delay_ms=75, loss=0.01), seed=3, reliable=True)
+        out = [model.schedule(i * PERIOD, segments) for i in range(N)]
+        assert all(len(d) == 1 for d in out)
+        assert within(model.stats.lost / N, p, N), (segments, model.stats.lost)
+        lost = [round(t / PERIOD) for t in model.stats.lost_at]
+        transit = np.array([out[i][0] - i * PERIOD for i in lost])
+        assert np.median(transit) == pytest.approx(0.075 + model.retransmit_s + resend_s), segments
+        if segments == 4:
+            assert np.mean(np.isclose(transit, 0.075 + model.retransmit_s)) > 0.15   # the first of four lost
+
+
 def test_parse_presets_and_fields() -> None:
     assert Link.parse("far") == FAR == PRESETS["far"]
     assert Link.parse("far,stall_ms=400,stall_every_s=20") == Link(
