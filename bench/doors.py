@@ -112,12 +112,21 @@ class Received:
         self.ends_s.append(end_s)
 
     def rtf(self) -> float | None:
+        """The output's rate against the wall clock: stream seconds over wall seconds between the least delayed
+        piece of the call's second tenth and that of its ninth (the first and last tenths left out). A piece held
+        by the link (a TCP retransmission, a stall) is jitter, not rate: taken at the ends of the span it would
+        read as a rate 200 ms short over a 12 s call; a server slower than real time still shows, as a delay
+        that grows from one end to the other."""
         n = len(self.times)
         if n < 10:
             return None
-        lo, hi = int(n * 0.1), int(n * 0.9) - 1
-        wall = self.times[hi] - self.times[lo]
-        return round((self.ends_s[hi] - self.ends_s[lo]) / wall, 4) if wall > 0 else None
+        times, ends = np.asarray(self.times), np.asarray(self.ends_s)
+        lag = times - ends
+        tenth = n // 10
+        lo = tenth + int(lag[tenth:2 * tenth].argmin())
+        hi = n - 2 * tenth + int(lag[n - 2 * tenth:n - tenth].argmin())
+        wall = times[hi] - times[lo]
+        return round(float((ends[hi] - ends[lo]) / wall), 4) if wall > 0 else None
 
     def latest_at(self) -> float | None:
         """When the latest piece (against the schedule `lateness_ms` measures) arrived, monotonic s."""

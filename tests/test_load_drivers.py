@@ -10,9 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from webrtc_support import ensure_ice_host_address
 
-from bench.doors import client_session, synthetic_speech
+from bench.doors import Received, client_session, synthetic_speech
 from bench.e2e import LoopTrace, Planned, ProcJob, hear, run_session
 from bench.impair_table import input_figures, lost_ms, silence_by_door
 from bench.server_probe import parse_metrics, server_report
@@ -148,6 +149,17 @@ async def test_the_drivers_loop_trace_finds_a_stall_where_it_happened():
     assert trace.around(quiet) < 50.0
     summary = trace.summary(quiet)
     assert summary["max"] >= 50.0 and 0.5 <= summary["max_at_s"] <= 0.7, summary
+
+
+def test_the_outputs_rate_reads_through_a_held_piece_and_still_finds_a_slow_server():
+    """`Received.rtf`: 12 s of 80 ms pieces in real time, with the piece at the span's end (and the ones behind
+    it) held 200 ms by a retransmission, still read 1.0; a server at 0.97 of real time reads 0.97."""
+    for rate, held in ((1.0, True), (0.97, False)):
+        received = Received()
+        for k in range(150):
+            at = 100.0 + (k + 1) * 0.08 / rate
+            received.add(at + (0.2 if held and 133 <= k <= 136 else 0.0), (k + 1) * 0.08)
+        assert received.rtf() == pytest.approx(rate, abs=1e-3), rate
 
 
 def test_a_far_callers_loss_is_weighed_after_fec_and_with_its_own_senders_skips():
