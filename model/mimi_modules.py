@@ -605,10 +605,6 @@ class ResidualVQ(nn.Module):
             codes.append(idx.view(b, t))
         return codes
 
-    def encode(self, x: Tensor) -> Tensor:
-        """x [B, C, T] -> codes [B, levels, T]."""
-        return torch.stack(self.encode_levels(x), dim=1)
-
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, K, T] (K <= levels) -> [B, output_dimension, T]."""
         levels = codes.shape[1]
