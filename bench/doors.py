@@ -120,26 +120,30 @@ class Received:
         n = len(self.times)
         if n < 10:
             return None
-        times, ends = np.asarray(self.times), np.asarray(self.ends_s)
-        lag = times - ends
+        times, ends, lag = np.asarray(self.times), np.asarray(self.ends_s), self.lag_s()
         tenth = n // 10
         lo = tenth + int(lag[tenth:2 * tenth].argmin())
         hi = n - 2 * tenth + int(lag[n - 2 * tenth:n - tenth].argmin())
         wall = times[hi] - times[lo]
         return round(float((ends[hi] - ends[lo]) / wall), 4) if wall > 0 else None
 
+    def lag_s(self) -> np.ndarray:
+        """Each piece's arrival less where it ends in the stream: its lateness against a real-time schedule, up to
+        that schedule's origin."""
+        return np.asarray(self.times) - np.asarray(self.ends_s)
+
     def latest_at(self) -> float | None:
         """When the latest piece (against the schedule `lateness_ms` measures) arrived, monotonic s."""
         if not self.times:
             return None
-        return self.times[int((np.asarray(self.times) - np.asarray(self.ends_s)).argmax())]
+        return self.times[int(self.lag_s().argmax())]
 
     def lateness_ms(self, origin: float | None = None) -> dict[str, float]:
         """Quantiles of lateness; with `origin` (monotonic s), when the latest piece came after it: a stall
         shared by several sessions shows as one moment."""
         if not self.times:
             return quantiles([])
-        lag = np.asarray(self.times) - np.asarray(self.ends_s)
+        lag = self.lag_s()
         out = quantiles((lag - lag.min()) * 1000)
         if origin is not None:
             out["worst_at_s"] = round(self.latest_at() - origin, 2)
