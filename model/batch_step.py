@@ -123,7 +123,7 @@ class BatchStep:
 
     def encode(self) -> None:
         self.codes = self.mimi.encode_frame(self.pcm, self.mimi_state)
-        write_user_codes(self.lm, self.lm_state, self.codes, self.const, self.takes_input, ahead=1)
+        write_user_codes(self.lm_state, self.codes, self.const, self.takes_input, ahead=1)
 
     def temporal_part(self) -> None:
         self.temporal = temporal_half(self.lm, self.lm_state, self.text_s, self.const, self.active)

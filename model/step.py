@@ -9,6 +9,13 @@ Call o writes user frame o into columns o and o + 1, but its transformer reads c
 read those cells (§5.3: a user frame first reaches the transformer on the next call). So the model half of call
 o + 1 needs nothing beyond user frame o: the engine runs it as soon as frame o is encoded and emits frame o one
 call (80 ms) sooner than the reference, with the same tokens. `write_user_codes(ahead=1)` is that order's write.
+
+The ring's bookkeeping around the model (the user's cells, the warm-up's given tokens, the column the transformer
+reads, the frame's write, the completed frame, the counters) is integer work: about thirty small launches a call as
+torch ops. It is written here as three fusable helpers, one per place in the call, which the engine compiles into a
+kernel or two each (model/fused.py); integer arithmetic fused is the same arithmetic, so the tokens do not move
+(tests/test_step.py). The call's cells are written once, at its end: the temporal half reads only the column before
+its target, so the target's given tokens need not be in the ring until the frame's tokens join them.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import torch
 from torch import Tensor
 
 from model.depformer_kernels import FUSED_ROWS_MAX
-from model.lm import LM, RING_SIZE, DepformerCache, LMState
+from model.fused import fusable
+from model.lm import LM, DepformerCache, LMState
 from model.sampling import Forced, RowSampling, sample
 from model.sampling_params import MAX_TOP_K_AUDIO, MAX_TOP_K_TEXT
 
@@ -50,9 +58,65 @@ class StepConstants:
         )
 
 
-def _gather_columns(ring: Tensor, cols: Tensor) -> Tensor:
-    """ring [B, R, 4], cols [B, R] -> ring[b, r, cols[b, r]] as [B, R]."""
-    return ring.gather(2, cols.unsqueeze(2)).squeeze(2)
+def _cells(ring: Tensor, columns: Tensor) -> Tensor:
+    """ring [B, R, S], columns [B, R] or [B, 1] -> bool [B, R, S]: the cell of each row's column."""
+    slots = torch.arange(ring.shape[2], device=ring.device)
+    return slots.view(1, 1, -1) == columns.unsqueeze(2)
+
+
+def _at_columns(ring: Tensor, columns: Tensor) -> Tensor:
+    """ring [B, R, S], columns [B, R] -> ring[b, r, columns[b, r]] as [B, R]."""
+    return ring.gather(2, columns.unsqueeze(2)).squeeze(2)
+
+
+@fusable
+def _place_user_codes(ring: Tensor, offset: Tensor, user_codes: Tensor, delays: Tensor, active: Tensor | None,
+                      ahead: int) -> None:
+    """The user rows' cells of call `offset - ahead` (each at its delay) take user_codes [B, U], active rows only."""
+    B, R, S = ring.shape
+    first_user_row = R - user_codes.shape[1]
+    cells = _cells(ring, ((offset - ahead).unsqueeze(1) + delays).remainder(S))
+    cells &= (torch.arange(R, device=ring.device) >= first_user_row).view(1, R, 1)
+    if active is not None:
+        cells &= active.view(B, 1, 1)
+    codes = torch.nn.functional.pad(user_codes, (first_user_row, 0))  # [B, R], the user's codes in their rows
+    ring.copy_(torch.where(cells, codes.unsqueeze(2), ring))
+
+
+@fusable
+def _column_inputs(ring: Tensor, offset: Tensor, was_forced: Tensor, delays: Tensor, initial: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """The call's given tokens (its target column's, or the initial token inside a row's delay), which of them are
+    forced, and the column the transformer reads (the one before the target): each [B, R]."""
+    B, R, S = ring.shape
+    warm = offset.unsqueeze(1) <= delays.unsqueeze(0)
+    given = torch.where(warm, initial, _at_columns(ring, (offset % S).view(B, 1).expand(B, R)))
+    inputs = _at_columns(ring, ((offset - 1) % S).view(B, 1).expand(B, R))
+    return given, warm | was_forced, inputs
+
+
+@fusable
+def _close_call(ring: Tensor, offset: Tensor, pos: Tensor, forced: Tensor, tokens: Tensor, given: Tensor,
+                delays: Tensor, active: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The call's target column (its tokens [B, T], then the given user tokens) into the ring, the frame that
+    became complete [B, R], whether a row emitted it [B], and the counters, for active rows only. The frame is
+    read from the written column on every row (an inactive row's is not emitted, and its ring stays as it was)."""
+    B, R, S = ring.shape
+    column = torch.cat([tokens, given[:, tokens.shape[1]:]], dim=1)
+    written = torch.where(_cells(ring, (offset % S).view(B, 1)), column.unsqueeze(2), ring)
+    frame = _at_columns(written, (offset.unsqueeze(1) - 1 + delays.unsqueeze(0)) % S)
+    emitted = offset >= 2
+    if active is None:
+        ring.copy_(written)
+        forced.zero_()
+        offset += 1
+        pos += 1
+        return frame, emitted
+    ring.copy_(torch.where(active.view(B, 1, 1), written, ring))
+    forced.copy_(forced & ~active.unsqueeze(1))
+    offset += active.long()
+    pos += active.long()
+    return frame, emitted & active
 
 
 @dataclass
@@ -61,25 +125,18 @@ class TemporalResult:
 
     hidden: Tensor  # [B, dim] post-out_norm
     text: Tensor  # [B] text token (sampled or forced)
-    given: Tensor  # [B, R] tokens already in the target column (forced values where `forced`)
+    given: Tensor  # [B, R] tokens already in the target column (forced values where `forced`), or initial ones
     forced: Tensor  # [B, R] bool
-    ring_before: Tensor | None  # ring at the start of the call, when an exec mask is in use
 
 
-def write_user_codes(lm: LM, state: LMState, user_codes: Tensor, const: StepConstants, active: Tensor | None = None,
+def write_user_codes(state: LMState, user_codes: Tensor, const: StepConstants, active: Tensor | None = None,
                      ahead: int = 0) -> None:
     """User codes [B, 8] of the frame owned by call `offset - ahead` into its ring columns (active rows only).
 
     `ahead` is how many model halves the rows have already run past that call: 0 in the reference order, 1 when
     the engine runs the model half one call ahead (module docstring).
     """
-    ring = state.ring
-    user_rows = slice(1 + lm.cfg.num_audio_codebooks, ring.shape[1])
-    cols = ((state.offset - ahead).unsqueeze(1) + const.delays[user_rows]).remainder(RING_SIZE).unsqueeze(2)
-    codes = user_codes.unsqueeze(2)
-    if active is not None:
-        codes = torch.where(active.view(-1, 1, 1), codes, ring[:, user_rows].gather(2, cols))
-    ring[:, user_rows].scatter_(2, cols, codes)
+    _place_user_codes(state.ring, state.offset, user_codes, const.delays, active, ahead)
 
 
 def temporal_half(
@@ -90,22 +147,11 @@ def temporal_half(
     active: Tensor | None = None,
 ) -> TemporalResult:
     """Warm-up, the temporal transformer on the previous column, the text token."""
-    ring, o = state.ring, state.offset
-    B, R, _ = ring.shape
-    ring_before = ring.clone() if active is not None else None
-    delays = const.delays
-
-    warm = o.unsqueeze(1) <= delays.unsqueeze(0)  # [B, R]: rows still inside their delay get the initial token
-    target = (o % RING_SIZE).view(B, 1, 1).expand(B, R, 1)
-    given = torch.where(warm, const.initial, ring.gather(2, target).squeeze(2))
-    ring.scatter_(2, target, given.unsqueeze(2))
-    forced = warm | state.forced
-
-    inputs = ring.gather(2, ((o - 1) % RING_SIZE).view(B, 1, 1).expand(B, R, 1)).squeeze(2)
+    given, forced, inputs = _column_inputs(state.ring, state.offset, state.forced, const.delays, const.initial)
     hidden = lm.temporal_step(lm.embed_column(inputs), state, active)
-    text = sample(lm.text_logits(hidden), text_sampling, o, 0, const.max_top_k_text,
+    text = sample(lm.text_logits(hidden), text_sampling, state.offset, 0, const.max_top_k_text,
                   forced=Forced(forced[:, 0], given[:, 0]))
-    return TemporalResult(hidden, text, given, forced, ring_before)
+    return TemporalResult(hidden, text, given, forced)
 
 
 def depformer_half(
@@ -118,8 +164,8 @@ def depformer_half(
     active: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The agent's depformer steps, the ring write, the completed frame, and the counters."""
-    ring, o = state.ring, state.offset
-    B, R, _ = ring.shape
+    o = state.offset
+    B = o.shape[0]
     K = lm.cfg.num_audio_codebooks
     hidden, forced, given = temporal.hidden, temporal.forced, temporal.given
     tokens = [temporal.text]
@@ -135,21 +181,10 @@ def depformer_half(
         tokens.append(token)
         if k + 1 < K:
             previous = lm.depformer_emb[k](token)
-    target = (o % RING_SIZE).view(B, 1, 1).expand(B, 1 + K, 1)
-    ring[:, : 1 + K].scatter_(2, target, torch.stack(tokens, dim=1).unsqueeze(2))
-
-    frame = _gather_columns(ring, (o.unsqueeze(1) - 1 + const.delays.unsqueeze(0)) % RING_SIZE)
-    emitted = o >= 2
-    if active is None:
-        state.forced.zero_()
-        state.offset += 1
-        state.pos += 1
-        return frame, emitted
-    ring.copy_(torch.where(active.view(B, 1, 1), ring, temporal.ring_before))
-    state.forced.masked_fill_(active.unsqueeze(1), False)
-    state.offset += active.long()
-    state.pos += active.long()
-    return frame, emitted & active
+    # Stacked here, not in the compiled helper: Inductor copies a concatenation of more than eight inputs one
+    # kernel each, where torch's stack is one.
+    return _close_call(state.ring, o, state.pos, state.forced, torch.stack(tokens, dim=1), given, const.delays,
+                       active)
 
 
 def frame_step(
@@ -167,6 +202,6 @@ def frame_step(
     user_codes [B, 8] are the user's Mimi codes for this call's frame. Returns (frame [B, 17], emitted [B] bool):
     the complete token frame o - 1 (text, 8 agent, 8 user codes) and whether the row emitted one (o >= 2).
     """
-    write_user_codes(lm, state, user_codes, const, active)
+    write_user_codes(state, user_codes, const, active)
     temporal = temporal_half(lm, state, text_sampling, const, active)
     return depformer_half(lm, state, temporal, audio_sampling, dep_cache, const, active)
