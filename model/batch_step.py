@@ -63,8 +63,7 @@ def decode_agent(mimi: Mimi, frame: Tensor, emitted: Tensor, state: MimiState, b
     fresh decoder, as if the decode never ran.
     """
     audio = mimi.decode_frame(frame[:, 1:9].clamp(0, bins - 1), state)
-    idle = ~emitted if active is None else active & ~emitted
-    state.decoder.reset_rows(idle, zero_values=False)  # every tick: only mark the idle rows' slots empty
+    state.decoder.reset_idle(emitted, active)
     return audio
 
 

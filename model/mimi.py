@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from model.mimi_modules import (
 )
 from model.precision import sibling
 from model.seanet_kernels import residual_fits, strided_fits, thin_fits, transposed_fits
+from model.stream_kernels import StreamBuffers, reset_idle
 
 
 @dataclass
@@ -47,6 +48,7 @@ class StreamState:
     convs: list[Tensor]
     kv: KVCache
     carried: list[int]
+    reset_arrays: StreamBuffers = field(default_factory=StreamBuffers)  # what reset_idle's kernel reads
 
     def rows(self, index: slice) -> StreamState:
         """A view of some rows: writes through it land in this state."""
@@ -68,6 +70,11 @@ class StreamState:
         for buf, carried in zip(self.convs, self.carried, strict=True):
             buf[..., :carried].masked_fill_(rows[:, None, None], 0.0)
         self.kv.reset_rows(rows, zero_values)
+
+    def reset_idle(self, emitted: Tensor, active: Tensor | None) -> None:
+        """The rows that emitted nothing (of the `active` ones) marked fresh, as `reset_rows(..., zero_values=False)`
+        would: every tick's decode does it, in one kernel on CUDA (model/stream_kernels.py)."""
+        reset_idle(self.convs, self.carried, self.kv.key_pos, self.kv.pos, emitted, active, self.reset_arrays)
 
 
 @dataclass

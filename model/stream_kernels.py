@@ -1,4 +1,5 @@
-"""The streaming state update of Mimi's transposed convolutions, one kernel on CUDA.
+"""Mimi's streaming state updates as single kernels on CUDA: the transposed convolutions' overlap-add, and the
+decoder's reset of its idle rows at every tick.
 
 A streaming transposed convolution overlap-adds its taps, adds the tail it kept, and keeps the new tail (a zero
 fill, an add per tap shift, the bias, a concatenation, a subtraction and a copy): about seven launches of a few
@@ -6,6 +7,11 @@ microseconds each, on non-contiguous views, for each of the decoder's five. Here
 with the torch ops as the reference and the CPU path; both do the same fp32 operations in the same order, so they
 agree bit for bit. (The plain convolutions keep their whole input window as state and need no kernel: see
 mimi_modules.py.)
+
+The decode marks the rows that emitted nothing as fresh at every tick (model/batch_step.py): a masked fill of each
+convolution's carried samples and of the ring's positions, thirteen launches and the mask's two, on every tick
+whether a row is idle or not. Here it is one kernel, which reads the buffers through a device array of their
+addresses (as model/embed_kernel.py reads its tables); a fill is a fill, so the state is the torch path's.
 """
 
 from __future__ import annotations
@@ -67,7 +73,95 @@ def overlap_add_triton(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: 
     return out
 
 
+class StreamBuffers:
+    """The device arrays the reset kernel reads: each buffer's address, and its row stride, channel stride, channels
+    and carried samples. Made on first use (before the engine captures a graph that holds them) and again whenever a
+    buffer has moved or another view is asked for."""
+
+    def __init__(self) -> None:
+        self._key: tuple = ()
+        self._arrays: tuple[Tensor, Tensor] | None = None
+
+    def arrays(self, convs: list[Tensor], carried: list[int]) -> tuple[Tensor, Tensor]:
+        pairs = zip(convs, carried, strict=True)
+        key = tuple((t.data_ptr(), t.stride(0), t.stride(1), t.shape[1], n) for t, n in pairs)
+        if key != self._key or self._arrays is None:
+            first = convs[0]
+            if any(t.dtype != first.dtype or t.device != first.device or t.dim() != 3 or t.stride(2) != 1
+                   or t.shape[0] != first.shape[0] for t in convs):
+                raise ValueError("the buffers must be [B, C, L] of one dtype and device, their samples contiguous")
+            addresses = torch.tensor([t.data_ptr() for t in convs], dtype=torch.int64, device=first.device)
+            layout = torch.tensor([k[1:] for k in key], dtype=torch.int64, device=first.device)
+            self._arrays, self._key = (addresses, layout), key
+        return self._arrays
+
+
+def reset_idle_reference(convs: list[Tensor], carried: list[int], key_pos: Tensor, pos: Tensor, emitted: Tensor,
+                         active: Tensor | None) -> None:
+    """The rows that did not emit (of the active ones, given `active`) as fresh: their carried samples zero, their
+    ring's slots empty and position 0 (the values left in place: nothing reads an empty slot). Torch's ops: the CPU
+    path, and the oracle for the kernel."""
+    idle = ~emitted if active is None else active & ~emitted
+    for buf, n in zip(convs, carried, strict=True):
+        buf[..., :n].masked_fill_(idle[:, None, None], 0.0)
+    key_pos.masked_fill_(idle[:, None], -1)
+    pos.masked_fill_(idle, 0)
+
+
+def reset_idle(convs: list[Tensor], carried: list[int], key_pos: Tensor, pos: Tensor, emitted: Tensor,
+               active: Tensor | None, arrays: StreamBuffers) -> None:
+    """`reset_idle_reference`'s state: the kernel on CUDA, torch's ops elsewhere."""
+    if not use_kernel(emitted.device):
+        reset_idle_reference(convs, carried, key_pos, pos, emitted, active)
+        return
+    reset_idle_triton(convs, carried, key_pos, pos, emitted, active, arrays)
+
+
+def reset_idle_triton(convs: list[Tensor], carried: list[int], key_pos: Tensor, pos: Tensor, emitted: Tensor,
+                      active: Tensor | None, arrays: StreamBuffers) -> None:
+    """The reset as the Triton kernel, on whatever device Triton runs (CUDA; the CPU through its interpreter): one
+    program per buffer and row, and one per row for the ring's positions."""
+    rows = emitted.shape[0]
+    assert key_pos.stride(1) == 1 and all(t.shape[0] == rows for t in (*convs, key_pos, pos))
+    addresses, layout = arrays.arrays(convs, carried)
+    largest = max(t.shape[1] * n for t, n in zip(convs, carried, strict=True))
+    _reset_idle_kernel[(len(convs) + 1, rows)](
+        addresses, layout, emitted, emitted if active is None else active, key_pos, pos, key_pos.stride(0),
+        pos.stride(0), key_pos.shape[1], len(convs), HAS_ACTIVE=active is not None,
+        BLOCK=triton.next_power_of_2(largest), SLOTS=triton.next_power_of_2(key_pos.shape[1]),
+        DTYPE=_TRITON_DTYPES[convs[0].dtype], **launch.arguments(emitted.device), num_warps=4,
+    )
+
+
 if triton is not None:
+    _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+    @triton.jit
+    def _reset_idle_kernel(ADDRESSES, LAYOUT, EMITTED, ACTIVE, KEY_POS, POS, s_key_pos, s_pos, slots, buffers,
+                           HAS_ACTIVE: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr, DTYPE: tl.constexpr,
+                           PDL: tl.constexpr):
+        launch.allow_next(PDL)
+        launch.wait_for_previous(PDL)
+        i = tl.program_id(0)
+        row = tl.program_id(1)
+        idle = tl.load(EMITTED + row) == 0
+        if HAS_ACTIVE:
+            idle = idle & (tl.load(ACTIVE + row) != 0)
+        if idle:
+            if i < buffers:
+                base = tl.load(ADDRESSES + i).to(tl.pointer_type(DTYPE))
+                row_stride = tl.load(LAYOUT + i * 4)
+                channel_stride = tl.load(LAYOUT + i * 4 + 1)
+                channels = tl.load(LAYOUT + i * 4 + 2)
+                carried = tl.load(LAYOUT + i * 4 + 3)
+                e = tl.arange(0, BLOCK)
+                offsets = row.to(tl.int64) * row_stride + (e // carried) * channel_stride + e % carried
+                tl.store(base + offsets, tl.zeros([BLOCK], dtype=DTYPE), mask=e < channels * carried)
+            else:
+                k = tl.arange(0, SLOTS)
+                tl.store(KEY_POS + row.to(tl.int64) * s_key_pos + k, tl.full([SLOTS], -1, tl.int64), mask=k < slots)
+                tl.store(POS + row * s_pos, 0)
+
 
     @triton.jit
     def _overlap_add_kernel(TAPS, TAIL, BIAS, OUT, C, T, stb, stc, stt, stk, OVERLAP,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from model.config import FRAME_SAMPLES, TINY_MIMI, MimiConfig
+from model.mimi import Mimi
 from model.mimi_modules import CausalConv1d, CausalConvTranspose1d, ResidualBlock
 from model.random_model import random_mimi
 from model.seanet_kernels import (
@@ -20,7 +21,13 @@ from model.seanet_kernels import (
     taps_first,
     transposed_taps,
 )
-from model.stream_kernels import overlap_add_reference, overlap_add_triton
+from model.stream_kernels import (
+    StreamBuffers,
+    overlap_add_reference,
+    overlap_add_triton,
+    reset_idle_reference,
+    reset_idle_triton,
+)
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -252,3 +259,41 @@ def test_a_row_reset_mid_stream_steps_through_the_kernels_as_through_the_torch_p
         assert torch.equal(codes[0], codes[1]), index
         audio = [codec.decode_frame(codes[0], state) for codec, state in zip((mimi, fused), states)]
         assert (audio[1] - audio[0]).abs().max() <= TOLERANCE[torch.float32] * audio[0].abs().max(), index
+
+
+def _decoder_layout() -> tuple[list[tuple[int, int]], list[int], int]:
+    """The full codec's decoder state: each buffer's (channels, length), its carried samples, the ring's slots."""
+    with torch.device("meta"):
+        state = Mimi(MimiConfig()).init_state(1, "meta").decoder
+    return [(t.shape[1], t.shape[2]) for t in state.convs], state.carried, state.kv.key_pos.shape[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_the_idle_rows_reset_kernel_leaves_the_torch_paths_state(dtype) -> None:
+    """The decode's reset of the rows that emitted nothing, every tick (model/batch_step.py): one kernel over the
+    full codec's decoder buffers leaves every carried sample, slot position and row position of the torch path's
+    masked fills, with and without an active mask, and on a one-row view inside a larger state (the engine's
+    input-clocked steps); the samples past the carried ones and the rows that emitted stay as they were."""
+    shapes, carried, slots = _decoder_layout()
+    generator = torch.Generator().manual_seed(3)
+    rows = 5
+
+    def state() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        convs = [torch.randn(rows, c, n, generator=generator).to(DEVICE, dtype) for c, n in shapes]
+        key_pos = torch.randint(0, 100, (rows, slots), generator=generator).to(DEVICE)
+        return convs, key_pos, torch.randint(1, 100, (rows,), generator=generator).to(DEVICE)
+
+    emitted = torch.tensor([True, False, False, True, False], device=DEVICE)
+    some = torch.tensor([True, True, False, True, True], device=DEVICE)
+    one = torch.ones(1, dtype=torch.bool, device=DEVICE)
+    cases = [(slice(0, rows), emitted, None), (slice(0, rows), emitted, some), (slice(2, 3), emitted[2:3], one)]
+    for index, done, active in cases:
+        convs, key_pos, pos = state()
+        want = [t.clone() for t in (*convs, key_pos, pos)]
+        view = [t[index] for t in want]
+        reset_idle_reference(view[:-2], carried, view[-2], view[-1], done, active)
+        view = [t[index] for t in (*convs, key_pos, pos)]
+        reset_idle_triton(view[:-2], carried, view[-2], view[-1], done, active, StreamBuffers())
+        for k, (got, expected) in enumerate(zip((*convs, key_pos, pos), want, strict=True)):
+            assert torch.equal(got, expected), f"rows {index}, active {active is not None}: tensor {k}"
+        assert not torch.equal(want[0], convs[0].new_zeros(convs[0].shape))  # something was left to compare
