@@ -81,11 +81,14 @@ WEBRTC_TRACK = PacingRules(playout=PlayoutConfig(start_prebuffer_ms=10.0, min_pr
 SIP_RTP = PacingRules(playout=PlayoutConfig(start_prebuffer_ms=10.0, min_prebuffer_ms=10.0), hold_s=0.020,
                       shed_backlog=True, drop_on_stall=True, primed=True, late_grace_s=0.020)
 # The telephone bridges' WebSockets (Twilio, Telnyx, Vonage, FreeSWITCH, AudioSocket): the platform plays what comes as
-# it comes, with little buffering of its own, so the playout holds the slack (40 ms to begin with) and every frame
-# is played. After 10 s with no underrun the hold is 20 ms, as tight as SIP's, so the same two guards as SIP: primed
-# (else a frame 3 ms late ran the line dry), and a frame up to a chunk later than the hold goes out late, not as
-# silence (on the H200 at 144 calls, 10 of 29 Twilio calls sent 20-60 ms of silence at one instant 14 s in).
-PHONE_LINE = PacingRules(primed=True, late_grace_s=0.020)
+# it comes, with little buffering of its own, so the playout holds the slack (40 ms to begin with). After 10 s with no
+# underrun the hold is 20 ms, as tight as SIP's, so the same guards as SIP: primed (else a frame 3 ms late ran the
+# line dry), a frame up to a chunk later than the hold goes out late, not as silence (on the H200 at 144 calls, 10 of
+# 29 Twilio calls sent 20-60 ms of silence at one instant 14 s in), and a stall drops the audio of the sends it
+# skipped: the caller hears the stall's gap either way, and kept, that audio stood behind every later frame as
+# latency until the playout's bound shed 200 ms or more at once (at load on a contended H100, 21 of 29 Twilio calls
+# lost 220-500 ms that way, their workers' loops stalling 43-82 ms: docs/benchmarks.md, the fifteenth far-caller run).
+PHONE_LINE = PacingRules(primed=True, late_grace_s=0.020, drop_on_stall=True)
 
 
 def _wake(future: asyncio.Future[None] | None) -> None:
@@ -246,7 +249,8 @@ class Pacer:
         """What the other end has been sent, for a call's record: `sent_s` of the model's audio, and the silence
         sent where the model's next frame was due and had not come (the engine behind real time): `out_silence_ms`
         in `out_underruns` spells, each moving what follows that much later; `out_shed_ms` of a standing backlog
-        dropped. Since the line's last rate change (a SIP re-INVITE)."""
+        dropped, and of the sends a stall skipped where the rules drop their audio. Since the line's last rate change
+        (a SIP re-INVITE)."""
         st = self.playout.stats()
         return {"sent_s": round(st.drained_samples / self.rate, 2), "out_silence_ms": round(st.underrun_ms, 1),
                 "out_underruns": st.underruns, "out_shed_ms": round(self.shed_ms + st.shed_ms, 1)}
@@ -275,7 +279,9 @@ class Pacer:
         slot = await self.grid.wait()
         self._graced = False
         if self.rules.drop_on_stall and self.grid.missed:
+            drained = self.playout.stats().drained_samples
             self.playout.read(self.grid.missed * self.chunk)
+            self.shed_ms += (self.playout.stats().drained_samples - drained) / self.rate * 1000.0
         return slot
 
     def read(self, n: int | None = None) -> np.ndarray:
