@@ -65,15 +65,16 @@ class StreamState:
                                 (other.kv.keys, other.kv.values, other.kv.key_pos, other.kv.pos)):
             mine.copy_(theirs)
 
-    def reset_rows(self, rows: Tensor, zero_values: bool = True) -> None:
-        # Only the carried samples: the decode resets its idle rows every tick, and the windows are ~30x larger.
+    def reset_rows(self, rows: Tensor) -> None:
+        # Only the carried samples: a step rewrites the rest of each window before it reads it (the class docstring).
         for buf, carried in zip(self.convs, self.carried, strict=True):
             buf[..., :carried].masked_fill_(rows[:, None, None], 0.0)
-        self.kv.reset_rows(rows, zero_values)
+        self.kv.reset_rows(rows)
 
     def reset_idle(self, emitted: Tensor, active: Tensor | None) -> None:
-        """The rows that emitted nothing (of the `active` ones) marked fresh, as `reset_rows(..., zero_values=False)`
-        would: every tick's decode does it, in one kernel on CUDA (model/stream_kernels.py)."""
+        """The rows that emitted nothing (of the `active` ones) marked fresh as `reset_rows` would, their ring's keys
+        and values left in place (nothing reads an empty slot: its attention weight is exactly 0, times a finite
+        value): every tick's decode does it, in one kernel on CUDA (model/stream_kernels.py)."""
         reset_idle(self.convs, self.carried, self.kv.key_pos, self.kv.pos, emitted, active, self.reset_arrays)
 
 

@@ -350,13 +350,10 @@ class KVCache:
         """A view of some rows: writes through it land in this cache."""
         return KVCache(self.keys[:, index], self.values[:, index], self.key_pos[index], self.pos[index])
 
-    def reset_rows(self, rows: Tensor, zero_values: bool = True) -> None:
-        """Mark every slot of `rows` empty. Without `zero_values` the old keys and values stay in place: nothing
-        reads an empty slot (its attention weight is exactly 0, times a finite value), and the whole-cache
-        write is skipped, which matters for a reset that runs every tick."""
-        if zero_values:
-            self.keys.masked_fill_(rows[None, :, None, None, None], 0.0)
-            self.values.masked_fill_(rows[None, :, None, None, None], 0.0)
+    def reset_rows(self, rows: Tensor) -> None:
+        """Mark every slot of `rows` empty and zero their keys and values."""
+        self.keys.masked_fill_(rows[None, :, None, None, None], 0.0)
+        self.values.masked_fill_(rows[None, :, None, None, None], 0.0)
         self.key_pos.masked_fill_(rows[:, None], -1)
         self.pos.masked_fill_(rows, 0)
 
