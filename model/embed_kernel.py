@@ -38,23 +38,21 @@ def embed_column_reference(tokens: Tensor, tables: list[Tensor]) -> Tensor:
 
 
 class EmbeddingTables:
-    """The device array of the tables' addresses the kernel reads, made again whenever a table has moved (it is
-    made on first use, before the engine captures a graph that holds it; weights do not move after that)."""
+    """The device array of the tables' addresses the kernel reads (weights do not move once the engine captures its
+    graphs; the array follows them if they do)."""
 
     def __init__(self) -> None:
-        self._addresses: tuple[int, ...] = ()
-        self._array: Tensor | None = None
+        self._addresses = launch.DeviceInts()
 
     def array(self, tables: list[Tensor]) -> Tensor:
-        addresses = tuple(t.data_ptr() for t in tables)
-        if addresses != self._addresses or self._array is None:
-            first = tables[0]
+        first = tables[0]
+
+        def check() -> None:
             if any(t.dtype != first.dtype or t.device != first.device or t.dim() != 2 or t.shape[1] != first.shape[1]
                    or not t.is_contiguous() for t in tables):
                 raise ValueError("the embedding tables must be contiguous [rows, dim] of one dtype and device")
-            self._array = torch.tensor(addresses, dtype=torch.int64, device=first.device)
-            self._addresses = addresses
-        return self._array
+
+        return self._addresses.array(tuple(t.data_ptr() for t in tables), first.device, check)
 
 
 def embed_column(tokens: Tensor, tables: list[Tensor], addresses: EmbeddingTables) -> Tensor:

@@ -14,6 +14,7 @@ first access to memory another kernel writes, and `**arguments(device)` at its l
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -52,6 +53,26 @@ def supported(device: torch.device) -> bool:
     control)."""
     return (gdc_wait is not None and device.type == "cuda" and torch.cuda.is_available()
             and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+class DeviceInts:
+    """Host integers a kernel reads from the device (tables' or buffers' addresses and layouts) as an int64 array:
+    uploaded on first use, which comes before the engine captures a graph that holds the array, and again only when
+    the integers change (a buffer moved, another view asked for)."""
+
+    def __init__(self) -> None:
+        self._values: tuple = ()
+        self._array: torch.Tensor | None = None
+
+    def array(self, values: tuple, device: torch.device, check: Callable[[], None] | None = None) -> torch.Tensor:
+        """The array of `values` (a tuple of ints, or of equal tuples of ints: its rows); `check` runs before an
+        upload and raises for what the kernel cannot read."""
+        if values != self._values or self._array is None:
+            if check is not None:
+                check()
+            self._array = torch.tensor(values, dtype=torch.int64, device=device)
+            self._values = values
+        return self._array
 
 
 def arguments(device: torch.device) -> dict[str, bool]:

@@ -114,8 +114,9 @@ def _close_call(ring: Tensor, offset: Tensor, pos: Tensor, forced: Tensor, token
         return frame, emitted
     ring.copy_(torch.where(active.view(B, 1, 1), written, ring))
     forced.copy_(forced & ~active.unsqueeze(1))
-    offset += active.long()
-    pos += active.long()
+    stepped = active.long()
+    offset += stepped
+    pos += stepped
     return frame, emitted & active
 
 

@@ -74,26 +74,24 @@ def overlap_add_triton(taps: Tensor, tail: Tensor, bias: Tensor | None, stride: 
 
 
 class StreamBuffers:
-    """The device arrays the reset kernel reads: each buffer's address, and its row stride, channel stride, channels
-    and carried samples. Made on first use (before the engine captures a graph that holds them) and again whenever a
-    buffer has moved or another view is asked for."""
+    """The device array the reset kernel reads: a row per buffer of its address, row stride, channel stride,
+    channels and carried samples (launch.DeviceInts: uploaded before the engine captures its graphs, and again if a
+    buffer moves)."""
 
     def __init__(self) -> None:
-        self._key: tuple = ()
-        self._arrays: tuple[Tensor, Tensor] | None = None
+        self._records = launch.DeviceInts()
 
-    def arrays(self, convs: list[Tensor], carried: list[int]) -> tuple[Tensor, Tensor]:
-        pairs = zip(convs, carried, strict=True)
-        key = tuple((t.data_ptr(), t.stride(0), t.stride(1), t.shape[1], n) for t, n in pairs)
-        if key != self._key or self._arrays is None:
-            first = convs[0]
+    def array(self, convs: list[Tensor], carried: list[int]) -> Tensor:
+        first = convs[0]
+
+        def check() -> None:
             if any(t.dtype != first.dtype or t.device != first.device or t.dim() != 3 or t.stride(2) != 1
                    or t.shape[0] != first.shape[0] for t in convs):
                 raise ValueError("the buffers must be [B, C, L] of one dtype and device, their samples contiguous")
-            addresses = torch.tensor([t.data_ptr() for t in convs], dtype=torch.int64, device=first.device)
-            layout = torch.tensor([k[1:] for k in key], dtype=torch.int64, device=first.device)
-            self._arrays, self._key = (addresses, layout), key
-        return self._arrays
+
+        records = tuple((t.data_ptr(), t.stride(0), t.stride(1), t.shape[1], n)
+                        for t, n in zip(convs, carried, strict=True))
+        return self._records.array(records, first.device, check)
 
 
 def reset_idle_reference(convs: list[Tensor], carried: list[int], key_pos: Tensor, pos: Tensor, emitted: Tensor,
@@ -123,10 +121,9 @@ def reset_idle_triton(convs: list[Tensor], carried: list[int], key_pos: Tensor, 
     program per buffer and row, and one per row for the ring's positions."""
     rows = emitted.shape[0]
     assert key_pos.stride(1) == 1 and all(t.shape[0] == rows for t in (*convs, key_pos, pos))
-    addresses, layout = arrays.arrays(convs, carried)
     largest = max(t.shape[1] * n for t, n in zip(convs, carried, strict=True))
     _reset_idle_kernel[(len(convs) + 1, rows)](
-        addresses, layout, emitted, emitted if active is None else active, key_pos, pos, key_pos.stride(0),
+        arrays.array(convs, carried), emitted, emitted if active is None else active, key_pos, pos, key_pos.stride(0),
         pos.stride(0), key_pos.shape[1], len(convs), HAS_ACTIVE=active is not None,
         BLOCK=triton.next_power_of_2(largest), SLOTS=triton.next_power_of_2(key_pos.shape[1]),
         DTYPE=_TRITON_DTYPES[convs[0].dtype], **launch.arguments(emitted.device), num_warps=4,
@@ -137,7 +134,7 @@ if triton is not None:
     _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
-    def _reset_idle_kernel(ADDRESSES, LAYOUT, EMITTED, ACTIVE, KEY_POS, POS, s_key_pos, s_pos, slots, buffers,
+    def _reset_idle_kernel(BUFFERS, EMITTED, ACTIVE, KEY_POS, POS, s_key_pos, s_pos, slots, buffers,
                            HAS_ACTIVE: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr, DTYPE: tl.constexpr,
                            PDL: tl.constexpr):
         launch.allow_next(PDL)
@@ -149,11 +146,11 @@ if triton is not None:
             idle = idle & (tl.load(ACTIVE + row) != 0)
         if idle:
             if i < buffers:
-                base = tl.load(ADDRESSES + i).to(tl.pointer_type(DTYPE))
-                row_stride = tl.load(LAYOUT + i * 4)
-                channel_stride = tl.load(LAYOUT + i * 4 + 1)
-                channels = tl.load(LAYOUT + i * 4 + 2)
-                carried = tl.load(LAYOUT + i * 4 + 3)
+                base = tl.load(BUFFERS + i * 5).to(tl.pointer_type(DTYPE))
+                row_stride = tl.load(BUFFERS + i * 5 + 1)
+                channel_stride = tl.load(BUFFERS + i * 5 + 2)
+                channels = tl.load(BUFFERS + i * 5 + 3)
+                carried = tl.load(BUFFERS + i * 5 + 4)
                 e = tl.arange(0, BLOCK)
                 offsets = row.to(tl.int64) * row_stride + (e // carried) * channel_stride + e % carried
                 tl.store(base + offsets, tl.zeros([BLOCK], dtype=DTYPE), mask=e < channels * carried)
