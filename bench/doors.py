@@ -270,6 +270,7 @@ class DoorClient:
         return {
             "door": self.door, "name": self.name, "session_id": self.session_id,
             "frames_in": self.frames_in, "frames_out": at_end, "missing_frames": missing,
+            "piece_ms": round(self.send_period_s * 1000, 2),
             "rtf": self.received.rtf(), "output_lateness_ms": self.received.lateness_ms(began),
             "send_lateness_ms": quantiles(self.send_late_ms),
             "open_ms": round((self.live_at - began) * 1000, 1) if self.live_at and began else None,

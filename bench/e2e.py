@@ -91,6 +91,7 @@ class ProcJob:
     seed: int = 0
     sip_port: int | None = None
     admin_key: str | None = None
+    piece_ms: float | None = None   # the PCM WebSocket doors' append (None: one 80 ms frame)
     pieces: dict[int, list[bytes]] = field(default_factory=dict)  # per session, made before the start
 
     def session_audio(self, p: Planned) -> np.ndarray:
@@ -104,8 +105,8 @@ class ProcJob:
         streaming stalled, and the stall was counted as the server's lateness and first audio."""
         for p in self.sessions:
             if p.door != "webrtc":
-                self.pieces[p.index] = DOORS[p.door]("", self.url, self.headers, PERSONA).pieces(
-                    self.session_audio(p))
+                self.pieces[p.index] = make_client(p.door, "", self.url, self.headers, self.session_audio(p),
+                                                   piece_ms=self.piece_ms).pieces(self.session_audio(p))
         if any(p.door == "webrtc" for p in self.sessions):
             asyncio.run(warm_webrtc())
 
@@ -167,13 +168,18 @@ def plan(args: argparse.Namespace) -> list[Planned]:
     return [Planned(i, d, i % args.procs, t, link) for i, (d, t, link) in enumerate(zip(doors, offsets, links))]
 
 
+PCM_PIECE_DOORS = ("realtime", "duplex")   # a client of these may append any length; the others' pieces are fixed
+
+
 def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: np.ndarray,
-                on_answer: Any = None, relay: UdpRelay | None = None) -> DoorClient:
+                on_answer: Any = None, relay: UdpRelay | None = None, piece_ms: float | None = None) -> DoorClient:
     if door == "webrtc":   # an impaired caller's microphone sends in-band FEC, as a browser's does seeing loss
         return WebRTCClient(name, url, headers, PERSONA, audio=audio, on_answer=on_answer,
                             fec_loss_pct=FEC_LOSS_PCT if on_answer is not None else 0)
     if door == "sip":
         return SipClientDoor(name, url, headers, PERSONA, relay=relay)
+    if door in PCM_PIECE_DOORS:
+        return DOORS[door](name, url, headers, PERSONA, piece_ms=piece_ms)
     return DOORS[door](name, url, headers, PERSONA)
 
 
@@ -263,7 +269,7 @@ async def run_session(http: aiohttp.ClientSession, job: ProcJob, p: Planned, t0:
         target = urlsplit(job.url)
         relay = await TcpRelay((target.hostname or "127.0.0.1", target.port or 80), link, link, seed).start()
         url = f"http://127.0.0.1:{relay.port}"
-    client = make_client(p.door, f"{p.door}{p.index}", url, job.headers, audio, on_answer, udp)
+    client = make_client(p.door, f"{p.door}{p.index}", url, job.headers, audio, on_answer, udp, job.piece_ms)
     extra: dict[str, Any] = {}
     listened = False
     try:
@@ -418,7 +424,7 @@ async def extra_open(http: aiohttp.ClientSession, args: argparse.Namespace, audi
         await asyncio.sleep(0.1)
     await asyncio.sleep(args.extra_settle_s)
     seconds = min(args.extra_seconds, args.seconds)
-    job = ProcJob(args.url, headers, [], audio, seconds, args.drain_s)
+    job = ProcJob(args.url, headers, [], audio, seconds, args.drain_s, piece_ms=args.piece_ms)
     to_hear: list[tuple[dict[str, Any], DoorClient]] = []
     report = await run_session(http, job, Planned(args.sessions, args.extra_door, -1, 0.0), time.monotonic(), to_hear)
     hear(to_hear)
@@ -437,7 +443,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=proc_main, args=(child, ProcJob(args.url, headers, mine, audio, args.seconds,
                                                                    args.drain_s, args.impair_seed, args.sip_port,
-                                                                   args.admin_key)),
+                                                                   args.admin_key, args.piece_ms)),
                            daemon=True)
         proc.start()
         procs.append(proc)
@@ -472,7 +478,8 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "e2e", "url": args.url, "sessions": args.sessions, "mix": args.mix, "seconds": args.seconds,
         "open": args.open, **({"burst_s": args.burst_s} if args.open == "burst" else {"interval_ms": args.interval_ms}),
-        "procs": args.procs, "wall_s": round(wall, 2), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "procs": args.procs, "piece_ms": args.piece_ms,
+        "wall_s": round(wall, 2), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "summary": summarize(reports), "doors": by_door, "conditions": conditions,
         "impair": args.impair, "impaired_share": args.impaired_share if args.impair else 0.0,
         "extra_open": extra,
@@ -525,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-seconds", type=float, default=3.0)
     p.add_argument("--extra-settle-s", type=float, default=1.0, help="wait after all are live before the extra open")
     p.add_argument("--drain-s", type=float, default=1.0, help="after the last send, before counting what came")
+    p.add_argument("--piece-ms", type=float, help="each append of the Realtime and duplex doors (default one 80 ms "
+                   "frame; voice-agent frameworks send 20-100 ms); Twilio and SIP send 20 ms, WebRTC 20 ms of Opus")
     p.add_argument("--api-key")
     p.add_argument("--admin-key", help="the server's --admin-key: Twilio calls read their own stats from /v1/calls")
     p.add_argument("--impair", type=_link, help="put a share of each door's sessions behind this link (bench.impair: "

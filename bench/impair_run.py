@@ -54,6 +54,7 @@ def main() -> int:
     p.add_argument("--procs", type=int, default=6)
     p.add_argument("--small-sessions", type=int, default=8, help="sessions of the stalls and bursty runs")
     p.add_argument("--budget-s", type=float, default=330.0)
+    p.add_argument("--piece-ms", type=float, help="the Realtime and duplex callers' append (bench.e2e --piece-ms)")
     args = p.parse_args()
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +89,8 @@ def main() -> int:
             res = subprocess.run([sys.executable, "-m", "bench.e2e", "--url", url, "--mix", mix, "--procs",
                                   str(min(args.procs, int(extra[1]))), "--impair-seed", "30", "--out", str(out),
                                   "--sip-port", str(args.sip_port), "--admin-key", ADMIN_KEY,
-                                  *extra], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                  *(["--piece-ms", str(args.piece_ms)] if args.piece_ms else []), *extra],
+                                 capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             done[name] = round(time.monotonic() - t0, 1)
             if res.returncode:
                 print(res.stderr[-2000:], flush=True)

@@ -57,12 +57,16 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     server = await start_server(max_sessions=5, admin_key="e2e-admin")
     out = tmp_path / "e2e.jsonl"
     report = await run_driver("bench.e2e", "--url", server.url, "--sessions", "4", "--seconds", "3", "--procs", "2",
-                              "--mix", "realtime=1,webrtc=1,twilio=1,duplex=1", "--extra-open",
+                              "--mix", "realtime=1,webrtc=1,twilio=1,duplex=1", "--extra-open", "--piece-ms", "40",
                               "--server-pids", str(os.getpid()), "--out", str(out), "--admin-key", "e2e-admin")
     assert json.loads(out.read_text().splitlines()[-1]) == report
     assert report["summary"]["live"] == 4 and report["summary"]["no_audio"] == 0, report["summary"]
     sessions = report["per_session"]
     assert sorted(s["door"] for s in sessions) == ["duplex", "realtime", "twilio", "webrtc"]
+    # The PCM doors append what the driver was asked (a framework's 40 ms); the others keep their wire's 20 ms.
+    assert {s["door"]: s["piece_ms"] for s in sessions} == {"realtime": 40.0, "duplex": 40.0, "twilio": 20.0,
+                                                            "webrtc": 20.0}
+    assert report["piece_ms"] == 40.0 and report["extra_open"]["piece_ms"] == 40.0
     for s in sessions:
         assert s["session_id"] and s["frames_in"] > 0 and s["frames_out"] > 0, s
         assert s["rtf"] is not None and s["first_audio_ms"] > 0 and s["missing_frames"] >= 0, s
