@@ -9,18 +9,17 @@ over sessions); the server input buffer's added latency p50 ms (median / max; We
 where the call's end came back, the Realtime and native dialects from `session.closed` (the whole call; runs before it
 from the native dialect's last `session.link`), Twilio from `GET /v1/calls` (none in runs before it)); the link's uplink
 jitter p95 ms (median / max); sessions whose added p50 is over that jitter + 20 ms (the issue's bound, for 20 ms
-packets), and over that jitter + the door's packet where its load client sends longer ones (the Realtime client's 80 ms
-appends: a buffer holds whole appends); concealed / lost ms summed over the sessions that report both (lost: what the
-link lost of the caller's packets, less what in-band FEC rebuilt, plus what the caller's own sender skipped, where a
-WebRTC run reports those; before them, the link's loss alone); input underruns
-max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per run: ticks, late
-ticks, tick p50 / p99, the engine thread's garbage collections, and per door the silence the server sent its callers
-where a frame was due and had not come (calls reporting it, calls sent any, total ms: the server's gaps, not the
-link's); one per worker process: its CPU, loop lag and the input frames it sent the engine late (the
-counters are the server's totals since its start), which is where a busy worker shows; and, for runs that traced the
-load driver's own loops (bench.e2e since 2026-12-06), one per run with each driver process's loop lag max and how
-many sessions had their worst moment with a driver stall half its size or more beside it: the driver's share of the
-lateness maxima.
+packets), and over that jitter + the door's packet where its load client sends longer ones (the Realtime and native
+clients' 80 ms appends unless the run set `--piece-ms`: a buffer holds whole appends); concealed / lost ms summed over
+the sessions that report both (lost: what the link lost of the caller's packets, less what in-band FEC rebuilt, plus
+what the caller's own sender skipped, where a WebRTC run reports those; before them, the link's loss alone); input
+underruns max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per run:
+ticks, late ticks, tick p50 / p99, the engine thread's garbage collections, and per door the silence the server sent its
+callers where a frame was due and had not come (calls reporting it, calls sent any, total ms: the server's gaps, not the
+link's); one per worker process: its CPU, loop lag and the input frames it sent the engine late (the counters are the
+server's totals since its start), which is where a busy worker shows; and, for runs that traced the load driver's own
+loops (bench.e2e since 2026-12-06), one per run with each driver process's loop lag max and how many sessions had their
+worst moment with a driver stall half its size or more beside it: the driver's share of the lateness maxima.
 """
 
 from __future__ import annotations
@@ -98,7 +97,8 @@ def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
     inputs = [(s, got) for s in sessions if (got := input_figures(s)) is not None]
     jitter = {s["name"]: s["impairment"]["up"]["jitter_p95_ms"] for s in sessions if s.get("impairment")}
     lost = [(s, got) for s, got in inputs if s.get("impairment", {}).get("rtp_lost_ms") is not None]
-    packet_ms = max(BOUND_MS, 1000.0 * CLIENTS[door].send_period_s)
+    # each session's own piece where its report names it (bench.e2e --piece-ms), else the door's client's default
+    packet_ms = max(BOUND_MS, *(s.get("piece_ms", 1000.0 * CLIENTS[door].send_period_s) for s in sessions))
     over = [s for s, got in inputs if s["name"] in jitter and got["added_p50"] > jitter[s["name"]] + BOUND_MS]
     over_packet = [s for s, got in inputs if s["name"] in jitter and got["added_p50"] > jitter[s["name"]] + packet_ms]
     judged = len([1 for s, _ in inputs if s["name"] in jitter])
