@@ -271,7 +271,7 @@ def decode_attention(q: Tensor, store: KVStore, layer: int, n_valid: Tensor, ord
         HAS_SCALE=store.fp8, BLOCK_N=block, D=D, PAGE=store.page, STAGES=cfg.stages, USE_DOT=cfg.use_dot,
         DIRECT=direct, **launch.arguments(q.device), num_warps=cfg.warps,
     )
-    return acc if direct else merge_partials(acc, m, denom).to(q.dtype)
+    return acc if direct else merge_partials(acc, m, denom, q.dtype)
 
 
 def rope_and_store_reference(store: KVStore, layer: int, projected: Tensor, rotation: Tensor, slot: Tensor,
@@ -341,11 +341,12 @@ def depformer_attention(qkv: Tensor, keys: Tensor, values: Tensor, step: Tensor,
 
 
 @fusable
-def merge_partials(acc: Tensor, m: Tensor, denom: Tensor) -> Tensor:
-    """Combine split-K partial softmaxes: acc [B, H, S, D], running max m and denominator [B, H, S]."""
+def merge_partials(acc: Tensor, m: Tensor, denom: Tensor, dtype: torch.dtype) -> Tensor:
+    """Combine split-K partial softmaxes: acc [B, H, S, D], running max m and denominator [B, H, S]; the result
+    in `dtype` (the query's), cast by the merge's own last pass (a launch of its own a layer when it followed)."""
     top = m.amax(dim=2, keepdim=True)
     weight = torch.where(denom > 0, torch.exp(m - top), torch.zeros_like(m))
-    return (acc * weight.unsqueeze(-1)).sum(2) / (denom * weight).sum(2, keepdim=True)
+    return ((acc * weight.unsqueeze(-1)).sum(2) / (denom * weight).sum(2, keepdim=True)).to(dtype)
 
 
 if triton is not None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model import fused
 from model.attention import (
     KVStore,
     attention_reference,
@@ -14,6 +15,7 @@ from model.attention import (
     depformer_attention_reference,
     dequantize,
     longest_first,
+    merge_partials,
     quantize,
     rope_and_store,
     rope_and_store_reference,
@@ -151,3 +153,29 @@ def test_depformer_attention_kernel_matches_reference_on_cuda(steps):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
         for a, b in zip(caches[0], caches[1]):
             assert torch.equal(a[:, :, : step + 1], b[:, :, : step + 1])
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning:torch\.jit\._script")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only"))])
+def test_the_split_merge_casting_in_its_own_pass_leaves_every_value_of_the_cast_after_it(device):
+    """The split-K merge compiled with the query's dtype as its output (the engine's launch a layer fewer) gives
+    every value of the float32 merge cast by torch after it: one row and eight, splits without keys among them."""
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for rows, splits in ((1, 47), (8, 8)):
+        acc = torch.randn(rows, 32, splits, 128, generator=g).to(device)
+        m = torch.randn(rows, 32, splits, generator=g).to(device) * 4
+        denom = torch.rand(rows, 32, splits, generator=g).to(device) * 30
+        denom[..., 1:] *= torch.rand(rows, 32, splits - 1, generator=g).to(device) < 0.3  # most spans hold no key
+        cases.append((acc, m, denom))
+    torch._dynamo.reset()
+    fused.enable()
+    try:
+        for acc, m, denom in cases:
+            after = merge_partials(acc, m, denom, torch.float32).to(torch.bfloat16)
+            within = merge_partials(acc, m, denom, torch.bfloat16)
+            assert within.dtype == torch.bfloat16 and torch.equal(within, after), acc.shape
+        assert not fused.fallen_back()
+    finally:
+        fused.disable()
