@@ -18,7 +18,7 @@ from model import seanet_kernels
 from model.attention import TRITON_INTERPRETED
 from model.config import MimiTransformerConfig, QuantizerConfig, SeanetConfig
 from model.fused import fusable
-from model.rope import apply_rope, rope_rotation
+from model.rope import apply_rope, rope_rotation, rotate
 from model.stream_kernels import overlap_add
 
 NORM_EPS = 1e-5
@@ -379,17 +379,25 @@ class Attention(nn.Module):
         """
         b, t, c = x.shape
         qkv = F.linear(x, self.in_proj_weight).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(qkv[:2], rope).unbind(0)  # one rotation for both
-        v = qkv[2]
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            q, k = apply_rope(qkv[:2], rope).unbind(0)  # one rotation for both
+            out = F.scaled_dot_product_attention(q, k, qkv[2], attn_mask=mask)
         else:
             keys, values, slots = cache
-            index = slots[:, None, :, None].expand(b, self.num_heads, t, self.head_dim)
-            keys.scatter_(2, index, k)
-            values.scatter_(2, index, v)
-            out = ring_attention(q, keys, values, mask)
+            out = ring_attention(rope_and_store(qkv, rope, keys, values, slots), keys, values, mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, c))
+
+
+@fusable
+def rope_and_store(qkv: Tensor, rope: Tensor, keys: Tensor, values: Tensor, slots: Tensor) -> Tensor:
+    """The queries rotated; the keys rotated and the values written into the ring at `slots` [B, T]: qkv
+    [3, B, H, T, D], keys and values [B, H, S, D]. One pass where the rotation and the two ring writes were three
+    launches a layer (the same values: the rotation's arithmetic is `apply_rope`'s, the writes are copies)."""
+    q, k = rotate(qkv[:2], rope).unbind(0)
+    rows = torch.arange(slots.shape[0], device=slots.device).unsqueeze(1)
+    keys[rows, :, slots] = k.transpose(1, 2)  # [B, T, H, D]: the indexed dims first, as advanced indexing puts them
+    values[rows, :, slots] = qkv[2].transpose(1, 2)
+    return q
 
 
 @fusable
@@ -487,17 +495,25 @@ class MimiTransformer(nn.Module):
 
     def step(self, x: Tensor, cache: KVCache) -> Tensor:
         """x [B, T, C] continues each row's sequence at `cache.pos`; updates the cache in place."""
-        t = x.shape[1]
-        positions = cache.pos[:, None] + torch.arange(t, device=x.device)  # [B, T]
-        slots = positions % cache.key_pos.shape[1]
-        cache.key_pos.scatter_(1, slots, positions)
-        delta = positions[:, :, None] - cache.key_pos[:, None, :]  # [B, T, slots]
-        mask = ((cache.key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < self.cfg.context))[:, None]
+        positions, slots, mask = advance_ring(cache.pos, cache.key_pos, x.shape[1], self.cfg.context)
         rope = rope_rotation(positions[:, None], self.head_dim, self.cfg.max_period)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, mask, (cache.keys[i], cache.values[i], slots))
-        cache.pos.add_(t)
         return x
+
+
+@fusable
+def advance_ring(pos: Tensor, key_pos: Tensor, steps: int, context: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A step of `steps` positions from each row's `pos` [B]: the positions [B, T], their ring slots [B, T] (marked
+    in `key_pos` [B, S]), which keys each may see [B, 1, T, S]; `pos` moves on. Integer work (about a dozen
+    launches a step where the engine compiles it)."""
+    positions = pos.unsqueeze(1) + torch.arange(steps, device=pos.device)
+    slots = positions % key_pos.shape[1]
+    key_pos.scatter_(1, slots, positions)
+    delta = positions[:, :, None] - key_pos[:, None, :]
+    mask = ((key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < context))[:, None]
+    pos += steps
+    return positions, slots, mask
 
 
 class Codebook(nn.Module):

@@ -27,6 +27,11 @@ def rope_rotation(positions: Tensor, head_dim: int, max_period: float) -> Tensor
 @fusable
 def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
     """Rotate x [..., T, head_dim]; `rotation` broadcasts to [..., T, head_dim // 2, 2]."""
+    return rotate(x, rotation)
+
+
+def rotate(x: Tensor, rotation: Tensor) -> Tensor:
+    """`apply_rope`'s arithmetic, for compiled helpers that rotate as part of a larger pass."""
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
     cos, sin = rotation[..., 0], rotation[..., 1]

@@ -21,11 +21,14 @@ from model.mimi_modules import (
     Codebook,
     ResidualBlock,
     SplitResidualVQ,
+    advance_ring,
     bias_elu,
     bias_residual,
+    rope_and_store,
     scale_add,
     scale_add_layer_norm,
 )
+from model.rope import apply_rope, rope_rotation
 
 CFG = TINY_MIMI
 K = CFG.num_codebooks
@@ -533,6 +536,84 @@ def test_the_quantizers_compiled_glue_gives_every_code_and_latent_of_its_eager_p
                 assert not fused.fallen_back()
             finally:
                 fused.disable()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only"))])
+def test_the_transformers_rotation_and_ring_writes_as_one_pass_leave_what_the_three_left(device: str) -> None:
+    """A streaming layer's rotation of q and k and its ring writes of k and v, compiled as one helper, give the
+    rotated queries and leave the rings (a layer's view of the cache, and a row view inside it) exactly as the
+    compiled rotation and torch's two scatters did: float32 (the encoder) and bf16 (the decoder), one row and 250,
+    one step and three, ring slots wrapping."""
+    g = torch.Generator().manual_seed(3)
+    heads, slots, dim = 8, 256, 64
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, steps in ((1, 1), (250, 1), (3, 3)):
+            qkv = torch.randn(3, rows, heads, steps, dim, generator=g).to(device, dtype)
+            positions = torch.randint(0, 3 * slots, (rows, 1), generator=g).to(device) + torch.arange(steps,
+                                                                                                      device=device)
+            rope = rope_rotation(positions[:, None], dim, 10_000.0)
+            cache = torch.randn(2, 2, rows + 1, heads, slots, dim, generator=g).to(device, dtype)  # [k|v, layer, ...]
+            cases.append((qkv, rope, cache, positions % slots))
+
+    def before(qkv, rope, keys, values, at):
+        q, k = apply_rope(qkv[:2], rope).unbind(0)
+        index = at[:, None, :, None].expand(*k.shape)
+        keys.scatter_(2, index, k)
+        values.scatter_(2, index, qkv[2])
+        return q
+
+    torch._dynamo.reset()
+    fused.enable()
+    try:
+        for qkv, rope, cache, at in cases:
+            rows = qkv.shape[1]
+            for view in (slice(0, rows), slice(1, rows + 1)):  # the layer's rows, and rows inside a larger cache
+                want, got = cache.clone(), cache.clone()
+                q_want = before(qkv, rope, want[0, 1, view], want[1, 1, view], at)
+                q_got = rope_and_store(qkv, rope, got[0, 1, view], got[1, 1, view], at)
+                assert torch.equal(q_got, q_want) and torch.equal(got, want), (qkv.dtype, rows, view)
+        assert not fused.fallen_back()
+    finally:
+        fused.disable()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only"))])
+def test_the_transformers_ring_bookkeeping_compiled_leaves_every_position_slot_and_mask_of_its_eager_path(
+        device: str) -> None:
+    """A streaming step's positions, ring slots, key mask and the counters it moves, compiled as the engine runs
+    it, against eager: fresh rows (empty slots) and rows long past the ring's wrap, one row and 250, one step and
+    three, and a row view inside a larger cache."""
+    g = torch.Generator().manual_seed(4)
+    slots, context = 256, 250
+    cases = []
+    for rows, steps in ((1, 1), (250, 1), (5, 3)):
+        pos = torch.randint(0, 4 * slots, (rows + 2,), generator=g)
+        pos[::3] = torch.randint(0, 3, pos[::3].shape, generator=g)  # rows near their start: most slots empty
+        key_pos = pos[:, None] - 1 - torch.arange(slots)              # each row's past positions, newest first
+        key_pos = torch.where(key_pos >= 0, key_pos, -1).roll(1, dims=1)
+        cases.append((pos.to(device), key_pos.to(device), steps, rows))
+
+    def run(pos, key_pos, steps, rows):
+        pos, key_pos = pos.clone(), key_pos.clone()
+        return [*advance_ring(pos[1:rows + 1], key_pos[1:rows + 1], steps, context), pos, key_pos]
+
+    want = [run(*case) for case in cases]
+    torch._dynamo.reset()
+    fused.enable()
+    try:
+        got = [run(*case) for case in cases]
+        assert not fused.fallen_back()
+    finally:
+        fused.disable()
+    for case, a, b in zip(cases, want, got, strict=True):
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), (case[3], case[2], k)
+        pos, steps, rows = case[0], case[2], case[3]
+        assert torch.equal(a[3][1:rows + 1], pos[1:rows + 1] + steps)  # the rows moved on, those outside stayed
+        assert torch.equal(a[3][0], pos[0]) and torch.equal(a[4][0], case[1][0])
 
 
 def test_the_residual_units_bias_helpers_compile_whole_for_any_rows_and_layout() -> None:
