@@ -384,12 +384,12 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, qkv[2], attn_mask=mask)
         else:
             keys, values, slots = cache
-            out = ring_attention(rope_and_store(qkv, rope, keys, values, slots), keys, values, mask)
+            out = ring_attention(rotate_into_ring(qkv, rope, keys, values, slots), keys, values, mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, c))
 
 
 @fusable
-def rope_and_store(qkv: Tensor, rope: Tensor, keys: Tensor, values: Tensor, slots: Tensor) -> Tensor:
+def rotate_into_ring(qkv: Tensor, rope: Tensor, keys: Tensor, values: Tensor, slots: Tensor) -> Tensor:
     """The queries rotated; the keys rotated and the values written into the ring at `slots` [B, T]: qkv
     [3, B, H, T, D], keys and values [B, H, S, D]. One pass where the rotation and the two ring writes were three
     launches a layer (the same values: the rotation's arithmetic is `apply_rope`'s, the writes are copies)."""

@@ -24,7 +24,7 @@ from model.mimi_modules import (
     advance_ring,
     bias_elu,
     bias_residual,
-    rope_and_store,
+    rotate_into_ring,
     scale_add,
     scale_add_layer_norm,
 )
@@ -572,7 +572,7 @@ def test_the_transformers_rotation_and_ring_writes_as_one_pass_leave_what_the_th
             for view in (slice(0, rows), slice(1, rows + 1)):  # the layer's rows, and rows inside a larger cache
                 want, got = cache.clone(), cache.clone()
                 q_want = before(qkv, rope, want[0, 1, view], want[1, 1, view], at)
-                q_got = rope_and_store(qkv, rope, got[0, 1, view], got[1, 1, view], at)
+                q_got = rotate_into_ring(qkv, rope, got[0, 1, view], got[1, 1, view], at)
                 assert torch.equal(q_got, q_want) and torch.equal(got, want), (qkv.dtype, rows, view)
         assert not fused.fallen_back()
     finally:
