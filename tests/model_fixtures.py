@@ -1,4 +1,5 @@
-"""Shared helpers for the model-level tests: a tiny checkpoint folder, depformer-set slicing, and a speech wav.
+"""Shared helpers for the model-level tests: a tiny checkpoint folder, depformer-set slicing, a speech wav, and the
+fusable helpers compiled for a block.
 
 Imported by test modules as `from model_fixtures import ...` (pytest puts `tests/` on the path); each module
 builds its own tiny checkpoint once (module scope) so the files stay independent.
@@ -6,13 +7,16 @@ builds its own tiny checkpoint once (module scope) so the files stay independent
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from model import fused
 from model.audio import read_wav, resample, write_wav
 from model.config import LMConfig
 from model.tiny import synthetic_voice, write_tiny_checkpoint
@@ -60,3 +64,16 @@ def speech_wav(path: Path, rate: int, text: str = "Hello there, how are you doin
         samples = resample(synthetic_voice(seed=3, seconds=2.0), 24000, rate)
     write_wav(path, samples, rate)
     return samples
+
+
+@contextlib.contextmanager
+def compiled_helpers() -> Iterator[None]:
+    """The fusable helpers compiled as the engine compiles them (Dynamo's caches fresh) inside the block, eager
+    again after it; the block fails where a helper fell back to eager."""
+    torch._dynamo.reset()
+    fused.enable()
+    try:
+        yield
+        assert not fused.fallen_back(), fused.fallen_back()
+    finally:
+        fused.disable()

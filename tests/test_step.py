@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import compiled_helpers
 
-from model import fused, step
+from model import step
 from model.config import LMConfig
 from model.lm import RING_SIZE
 
@@ -67,13 +68,8 @@ def test_the_steps_compiled_bookkeeping_leaves_every_cell_and_counter_of_its_eag
     cases.append((view, torch.ones(1, dtype=torch.bool, device=device), 1, 4))
 
     eager = [_call(*case) for case in cases]
-    torch._dynamo.reset()
-    fused.enable()
-    try:
+    with compiled_helpers():
         compiled = [_call(*case) for case in cases]
-        assert not fused.fallen_back()
-    finally:
-        fused.disable()
     for (state, active, ahead, seed), want, got in zip(cases, eager, compiled, strict=True):
         for k, (a, b) in enumerate(zip(want, got, strict=True)):
             assert torch.equal(a, b), f"rows {len(state['offset'])}, ahead {ahead}, seed {seed}: output {k}"
