@@ -36,7 +36,10 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   counts it), the read position stays, so nothing the client sent is lost; the buffer re-primes and its margin
   rises by 20 ms, falling back by 20 ms per 5 s without an underrun. When no margin would have helped, the step
   is taken back as the buffer re-primes: the audio due when it ran dry never came while later audio did (lost: it
-  is concealed), or the dry spell was longer than the largest margin (a stalled link).
+  is concealed), or the dry spell was longer than the largest margin, or the link was silent longer than the
+  largest margin and a frame, which no margin covers at any read phase (a stalled link; a WebSocket client's TCP
+  holding everything behind a lost segment for a round trip and more: kept, each step stood as latency for every
+  frame of a far call, 20 ms more a retransmission, and the next one still ran it dry).
 - A stalled link delivers what it held at once: when the buffer re-primes more than a frame above its target it
   catches up (so does a first read that finds audio long waiting: a call's media flows from the answer and its
   first tick comes later, and a hard cut there took the talker's first 280-380 ms of sound): silence goes as in
@@ -198,6 +201,7 @@ class JitterBuffer:
         self._push_len = 0  # the last push's length
         self._dry_reads = 0  # reads that found the buffer dry since the last underrun
         self._dry_from = 0  # the timeline's end when it ran dry
+        self._silent_s = 0.0  # the longest the link went without an arrival since the last underrun
         self._catch_up = False  # draining what a stalled link delivered at once (see _reprimed)
         self._excesses: deque[int] = deque(maxlen=cfg.level_window_reads)
         self._base: float | None = None  # smallest (arrival time - pts time of a packet's end) seen, drifting up
@@ -374,6 +378,7 @@ class JitterBuffer:
             self._base = min(transit_end, self._base + creep)
         gap = now - self._last_arrival
         self._last_arrival = now
+        self._silent_s = max(self._silent_s, gap)
         delay = transit_end - self._base
         if delay * 1000.0 >= self.config.hard_cap_ms:
             # A pause in an append stream or a pts jump, not network jitter: re-anchor the timing.
@@ -435,6 +440,7 @@ class JitterBuffer:
         self._boost_ms = min(self._boost_ms + self.config.underrun_step_ms, self.config.max_margin_ms)
         self._reads_since_underrun = 0
         self._dry_reads = 0
+        self._silent_s = 0.0  # the silence that ran it dry ends at the next arrival, which measures it whole
         assert self._read is not None
         self._dry_from = self._end
         self._excesses.clear()
@@ -443,10 +449,13 @@ class JitterBuffer:
         """Enough audio to play (the first time, or again). The underrun's margin step is taken back when no margin
         would have helped: the audio that was due when the buffer ran dry never came while later audio did (it was
         lost: it is concealed, and waiting longer would not have brought it), or the dry spell was longer than the
-        largest margin (a stalled link). What a stalled link then delivered at once, like what came long before a first
-        read, drains by catching up (`_plan_cuts`) rather than by a hard cut of sound."""
+        largest margin, or the link was silent longer than that and a frame (a stalled link). What a stalled link
+        then delivered at once, like what came long before a first read, drains by catching up (`_plan_cuts`) rather
+        than by a hard cut of sound."""
         if self._ever_primed:
-            long_dry = self._dry_reads * self._frame > self.config.max_margin_ms * self.config.sample_rate / 1000.0
+            max_margin = self.config.max_margin_ms * self.config.sample_rate / 1000.0
+            long_dry = (self._dry_reads * self._frame > max_margin
+                        or self._silent_s * self.config.sample_rate > self._frame + max_margin)
             lost = not self._copy(self._dry_from, 1)[1][0]
             if long_dry or lost:
                 self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)

@@ -559,6 +559,25 @@ def test_an_underrun_that_a_loss_burst_explains_keeps_no_raised_margin() -> None
     assert all(st.target_ms == pytest.approx(before) for st in run.stats[int(3.3 / TICK) :]), before
 
 
+def test_a_link_silent_longer_than_any_margin_covers_keeps_no_raised_margin() -> None:
+    """A far WebSocket caller over TCP: every 2.5 s a lost segment holds everything behind it for 300 ms (a round
+    trip and the wait for the retransmission), then it all comes at once. Each silence runs the buffer dry, and no
+    margin in range (at most 160 ms, plus up to a frame of level a read leaves) would have covered it, so the
+    underrun's step is taken back as the buffer re-primes: the target stays where the link's jitter puts it. Kept,
+    each step stood as 20 ms more latency on every frame of the call, and the next silence still ran it dry."""
+    sig = noise(RATE * 16, seed=31)
+    silences = [2.5 + 2.5 * k for k in range(5)]
+    arrivals = []
+    for t, pts in steady(len(sig) // PACKET):
+        held_until = next((s + 0.3 for s in silences if s <= t < s + 0.3), t)
+        arrivals.append((held_until, pts))
+    run = simulate(sig, arrivals, 14.5)
+    assert run.buffer.stats().underruns >= len(silences)
+    before = run.stats[int(2.4 / TICK)].target_ms
+    after_each = [run.stats[int((s + 0.8) / TICK)].target_ms for s in silences] + [run.stats[-1].target_ms]
+    assert after_each == pytest.approx([before] * len(after_each)), (before, after_each)
+
+
 def test_a_20ms_player_catches_up_after_a_stall_with_disjoint_cuts() -> None:
     """The clients' adaptive player (bench/impair_report.py) is this buffer read 20 ms at a time: catching up after a
     stall under continuous sound, its two cuts a read must not overlap (a 12.5 ms cut is half its frame)."""
