@@ -162,6 +162,7 @@ class DoorClient:
 
     door: ClassVar[str]
     send_period_s: ClassVar[float] = FRAME_S
+    any_piece: ClassVar[bool] = False          # its client may send pieces of any length (`piece_ms`)
     clocked_output: ClassVar[bool] = False     # the server plays out on its clock, silence filling what is missing
 
     def __init__(self, name: str, base_url: str, headers: dict[str, str] | None = None,
@@ -301,6 +302,8 @@ class WebSocketDoor(DoorClient):
     def __init__(self, *args: Any, piece_ms: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if piece_ms is not None:
+            if not self.any_piece:
+                raise ValueError(f"the {self.door} door's pieces are its wire's, not {piece_ms} ms")
             self.send_period_s = round(RATE * piece_ms / 1000.0) / RATE
         self.ws: aiohttp.ClientWebSocketResponse | None = None
         self.closed: dict[str, Any] | None = None
@@ -363,6 +366,7 @@ class RealtimeClient(WebSocketDoor):
     deltas out."""
 
     door = "realtime"
+    any_piece = True
 
     def __init__(self, *args: Any, path: str = "/v1/realtime?duplex=1", keep_audio: bool = False,
                  **kwargs: Any) -> None:
@@ -430,6 +434,7 @@ class DuplexClient(WebSocketDoor):
     """`WS /v1/duplex`: `session.create` (PCM16 24 kHz both ways, binary), binary frames in and out."""
 
     door = "duplex"
+    any_piece = True
     link_report_s = 2.0          # the server's `session.link` every this many seconds (the last one is reported)
 
     async def open(self, http: aiohttp.ClientSession) -> dict[str, Any] | None:

@@ -168,9 +168,6 @@ def plan(args: argparse.Namespace) -> list[Planned]:
     return [Planned(i, d, i % args.procs, t, link) for i, (d, t, link) in enumerate(zip(doors, offsets, links))]
 
 
-PCM_PIECE_DOORS = ("realtime", "duplex")   # a client of these may append any length; the others' pieces are fixed
-
-
 def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: np.ndarray,
                 on_answer: Any = None, relay: UdpRelay | None = None, piece_ms: float | None = None) -> DoorClient:
     if door == "webrtc":   # an impaired caller's microphone sends in-band FEC, as a browser's does seeing loss
@@ -178,7 +175,7 @@ def make_client(door: str, name: str, url: str, headers: dict[str, str], audio: 
                             fec_loss_pct=FEC_LOSS_PCT if on_answer is not None else 0)
     if door == "sip":
         return SipClientDoor(name, url, headers, PERSONA, relay=relay)
-    if door in PCM_PIECE_DOORS:
+    if DOORS[door].any_piece:
         return DOORS[door](name, url, headers, PERSONA, piece_ms=piece_ms)
     return DOORS[door](name, url, headers, PERSONA)
 
