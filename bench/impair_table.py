@@ -2,8 +2,9 @@
 
     python3 -m bench.impair_table docs/bench/h200_impaired_{far,clean,stalls,bursty}.jsonl
 
-Each file is one `bench.e2e` run; its name after the last `_` (far, clean, stalls, bursty) names the run. Rows: each
-door under each link: the all-clean run, the clean callers beside the far ones, and the impaired callers of every
+Each file is one `bench.e2e` run, or several (one JSON line each, as `--out` appends them: runs of one condition
+under other seeds, say), whose sessions are pooled; its name after the last `_` (far, clean, stalls, bursty) names
+the run. Rows: each door under each link: the all-clean run, the clean callers beside the far ones, and the impaired callers of every
 impaired run. Columns: sessions; RTF min at the client; missing frames max; client output lateness p99 ms (median / max
 over sessions); the server input buffer's added latency p50 ms (median / max; WebRTC from the call's own stats, SIP's
 where the call's end came back, the Realtime and native dialects from `session.closed` (the whole call; runs before it
@@ -95,13 +96,14 @@ def _pair(values: list[float], digits: int = 1) -> str:
 
 def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
     inputs = [(s, got) for s in sessions if (got := input_figures(s)) is not None]
-    jitter = {s["name"]: s["impairment"]["up"]["jitter_p95_ms"] for s in sessions if s.get("impairment")}
+    # by session, not name: pooled runs repeat their names
+    jitter = {id(s): s["impairment"]["up"]["jitter_p95_ms"] for s in sessions if s.get("impairment")}
     lost = [(s, got) for s, got in inputs if s.get("impairment", {}).get("rtp_lost_ms") is not None]
     # each session's own piece where its report names it (bench.e2e --piece-ms), else the door's client's default
     packet_ms = max(BOUND_MS, *(s.get("piece_ms", 1000.0 * CLIENTS[door].send_period_s) for s in sessions))
-    over = [s for s, got in inputs if s["name"] in jitter and got["added_p50"] > jitter[s["name"]] + BOUND_MS]
-    over_packet = [s for s, got in inputs if s["name"] in jitter and got["added_p50"] > jitter[s["name"]] + packet_ms]
-    judged = len([1 for s, _ in inputs if s["name"] in jitter])
+    over = [s for s, got in inputs if id(s) in jitter and got["added_p50"] > jitter[id(s)] + BOUND_MS]
+    over_packet = [s for s, got in inputs if id(s) in jitter and got["added_p50"] > jitter[id(s)] + packet_ms]
+    judged = len([1 for s, _ in inputs if id(s) in jitter])
     cells = [
         DOORS[door], label, str(len(sessions)), f"{min(s['rtf'] for s in sessions):.4f}",
         str(max(s["missing_frames"] for s in sessions)),
@@ -124,13 +126,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", type=Path, nargs="+")
     args = parser.parse_args()
-    runs = {path.stem.rsplit("_", 1)[-1]: json.loads(path.read_text().splitlines()[-1]) for path in args.files}
+    runs = {path.stem.rsplit("_", 1)[-1]: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            for path in args.files}
     print("| door | link | n | RTF min | missing | lateness p99 | added p50 | jitter p95 | over | over + packet "
           "| concealed / lost | underruns | cut / hard | first audio |")
     print("|" + "---|" * 14)
     for door in DOORS:
-        for name, run in runs.items():
-            mine = [s for s in run["per_session"] if s["door"] == door]
+        for name, lines in runs.items():
+            mine = [s for run in lines for s in run["per_session"] if s["door"] == door]
             if name == "far":
                 groups = [("clean, beside far", [s for s in mine if s["link"] is None]),
                           ("far", [s for s in mine if s["link"] is not None])]
@@ -141,7 +144,7 @@ def main() -> None:
             for label, sessions in groups:
                 if sessions:
                     print(row(door, label, sessions))
-    for name, run in runs.items():
+    for name, run in ((name, run) for name, lines in runs.items() for run in lines):
         server = run["server"]
         print(json.dumps({"run": name, "sessions": len(run["per_session"]), "ticks": server["ticks"],
                           "late_ticks": server["late_ticks"], "tick_p50_ms": server["tick_run_ms"]["p50_ms"],

@@ -15,7 +15,7 @@ from webrtc_support import ensure_ice_host_address
 
 from bench.doors import Received, client_session, synthetic_speech
 from bench.e2e import LoopTrace, Planned, ProcJob, hear, run_session
-from bench.impair_table import input_figures, lost_ms, silence_by_door
+from bench.impair_table import BOUND_MS, input_figures, lost_ms, row, silence_by_door
 from bench.server_probe import parse_metrics, server_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +172,17 @@ def test_a_far_callers_loss_is_weighed_after_fec_and_with_its_own_senders_skips(
     session = {"impairment": {"rtp_lost_ms": 200.0}, "server": {"fec_rebuilt": 6}, "sender_skipped_ms": 40.0}
     assert lost_ms(session) == 200.0 - 120.0 + 40.0
     assert lost_ms({"impairment": {"rtp_lost_ms": 200.0}, "server": {"packets_lost": 10}}) == 200.0
+
+
+def test_a_file_of_several_runs_pools_their_sessions_each_judged_by_its_own_link():
+    """The impaired table over a file of four far runs (seeds 30-33, the margin fix's CPU A/B): 16 Twilio calls, each
+    judged against its own link's jitter, where the four runs repeat the same four call names."""
+    lines = (ROOT / "docs/bench/tcp_margin_ab_tiny_cpu_after.jsonl").read_text().splitlines()
+    sessions = [s for line in lines for s in json.loads(line)["per_session"] if s["door"] == "twilio"]
+    assert len(sessions) == 16 and len({s["name"] for s in sessions}) == 4
+    over = sum(input_figures(s)["added_p50"] > s["impairment"]["up"]["jitter_p95_ms"] + BOUND_MS for s in sessions)
+    table_row = row("twilio", "after", sessions)
+    assert "| Twilio | after | 16 | " in table_row and f"| {over} of 16 | " in table_row, table_row
 
 
 def test_a_runs_tick_counts_come_from_one_scrape():
