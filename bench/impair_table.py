@@ -2,18 +2,18 @@
 
     python3 -m bench.impair_table docs/bench/h200_impaired_{far,clean,stalls,bursty}.jsonl
 
-Each file is one `bench.e2e` run, or several (one JSON line each, as `--out` appends them: runs of one condition
-under other seeds, say), whose sessions are pooled; its name after the last `_` (far, clean, stalls, bursty) names
-the run. Rows: each door under each link: the all-clean run, the clean callers beside the far ones, and the impaired callers of every
-impaired run. Columns: sessions; RTF min at the client; missing frames max; client output lateness p99 ms (median / max
-over sessions); the server input buffer's added latency p50 ms (median / max; WebRTC from the call's own stats, SIP's
-where the call's end came back, the Realtime and native dialects from `session.closed` (the whole call; runs before it
-from the native dialect's last `session.link`), Twilio from `GET /v1/calls` (none in runs before it)); the link's uplink
-jitter p95 ms (median / max); sessions whose added p50 is over that jitter + 20 ms (the issue's bound, for 20 ms
-packets), and over that jitter + the door's packet where its load client sends longer ones (the Realtime and native
-clients' 80 ms appends unless the run set `--piece-ms`: a buffer holds whole appends); concealed / lost ms summed over
-the sessions that report both (lost: what the link lost of the caller's packets, less what in-band FEC rebuilt, plus
-what the caller's own sender skipped, where a WebRTC run reports those; before them, the link's loss alone); input
+Each file is one `bench.e2e` run, or several (one JSON line each, as `--out` appends them: runs of one condition under
+other seeds, say), whose sessions are pooled; its name after the last `_` (far, clean, stalls, bursty) names the run.
+Rows: each door under each link: the all-clean run, the clean callers beside the far ones, and the impaired callers of
+every impaired run. Columns: sessions; RTF min at the client; missing frames max; client output lateness p99 ms (median
+/ max over sessions); the server input buffer's added latency p50 ms (median / max; WebRTC from the call's own stats,
+SIP's where the call's end came back, the Realtime and native dialects from `session.closed` (the whole call; runs
+before it from the native dialect's last `session.link`), Twilio from `GET /v1/calls` (none in runs before it)); the
+link's uplink jitter p95 ms (median / max); sessions whose added p50 is over that jitter + 20 ms (the issue's bound, for
+20 ms packets), and over that jitter + the door's packet where its load client sends longer ones (the Realtime and
+native clients' 80 ms appends unless the run set `--piece-ms`: a buffer holds whole appends); concealed / lost ms summed
+over the sessions that report both (lost: what the link lost of the caller's packets, less what in-band FEC rebuilt,
+plus what the caller's own sender skipped, where a WebRTC run reports those; before them, the link's loss alone); input
 underruns max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per run:
 ticks, late ticks, tick p50 / p99, the engine thread's garbage collections, and per door the silence the server sent its
 callers where a frame was due and had not come (calls reporting it, calls sent any, total ms: the server's gaps, not the
