@@ -14,7 +14,7 @@ import torch
 from test_engine import GREEDY, Collector, QueueSource, speechlike, tiny_model  # noqa: F401 (fixture)
 
 from model.config import TINY_LM
-from model.engine import Engine, EngineConfig, ResourceExhausted, SamplingParams, SessionParams
+from model.engine import Engine, EngineConfig, ResourceExhausted, SamplingParams, SessionFailed, SessionParams
 from model.engine.pages import PagePool
 from model.lm import LM
 from model.sampling import row_sampling
@@ -197,6 +197,32 @@ async def test_a_long_session_shrinks_for_a_newcomer_then_grows_back(engine_with
     await long_sink.wait_for(140)
     assert long.stats().window_frames == 64 and engine.stats().kv_window_grows == 1
     assert int(engine.lm_state.window[long.index]) == 64
+
+
+async def test_a_session_with_no_page_to_grow_into_ends_and_the_tick_steps_the_others(engine_with):
+    """Admitted on a page's reserve, a session reaches its next page with none free and no window above the floor
+    to shrink: that session fails (cause kv_pages) and the same ticks go on stepping the one beside it."""
+    # Context 64 frames in pages of 16, the floor the full window: nothing can shrink. The prompt is 34 frames, so
+    # the first holds all 4 of its pages, the second's prompt takes the 3 left, and its next page is not there.
+    engine = engine_with(max_sessions=2, kv_pages=7, kv_page_frames=16, kv_reserve_s=0.08, kv_floor_frames=64)
+    frames = speechlike(160, 6)
+    first, first_sink, first_source = engine.reserve(), Collector(), QueueSource(frames[:40])
+    await first.start(SessionParams(persona="Be brief.", sampling=GREEDY), first_source, first_sink.on_output,
+                      first_sink.on_error)
+    await first_sink.wait_for(40)
+    assert engine.runner.pages.held(first.index) == 4  # its full window: it grows no more
+    second, second_sink = engine.reserve(), Collector()  # the pages free cover its reserve
+    await second.start(SessionParams(persona="Be brief.", sampling=GREEDY), QueueSource(frames[40:100]),
+                       second_sink.on_output, second_sink.on_error)
+    for frame in frames[100:160]:
+        first_source.push(frame)
+    await _until(lambda: bool(second_sink.errors), timeout=30.0)
+    error = second_sink.errors[0]
+    assert isinstance(error, SessionFailed) and error.cause == "kv_pages"
+    assert len(second_sink.outputs) < 40 and second.stats().state == "failed"
+    outputs = await first_sink.wait_for(100)
+    assert not first_sink.errors and [o.index for o in outputs] == list(range(len(outputs)))
+    await _until(lambda: engine.stats().kv_pages_free == 3)  # the failed session's pages came back
 
 
 async def _until(condition, timeout: float = 10.0) -> None:
