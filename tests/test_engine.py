@@ -363,6 +363,37 @@ async def test_a_realtime_session_counts_no_underrun_before_its_first_half(make_
     assert 0 < starts.start_ms["p50"] <= starts.first_frame_ms["p50"] == starts.first_frame_ms["max"]
 
 
+async def test_a_sessions_frame_counts_go_on_across_a_restart_stay_once_it_ends_and_its_row_counts_anew(make_engine):
+    """The frames a session took in and handed out (counted by row while it holds one) go on across a restart, are
+    what they were once it ends, and the next session in its row counts from zero: a realtime session read by the
+    tick, an input-clocked one read between ticks."""
+    engine = make_engine(max_sessions=1)
+    first, source, sink = engine.reserve(), QueueSource(speechlike(6, 7)), Collector()
+    await first.start(SessionParams(sampling=GREEDY), source, sink.on_output, sink.on_error)
+    deadline = time.monotonic() + 10
+    while first.stats().frames_in < 6:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    await first.restart()
+    for frame in speechlike(4, 8):
+        source.push(frame)
+    while first.stats().frames_in < 10:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    first.close()
+    ended = first.stats()
+    assert ended.frames_in == 10 and ended.frames_out == len(sink.outputs) > 10 and ended.state == "closed"
+
+    second, second_sink = engine.reserve(), Collector()
+    assert second.index == first.index and second.stats().frames_in == second.stats().frames_out == 0
+    await second.start(SessionParams(sampling=GREEDY, pacing="input"), QueueSource(speechlike(5, 9)),
+                       second_sink.on_output, second_sink.on_error)
+    await second_sink.wait_for(6)  # input-clocked: its first half's frame, then one for each frame in
+    second.close()
+    assert (second.stats().frames_in, second.stats().frames_out) == (5, len(second_sink.outputs))
+    assert first.stats() == ended
+
+
 async def test_underrun_feeds_silence_and_is_counted(make_engine):
     engine = make_engine()
     slot, sink = engine.reserve(), Collector()

@@ -336,6 +336,15 @@ class Engine:
 
         return self.inputs.offer([s.index for s in sessions], frames, admits)
 
+    def frame_counts(self, session: Session) -> tuple[int, int]:
+        """The frames the session took in and handed out so far (slots.SessionHost; counted by row)."""
+        return self.slots.frame_counts(session)
+
+    def frame_counts_by_row(self) -> tuple[list[int], list[int]]:
+        """The frames in and out counted in each row for the session that holds it: a session that has ended has
+        its own in its record (`SlotStats.state` says so; slots.SlotTable.move)."""
+        return self.slots.frames_in.tolist(), self.slots.frames_out.tolist()
+
     def release(self, session: Session) -> None:
         ended = session.state in ENDED
         if self.slots.move(session, "closed") and not ended:
@@ -659,7 +668,7 @@ class Engine:
         if copied and not np.isfinite(self.runner.pcm_np[session.index]).all():
             return self._refuse_input(session)
         if copied:
-            session.stats.frames_in += 1
+            self.slots.frames_in[session.index] += 1
         return copied is not None
 
     def _read_inputs(self, sessions: Sequence[Session], rows: np.ndarray) -> tuple[Sequence[Session], np.ndarray]:
@@ -668,13 +677,12 @@ class Engine:
         in their rows as they arrived only taken (staging.py); the sessions that did not fail, and their rows."""
         staged = self.inputs.take(rows)
         if staged.all():  # the engine process's usual tick: every frame came before it, its finiteness checked then
-            for session in sessions:
-                session.stats.frames_in += 1
+            self.slots.frames_in[rows] += 1
             return sessions, rows
+        self.slots.frames_in[rows[staged]] += 1
         read, copied = [], []
         for session, was_staged in zip(sessions, staged.tolist(), strict=True):
             if was_staged:
-                session.stats.frames_in += 1
                 read.append(session)
                 continue
             frame = self._copy_input(session)
@@ -686,9 +694,7 @@ class Engine:
             pcm = self.runner.pcm_np
             finite = np.isfinite(pcm[: max(s.index for s in copied) + 1]).all(axis=1).tolist()
             failed = {s.index for s in copied if not finite[s.index] and not self._refuse_input(s)}
-            for session in copied:
-                if session.index not in failed:
-                    session.stats.frames_in += 1
+            self.slots.frames_in[[s.index for s in copied if s.index not in failed]] += 1
             read = [s for s in read if s.index not in failed]
         return read, np.array([s.index for s in read], dtype=np.int64)
 
@@ -914,8 +920,7 @@ class Engine:
         held)."""
         indices = self._out_index[rows]
         self._out_index[rows] += 1
-        for session in sessions:
-            session.stats.frames_out += 1
+        self.slots.frames_out[rows] += 1
         if not indices.all():
             now = time.monotonic()
             for session, index in zip(sessions, indices.tolist(), strict=True):
