@@ -352,10 +352,15 @@ class Engine:
         return self.slots.stats(session)
 
     def counts_by_row(self) -> tuple[list[list[int]], list[int]]:
-        """Each row's counts (slots.ROW_COUNTS), then the serial of the session that holds it (0: none), read in
-        that order: a session whose serial a row no longer shows has ended, and its record holds its counts
-        (slots.SlotTable.move)."""
-        return self.slots.counts.tolist(), self.slots.holders.tolist()
+        """Each row's counts (slots.ROW_COUNTS) and the serial of the session that holds it (0: none), as of one
+        moment, the rows up to the last one held. A session whose serial its row
+        does not show has ended since, its record holding its counts (slots.SlotTable.move), or was reserved since,
+        and has counted nothing."""
+        slots = self.slots
+        with slots.lock:  # no session ends or takes a row between the two reads
+            held = np.flatnonzero(slots.holders)
+            end = int(held[-1]) + 1 if held.size else 0
+            return slots.counts[:end].tolist(), slots.holders[:end].tolist()
 
     def release(self, session: Session) -> None:
         ended = session.state in ENDED

@@ -87,8 +87,9 @@ class HostSession:
 
     def counters(self, sid: str, counts: list[list[int]], holders: list[int]) -> Counters:
         """Its counts: its row's (`Engine.counts_by_row`, read once for all of a tick's sessions) while the row is
-        its own; once it has ended, its record's (the row may be another's by then)."""
-        if holders[self.row] == self.serial:
+        its own; else its record's: it has ended (the row may be another's by then), or it was reserved after
+        they were read (all 0)."""
+        if self.row < len(holders) and holders[self.row] == self.serial:
             return Counters(sid, *counts[self.row])
         r = self.record
         return Counters(sid, r.frames_in, r.frames_out, r.underruns, r.window_shrinks, r.window_frames)

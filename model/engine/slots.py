@@ -141,7 +141,7 @@ class SlotTable:
         # Each held row's counts (ROW_COUNTS), by array: a tick of 250 counted them on each session's record, passes
         # over objects it had not touched since the last tick (~80 us each on a 2-core CPU), and so did the channel's
         # hand-off after it. A session's record takes its counts as it leaves its row; `holders` is the serial of
-        # the session in each row (0: none), so a reader without the lock can tell (HostSession.counters).
+        # the session in each row (0: none), so that a reader of a copy can tell whose they are (Engine.counts_by_row).
         self.counts = np.zeros((size, len(ROW_COUNTS)), dtype=np.int64)
         self.holders = np.zeros(size, dtype=np.int64)
         self._serials = itertools.count(1)
@@ -164,8 +164,6 @@ class SlotTable:
             if state not in MOVES[session.state]:
                 return False
             if state in ENDED and self._rows[session.index] is session:
-                # Its counts to its record before its row says it is not its own: a reader of the rows' counts
-                # without the lock reads them, then the holders, and takes the record's once it sees that.
                 for name, value in zip(ROW_COUNTS, self.counts[session.index].tolist(), strict=True):
                     setattr(session.stats, name, value)
                 self.holders[session.index] = 0
