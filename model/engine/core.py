@@ -55,8 +55,6 @@ from model.engine.runner import RowOutputs, Runner, make_current
 from model.engine.scheduler import Scheduler
 from model.engine.slots import (
     ENDED,
-    FRAMES_IN,
-    FRAMES_OUT,
     UNDERRUNS,
     WINDOW_FRAMES,
     WINDOW_SHRINKS,
@@ -685,7 +683,7 @@ class Engine:
         if copied and not np.isfinite(self.runner.pcm_np[session.index]).all():
             return self._refuse_input(session)
         if copied:
-            self.slots.counts[session.index, FRAMES_IN] += 1
+            self.slots.frames_in[session.index] += 1
         return copied is not None
 
     def _read_inputs(self, sessions: Sequence[Session], rows: np.ndarray) -> tuple[Sequence[Session], np.ndarray]:
@@ -694,9 +692,9 @@ class Engine:
         in their rows as they arrived only taken (staging.py); the sessions that did not fail, and their rows."""
         staged = self.inputs.take(rows)
         if staged.all():  # the engine process's usual tick: every frame came before it, its finiteness checked then
-            self.slots.counts[rows, FRAMES_IN] += 1
+            self.slots.frames_in[rows] += 1
             return sessions, rows
-        self.slots.counts[rows[staged], FRAMES_IN] += 1
+        self.slots.frames_in[rows] += staged
         read, copied = [], []
         for session, was_staged in zip(sessions, staged.tolist(), strict=True):
             if was_staged:
@@ -711,7 +709,7 @@ class Engine:
             pcm = self.runner.pcm_np
             finite = np.isfinite(pcm[: max(s.index for s in copied) + 1]).all(axis=1).tolist()
             failed = {s.index for s in copied if not finite[s.index] and not self._refuse_input(s)}
-            self.slots.counts[[s.index for s in copied if s.index not in failed], FRAMES_IN] += 1
+            self.slots.frames_in[[s.index for s in copied if s.index not in failed]] += 1
             read = [s for s in read if s.index not in failed]
         return read, np.array([s.index for s in read], dtype=np.int64)
 
@@ -937,7 +935,7 @@ class Engine:
         held)."""
         indices = self._out_index[rows]
         self._out_index[rows] += 1
-        self.slots.counts[rows, FRAMES_OUT] += 1
+        self.slots.frames_out[rows] += 1
         if not indices.all():
             now = time.monotonic()
             for session, index in zip(sessions, indices.tolist(), strict=True):
