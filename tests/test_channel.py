@@ -13,10 +13,9 @@ import pytest
 from test_engine import GREEDY, Collector, QueueSource, speechlike, tiny_model  # noqa: F401 (fixture)
 
 from model.engine import Engine, EngineConfig, SessionParams
-from model.engine.channel import Counters, Frames, encode
+from model.engine.channel import Frames, encode
 from model.engine.client import LEAD_STEP_S, RemoteEngine, RemoteSlot
 from model.engine.process import EngineHost
-from model.engine.slots import ROW_COUNTS
 
 
 @pytest.fixture
@@ -78,11 +77,6 @@ async def test_a_session_over_the_channel_gives_the_tokens_of_one_in_the_engine(
             await asyncio.sleep(0.01)
     finally:
         task.cancel()
-
-
-def test_a_sessions_counters_on_the_channel_are_its_rows_counts_in_their_order():
-    """The engine process sends a session's counters as its row's counts as they are (HostSession.counters)."""
-    assert Counters.__struct_fields__ == ("sid", *ROW_COUNTS)
 
 
 async def test_a_realtime_session_over_the_channel_stages_its_frames_and_gets_its_rows_as_its_own(served):

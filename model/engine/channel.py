@@ -106,8 +106,6 @@ class Reply(msgspec.Struct, tag=True):
 
 
 class Counters(msgspec.Struct, array_like=True):
-    """A session's counts: after its id, a row's counts in slots.ROW_COUNTS' order (HostSession.counters)."""
-
     sid: str
     frames_in: int
     frames_out: int

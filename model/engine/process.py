@@ -78,19 +78,12 @@ class HostSession:
     link: WorkerLink
     source: ChannelSource = field(default_factory=ChannelSource)
     offline: bool = False
-    record: SlotStats = field(init=False)  # the engine's record of it, read in place: its counts once it ends
-    row: int = field(init=False)
-    serial: int = field(init=False)
+    record: SlotStats = field(init=False)  # the engine's counts of it, read in place after each tick
 
     def __post_init__(self) -> None:
-        self.record, self.row, self.serial = self.slot.record, self.slot.index, self.slot.serial
+        self.record = self.slot.record
 
-    def counters(self, sid: str, counts: list[list[int]], holders: list[int]) -> Counters:
-        """Its counts: its row's (`Engine.counts_by_row`, read once for all of a tick's sessions) while the row is
-        its own; else its record's: it has ended (the row may be another's by then), or it was reserved after
-        they were read (all 0)."""
-        if self.row < len(holders) and holders[self.row] == self.serial:
-            return Counters(sid, *counts[self.row])
+    def counters(self, sid: str) -> Counters:
         r = self.record
         return Counters(sid, r.frames_in, r.frames_out, r.underruns, r.window_shrinks, r.window_frames)
 
@@ -248,8 +241,7 @@ class WorkerLink:
             audio = frame.audio.astype(np.float32, copy=False).tobytes()
             tick = Tick(next_tick_at=0.0, sids=[sid], indices=[frame.index], texts=[frame.text],
                         tokens=frame.tokens.astype(np.int64, copy=False).tobytes(),
-                        counters=[session.counters(sid, *self.host.engine.counts_by_row())],
-                        audio=tail(len(audio)))
+                        counters=[session.counters(sid)], audio=tail(len(audio)))
             self.host.post(self, encode(tick, len(audio)), audio)
 
         return on_output
@@ -266,13 +258,12 @@ class WorkerLink:
 
         return on_error
 
-    def flush_tick(self, next_tick_at: float, counts: list[list[int]], holders: list[int]
-                   ) -> list[bytes | memoryview] | None:
-        """After a tick: this worker's outputs and its realtime sessions' counters (`Engine.counts_by_row`'s
-        `counts` and `holders`), in one message (its pieces, for `send`), if it has any."""
+    def flush_tick(self, next_tick_at: float) -> list[bytes | memoryview] | None:
+        """After a tick: this worker's outputs and its realtime sessions' counters, in one message (its pieces, for
+        `send`), if it has any."""
         blocks, self.outbox = self.outbox, []
         # Every realtime session's counts, every tick: its worker paces its input by them.
-        counters = [s.counters(sid, counts, holders) for sid, s in list(self.sessions.items()) if not s.offline]
+        counters = [s.counters(sid) for sid, s in list(self.sessions.items()) if not s.offline]
         total = self.late_frames
         late, self._late_reported = total - self._late_reported, total
         late_by, self._late_by = self._late_by, 0.0
@@ -336,9 +327,8 @@ class EngineHost:
         waiting for the GIL (hand_off at 250 sessions over 8 worker processes, 2-core CPU: 0.57 -> 0.42 ms p50)."""
         with self._links_lock:
             links = list(self.links)
-        counts, holders = self.engine.counts_by_row()
         messages = [(link, pieces) for link in links if not link.closed
-                    and (pieces := link.flush_tick(next_tick_at, counts, holders)) is not None]
+                    and (pieces := link.flush_tick(next_tick_at)) is not None]
         if messages and self._loop is not None:
             self._loop.call_soon_threadsafe(self._send_ticks, messages)
 
