@@ -364,9 +364,9 @@ async def test_a_realtime_session_counts_no_underrun_before_its_first_half(make_
 
 
 async def test_a_sessions_frame_counts_go_on_across_a_restart_stay_once_it_ends_and_its_row_counts_anew(make_engine):
-    """The frames a session took in and handed out (counted by row while it holds one) go on across a restart, are
-    what they were once it ends, and the next session in its row counts from zero: a realtime session read by the
-    tick, an input-clocked one read between ticks."""
+    """The frames a session took in and handed out go on across a restart, are what they were once it ends, and the
+    next session in its row counts from zero: a realtime session read by the tick, an input-clocked one read between
+    ticks."""
     engine = make_engine(max_sessions=1)
     first, source, sink = engine.reserve(), QueueSource(speechlike(6, 7)), Collector()
     await first.start(SessionParams(sampling=GREEDY), source, sink.on_output, sink.on_error)
