@@ -1,14 +1,15 @@
 """The input buffer alone behind a link, read at different phases of the 20 ms packet grid: how much latency it adds.
 
-    python3 -m bench.jitter_phase [--link far] [--seeds 3] [--phases-ms 0 5 ... 75] [--seconds 30]
+    python3 -m bench.jitter_phase [--link far] [--tcp] [--seeds 3] [--phases-ms 0 5 ... 75] [--seconds 30]
 
 A seeded `bench.impair.LinkModel` (`--link`: a preset, or fields as `Link.parse` reads them, e.g. far,jitter_ms=10)
 delivers a 20 ms packet stream (random noise, so no window is silence the buffer may cut) into
-`media.jitter.JitterBuffer`, which the engine's 80 ms tick reads from `0.5 s + phase` on, in virtual time (no
-sockets, no sleeping). One JSON line per (seed, phase), "jitter_phase": the added latency's p50 and p95 over the
-reads after the first 2.5 s, the buffer's jitter estimate and target, the link's own jitter p95 and the underruns;
-a "jitter_phase_summary" line per seed (the p50's spread over the phases, the underruns); and a "jitter_phase_total"
-line: all underruns, and the worst phase against its link's jitter p95.
+`media.jitter.JitterBuffer` (`--tcp`: over a reliable link, a lost packet a retransmission later that holds what
+follows, appended as a WebSocket door appends), which the engine's 80 ms tick reads from `0.5 s + phase` on, in virtual
+time (no sockets, no sleeping). One JSON line per (seed, phase), "jitter_phase": the added latency's p50 and p95 over
+the reads after the first 2.5 s, the buffer's jitter estimate and target, the link's own jitter p95 and the underruns; a
+"jitter_phase_summary" line per seed (the p50's spread over the phases, the underruns); and a "jitter_phase_total" line:
+all underruns, and the worst phase against its link's jitter p95.
 On the far link (6 seeds x 16 phases 5 ms apart), when the buffer judged what it keeps on its level (the packets that
 came early counted too), the phase decided the added p50 as much as the link did: 20 to 75 ms, median 50, the worst
 phases at the link's p95 (55) + 20, 20 underruns. Judged in time, on the packet that completes each frame (see
@@ -35,10 +36,12 @@ SETTLE_S = 2.5
 RECOVERY_BOUND_S = 2.0  # the issue's: back within 20 ms of the pre-stall latency this soon after each stall
 
 
-def run(link_name: str, seed: int, phase_s: float, seconds: float) -> dict:
-    """One buffer behind one seeded link, read every tick from FIRST_READ_S + phase_s."""
+def run(link_name: str, seed: int, phase_s: float, seconds: float, tcp: bool = False) -> dict:
+    """One buffer behind one seeded link, read every tick from FIRST_READ_S + phase_s. `tcp`: the link is reliable
+    (a lost packet is a retransmission later, holding what follows, as the relay in front of a WebSocket door does)
+    and the packets are appended (pts None), as a WebSocket door pushes them."""
     buffer = JitterBuffer(realtime=True)
-    link = LinkModel(Link.parse(link_name), seed=seed)
+    link = LinkModel(Link.parse(link_name), seed=seed, reliable=tcp)
     events: list[tuple[float, int, int]] = []        # (time, 0 = a packet arrives / 1 = a read, packet index)
     for k in range(int(seconds / PACKET_S)):
         for at in link.schedule(k * PACKET_S):
@@ -51,12 +54,14 @@ def run(link_name: str, seed: int, phase_s: float, seconds: float) -> dict:
     while events:
         at, kind, k = heapq.heappop(events)
         if kind == 0:
-            buffer.push(k * PACKET_SAMPLES, (0.1 * rng.standard_normal(PACKET_SAMPLES)).astype(np.float32), now=at)
+            noise = (0.1 * rng.standard_normal(PACKET_SAMPLES)).astype(np.float32)
+            buffer.push(None if tcp else k * PACKET_SAMPLES, noise, now=at)
         else:
             buffer.read_frame(now=at)
     added = [r.added_ms for r in buffer.trace() if r.added_ms is not None and r.at > SETTLE_S]
     stats = buffer.stats()
-    line = {"bench": "jitter_phase", "link": link_name, "seed": seed, "phase_ms": round(phase_s * 1000.0, 1),
+    line = {"bench": "jitter_phase", "link": link_name, "tcp": tcp, "seed": seed,
+            "phase_ms": round(phase_s * 1000.0, 1),
             "added_p50_ms": round(float(np.percentile(added, 50)), 1),
             "added_p95_ms": round(float(np.percentile(added, 95)), 1),
             "jitter_estimate_ms": round(stats.jitter_ms, 1), "target_ms": round(stats.target_ms, 1),
@@ -82,6 +87,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--phases-ms", type=float, nargs="+", default=[5.0 * i for i in range(16)])
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--tcp", action="store_true", help="a reliable link and appended packets (a WebSocket door)")
     args = parser.parse_args()
     try:
         Link.parse(args.link)       # kept as written: it names the link in the JSON lines
@@ -89,7 +95,7 @@ def main() -> None:
         parser.error(str(e))
     every: list[dict] = []
     for seed in range(args.seeds):
-        lines = [run(args.link, seed, phase / 1000.0, args.seconds) for phase in args.phases_ms]
+        lines = [run(args.link, seed, phase / 1000.0, args.seconds, args.tcp) for phase in args.phases_ms]
         for line in lines:
             print(json.dumps(line))
         p50s = [line["added_p50_ms"] for line in lines]

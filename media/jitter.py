@@ -39,7 +39,14 @@ Realtime sessions (the default) are read every 80 ms whatever arrived. Why these
   is concealed), or the dry spell was longer than the largest margin, or the link was silent longer than the
   largest margin and a frame, which no margin covers at any read phase (a stalled link; a WebSocket client's TCP
   holding everything behind a lost segment for a round trip and more: kept, each step stood as latency for every
-  frame of a far call, 20 ms more a retransmission, and the next one still ran it dry).
+  frame of a far call, 20 ms more a retransmission, and the next one still ran it dry). Nor is a step kept that
+  would not alone have covered the silence at every read phase: one longer than what the dry read waited (margin,
+  cover, a push) and a step is a spike, which the jitter histogram's p95 judges, not the step. A shorter TCP
+  retransmission (~210 ms at a 150 ms round trip, ~140 at 80) ran the buffer dry at every phase; the reads that fell
+  near its end kept their steps, which stacked up to 60-100 ms on every frame while the next one still ran it dry
+  (`bench.jitter_phase --tcp`, 6 seeds x 8 phases: added p50 median 140 -> 60 ms at 150 ms, 120 -> 60 at 80, where
+  the link's jitter p95 is 149 and 79; 1.6-2x the dry reads, each after a retransmission). An underrun whose step
+  is taken back leaves the steps' decay running.
 - A stalled link delivers what it held at once: when the buffer re-primes more than a frame above its target it
   catches up (so does a first read that finds audio long waiting: a call's media flows from the answer and its
   first tick comes later, and a hard cut there took the talker's first 280-380 ms of sound): silence goes as in
@@ -196,11 +203,13 @@ class JitterBuffer:
         self._ever_primed = False
         self._boost_ms = 0.0
         self._reads_since_underrun = 0
+        self._quiet_before_dry = 0  # the quiet reads counted when the last underrun came
         self._excess_reads = 0
         self._reads_since_loss = self._loss_memory_reads  # reads since one handed out a gap (none yet)
         self._push_len = 0  # the last push's length
         self._dry_reads = 0  # reads that found the buffer dry since the last underrun
         self._dry_from = 0  # the timeline's end when it ran dry
+        self._dry_covered_s = 0.0  # the longest silence a read waited out when it ran dry (margin, cover, a push)
         self._silent_s = 0.0  # the longest the link went without an arrival since the last underrun
         self._catch_up = False  # draining what a stalled link delivered at once (see _reprimed)
         self._excesses: deque[int] = deque(maxlen=cfg.level_window_reads)
@@ -436,8 +445,11 @@ class JitterBuffer:
 
     def _underrun(self) -> None:
         self._underruns += 1
+        waited = self._target() - self._frame + self._cover_samples() + self._push_len
+        self._dry_covered_s = waited / self.config.sample_rate
         self._primed = self._catch_up = False
         self._boost_ms = min(self._boost_ms + self.config.underrun_step_ms, self.config.max_margin_ms)
+        self._quiet_before_dry = self._reads_since_underrun
         self._reads_since_underrun = 0
         self._dry_reads = 0
         self._silent_s = 0.0  # the silence that ran it dry ends at the next arrival, which measures it whole
@@ -457,8 +469,10 @@ class JitterBuffer:
             long_dry = (self._dry_reads * self._frame > max_margin
                         or self._silent_s * self.config.sample_rate > self._frame + max_margin)
             lost = not self._copy(self._dry_from, 1)[1][0]
-            if long_dry or lost:
+            beyond_a_step = self._silent_s > self._dry_covered_s + self.config.underrun_step_ms / 1000.0
+            if long_dry or lost or beyond_a_step:
                 self._boost_ms = max(0.0, self._boost_ms - self.config.underrun_step_ms)
+                self._reads_since_underrun = self._quiet_before_dry
         # A burst (not the packet that ended a short dry spell), or the first read long after the first audio (a
         # call's media flows from the answer, its first tick comes later): caught up, not cut.
         self._catch_up = level - target >= self._frame
