@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from model.config import FRAME_SAMPLES
-from model.engine.channel import FRAME_BYTES, HEADER, Counters, Frames, Tick, ToEngine, ToWorker, encode, tail
+from model.engine.channel import FRAME_BYTES, HEADER, Frames, Tick, ToEngine, ToWorker, encode, tail
 
 CACHE_SWEEP_BYTES = 64 << 20
 
@@ -30,9 +30,9 @@ def tick_message(sessions: int, rng: np.random.Generator) -> Tick:
     audio = rng.standard_normal((sessions, FRAME_SAMPLES)).astype(np.float32)
     tokens = rng.integers(0, 2048, (sessions, 17), dtype=np.int64)
     sids = [f"sid-{i:04d}" for i in range(sessions)]
-    counters = [Counters(sid, 100, 99, 0) for sid in sids]
+    counts = np.tile(np.array([100, 99, 0, 0, 0], dtype=np.int64), (sessions, 1))
     return Tick(next_tick_at=time.monotonic(), sids=sids, indices=[100] * sessions, texts=[" word"] * sessions,
-                tokens=tokens.tobytes(), counters=counters, audio=memoryview(audio.tobytes()))
+                tokens=tokens.tobytes(), counted=sids, counts=counts.tobytes(), audio=memoryview(audio.tobytes()))
 
 
 def frames_message(sessions: int, rng: np.random.Generator) -> tuple[Frames, list[bytes]]:

@@ -13,9 +13,10 @@ import pytest
 from test_engine import GREEDY, Collector, QueueSource, speechlike, tiny_model  # noqa: F401 (fixture)
 
 from model.engine import Engine, EngineConfig, SessionParams
-from model.engine.channel import Frames, encode
+from model.engine.channel import Counters, Frames, encode
 from model.engine.client import LEAD_STEP_S, RemoteEngine, RemoteSlot
 from model.engine.process import EngineHost
+from model.engine.slots import ROW_COUNTS
 
 
 @pytest.fixture
@@ -79,6 +80,12 @@ async def test_a_session_over_the_channel_gives_the_tokens_of_one_in_the_engine(
         task.cancel()
 
 
+def test_a_sessions_counters_on_the_channel_are_its_rows_counts_in_their_order():
+    """The engine process sends each session's counts as its row's counts as they are (a row of `Tick.counts`), and
+    a worker reads that row into a session's Counters, field after field."""
+    assert Counters.__struct_fields__ == ("sid", *ROW_COUNTS)
+
+
 async def test_a_realtime_session_over_the_channel_stages_its_frames_and_gets_its_rows_as_its_own(served):
     """Realtime over the channel, as the server runs: the worker's frames arrive before their tick and are staged
     in their rows (the engine counts them), and the tick's frames come back by column, each row handed out as a
@@ -95,6 +102,31 @@ async def test_a_realtime_session_over_the_channel_stages_its_frames_and_gets_it
         # The engine process's time on the worker's Frames messages reaches the worker with the engine's stats.
         dispatch = (await client.fresh_stats()).frames_dispatch_ms
         assert set(dispatch) == {"p50", "p99", "max"} and 0 < dispatch["p50"] <= dispatch["p99"] <= dispatch["max"]
+    finally:
+        task.cancel()
+
+
+async def test_a_session_that_ended_in_the_engine_keeps_its_own_counts_when_its_row_goes_to_another(served):
+    """The link counts its realtime sessions by column, from the rows it keeps for them. A session the engine has
+    ended (here: closed there, before its worker hears of it) may still be on the link's roster while its row
+    already holds another session: its worker must go on hearing its own counts (its record's), not the row's
+    new holder's."""
+    engine, host, path = served
+    client, task = await connect(path)
+    try:
+        first, first_out = await open_session(client, QueueSource(speechlike(40, 8)))
+        await first_out.wait_for(6)
+        link = next(iter(host.links))
+        link.sessions[first.id].slot.close()  # the engine's side only: the link and the worker still have it
+        record = link.sessions[first.id].record  # its counts, as it left its row
+        second, second_out = await open_session(client, QueueSource(speechlike(40, 9)))
+        assert second.index == first.index  # the ended session's row, taken by the new one
+        await second_out.wait_for(record.frames_out + 3)  # the row's counts now past the ended session's
+        counted = first.stats()
+        assert counted.frames_out >= 6 and (counted.frames_in, counted.frames_out) == (record.frames_in,
+                                                                                      record.frames_out), counted
+        second.close()
+        first.close()
     finally:
         task.cancel()
 

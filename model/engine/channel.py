@@ -105,7 +105,10 @@ class Reply(msgspec.Struct, tag=True):
     stats: Stats | None = None  # a StatsRequest's answer
 
 
-class Counters(msgspec.Struct, array_like=True):
+class Counters(msgspec.Struct):
+    """A session's counts as its worker last heard them: after its id, the fields of a row of `Tick.counts`, which
+    is a row of the engine's counts in slots.ROW_COUNTS' order."""
+
     sid: str
     frames_in: int
     frames_out: int
@@ -118,7 +121,8 @@ class Tick(msgspec.Struct, tag=True, kw_only=True):
     """One realtime tick's outputs for one worker (or, with `next_tick_at` 0, an input-clocked step's), by column:
     session `sids[k]`'s frame `indices[k]` with text piece `texts[k]` is row k of `audio` and `tokens` (one block
     each, not a struct and two byte strings per session: the engine thread builds this message on every frame's
-    path). `audio` is the message's tail (`encode`): its rows go out as the engine copied them from the tick, and
+    path). Every realtime session's counts come too, by column as well: session `counted[k]`'s are row k of
+    `counts`. `audio` is the message's tail (`encode`): its rows go out as the engine copied them from the tick, and
     a worker reads them where they landed."""
 
     next_tick_at: float
@@ -126,7 +130,8 @@ class Tick(msgspec.Struct, tag=True, kw_only=True):
     indices: list[int]
     texts: list[str]
     tokens: bytes  # int64 [len(sids), 17]
-    counters: list[Counters]
+    counted: list[str]  # the sessions whose counts `counts` holds, in its row order
+    counts: bytes  # int64 [len(counted), 5]: each row a session's Counters fields after its id
     late_frames: int = 0  # this worker's input frames that reached the engine after their tick, since the last Tick
     late_by_s: float = 0.0  # how far after its tick the latest of those came (0: none late)
     audio: memoryview  # float32 [len(sids), 1920]; last, as a tail must be

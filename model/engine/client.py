@@ -348,10 +348,12 @@ class RemoteEngine:
 
     def _take_tick(self, tick: Tick) -> None:
         slots = self._slots
-        for c in tick.counters:
-            slot = slots.get(c.sid)
-            if slot is not None:
-                slot.counters = c
+        if tick.counted:
+            counts = np.frombuffer(tick.counts, dtype=np.int64).reshape(len(tick.counted), -1).tolist()
+            for sid, row in zip(tick.counted, counts, strict=True):
+                slot = slots.get(sid)
+                if slot is not None:
+                    slot.counters = Counters(sid, *row)
         if tick.sids:
             rows = len(tick.sids)
             audio = np.frombuffer(tick.audio, dtype=np.float32).reshape(rows, FRAME_SAMPLES)

@@ -46,13 +46,22 @@ from model.engine.api import (
     ResourceExhausted,
     SessionFailed,
     SessionParams,
+    SlotStats,
     TickRecord,
     check_params,
 )
 from model.engine.prompt_cache import PromptCache
 from model.engine.runner import RowOutputs, Runner, make_current
 from model.engine.scheduler import Scheduler
-from model.engine.slots import ENDED, Session, Slot, SlotTable
+from model.engine.slots import (
+    ENDED,
+    UNDERRUNS,
+    WINDOW_FRAMES,
+    WINDOW_SHRINKS,
+    Session,
+    Slot,
+    SlotTable,
+)
 from model.engine.staging import StagedInputs
 from model.engine.stats import (
     FIRST_HALF_HOST_PHASE,
@@ -335,6 +344,18 @@ class Engine:
                     and session.source.frames_ready() == 0)
 
         return self.inputs.offer([s.index for s in sessions], frames, admits)
+
+    def session_stats(self, session: Session) -> SlotStats:
+        """The session's record with its counts so far (slots.SessionHost)."""
+        return self.slots.stats(session)
+
+    def counts_of(self, rows: np.ndarray, serials: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The counts (slots.ROW_COUNTS) in `rows` as of one moment, int64 [len(rows), 5], and whether each row is
+        still held by the session of the serial given for it (one that is not has ended since: its record holds its
+        counts, slots.SlotTable.move)."""
+        slots = self.slots
+        with slots.lock:
+            return slots.counts[rows], slots.holders[rows] == serials
 
     def release(self, session: Session) -> None:
         ended = session.state in ENDED
@@ -659,7 +680,7 @@ class Engine:
         if copied and not np.isfinite(self.runner.pcm_np[session.index]).all():
             return self._refuse_input(session)
         if copied:
-            session.stats.frames_in += 1
+            self.slots.frames_in[session.index] += 1
         return copied is not None
 
     def _read_inputs(self, sessions: Sequence[Session], rows: np.ndarray) -> tuple[Sequence[Session], np.ndarray]:
@@ -668,13 +689,12 @@ class Engine:
         in their rows as they arrived only taken (staging.py); the sessions that did not fail, and their rows."""
         staged = self.inputs.take(rows)
         if staged.all():  # the engine process's usual tick: every frame came before it, its finiteness checked then
-            for session in sessions:
-                session.stats.frames_in += 1
+            self.slots.frames_in[rows] += 1
             return sessions, rows
+        self.slots.frames_in[rows] += staged
         read, copied = [], []
         for session, was_staged in zip(sessions, staged.tolist(), strict=True):
             if was_staged:
-                session.stats.frames_in += 1
                 read.append(session)
                 continue
             frame = self._copy_input(session)
@@ -686,9 +706,7 @@ class Engine:
             pcm = self.runner.pcm_np
             finite = np.isfinite(pcm[: max(s.index for s in copied) + 1]).all(axis=1).tolist()
             failed = {s.index for s in copied if not finite[s.index] and not self._refuse_input(s)}
-            for session in copied:
-                if session.index not in failed:
-                    session.stats.frames_in += 1
+            self.slots.frames_in[[s.index for s in copied if s.index not in failed]] += 1
             read = [s for s in read if s.index not in failed]
         return read, np.array([s.index for s in read], dtype=np.int64)
 
@@ -700,7 +718,7 @@ class Engine:
             frame = session.source.read_frame()
             if frame is None:
                 row[:] = 0.0
-                session.stats.underruns += 1
+                self.slots.counts[session.index, UNDERRUNS] += 1
                 return False
             data = np.asarray(frame, dtype=np.float32)
             if data.shape != (FRAME_SAMPLES,):
@@ -914,8 +932,7 @@ class Engine:
         held)."""
         indices = self._out_index[rows]
         self._out_index[rows] += 1
-        for session in sessions:
-            session.stats.frames_out += 1
+        self.slots.frames_out[rows] += 1
         if not indices.all():
             now = time.monotonic()
             for session, index in zip(sessions, indices.tolist(), strict=True):
@@ -951,10 +968,9 @@ class Engine:
 
     def _window_changed(self, row: int, frames: int, shrunk: bool) -> None:
         """The page pool shrank (or grew back) the context window of the session in `row` (engine thread)."""
-        session = self.slots.at(row)
-        if session is not None:
-            session.stats.window_frames = frames
-            session.stats.window_shrinks += int(shrunk)
+        if self.slots.at(row) is not None:
+            self.slots.counts[row, WINDOW_FRAMES] = frames
+            self.slots.counts[row, WINDOW_SHRINKS] += int(shrunk)
 
     def _fail(self, session: Session, error: EngineError) -> None:
         with self._lock:
