@@ -111,7 +111,7 @@ async def test_a_session_that_ended_in_the_engine_keeps_its_own_counts_when_its_
     ended (here: closed there, before its worker hears of it) may still be on the link's roster while its row
     already holds another session: its worker must go on hearing its own counts (its record's), not the row's
     new holder's."""
-    engine, host, path = served
+    _, host, path = served
     client, task = await connect(path)
     try:
         first, first_out = await open_session(client, QueueSource(speechlike(40, 8)))

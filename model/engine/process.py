@@ -45,6 +45,7 @@ from model.engine.channel import (
     encode,
     tail,
 )
+from model.engine.slots import ROW_COUNTS
 from model.engine.stats import quantiles_ms
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,7 @@ class HostSession:
 
     def recorded_counts(self) -> list[int]:
         """Its counts as its record holds them once it has ended (slots.ROW_COUNTS' order)."""
-        r = self.record
-        return [r.frames_in, r.frames_out, r.underruns, r.window_shrinks, r.window_frames]
+        return [getattr(self.record, name) for name in ROW_COUNTS]
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ class SlotTable:
         # Each held row's counts (ROW_COUNTS), by array: a tick of 250 counted them on each session's record, passes
         # over objects it had not touched since the last tick (~80 us each on a 2-core CPU), and so did the channel's
         # hand-off after it. A session's record takes its counts as it leaves its row; `holders` is the serial of
-        # the session in each row (0: none), so that a reader of a copy can tell whose they are (Engine.counts_by_row).
+        # the session in each row (0: none), so that a reader of a copy can tell whose they are (Engine.counts_of).
         self.counts = np.zeros((size, len(ROW_COUNTS)), dtype=np.int64)
         # The columns a tick counts in, as views: a 1-D index is about half the work of a 2-D one.
         self.frames_in, self.frames_out = self.counts[:, FRAMES_IN], self.counts[:, FRAMES_OUT]
