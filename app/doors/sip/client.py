@@ -2,13 +2,17 @@
 
 `SipClient.invite()` sends an INVITE (an SDP offer built from `codecs`, or any body) and returns every response up
 to the final one; `ack()`, `bye()`, `cancel()`, `options()` and `send_raw()` do what they say. `RtpPeer` sends
-20 ms packets on the clock and keeps what arrives, with the arrival times. No retransmissions: loopback only.
+20 ms packets on the clock and keeps what arrives, each packet with the time the kernel took it in (where Linux stamps
+it), so a busy event loop that reads late does not make the server's packets late. No retransmissions: loopback only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -21,14 +25,30 @@ from media.rtp import AudioCodec, RtpCodec, build_rtp
 
 class _Queue(asyncio.DatagramProtocol):
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[tuple[bytes, tuple[str, int], float]] = asyncio.Queue()
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
         self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self.queue.put_nowait((data, addr, time.monotonic()))
+        self.queue.put_nowait(data)
+
+
+# Linux's SO_TIMESTAMPNS (asm-generic/socket.h; Python's socket module does not name it): each datagram comes with
+# the wall-clock time the kernel received it, a timespec of two 64-bit fields.
+SO_TIMESTAMPNS = 35
+_TIMESPEC = struct.Struct("qq")
+
+
+def _arrived_at(ancdata: list[tuple[int, int, bytes]]) -> float:
+    """A datagram's arrival on the monotonic clock: now, less how long it waited since the kernel stamped it."""
+    now = time.monotonic()
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
+            sec, nsec = _TIMESPEC.unpack_from(data)
+            return now - max(0.0, time.time() - (sec + nsec * 1e-9))
+    return now
 
 
 @dataclass
@@ -41,28 +61,37 @@ class RtpPeer:
     seq: int = 0
     ts: int = 0
     received: list[tuple[float, RtpPacket]] = field(default_factory=list)
-    _sock: _Queue | None = None
-    _reader: asyncio.Task[None] | None = None
+    _sock: socket.socket | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
 
     async def open(self) -> None:
-        _, self._sock = await asyncio.get_running_loop().create_datagram_endpoint(
-            _Queue, local_addr=(self.host, self.port))
-        assert self._sock.transport is not None
-        self.port = self._sock.transport.get_extra_info("sockname")[1]
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        with contextlib.suppress(OSError):  # not Linux: arrivals are when the loop reads them
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        self._sock, self._loop = sock, asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._read)
 
-    async def _read(self) -> None:
+    def _read(self) -> None:
         assert self._sock is not None
         while True:
-            data, _, at = await self._sock.queue.get()
             try:
-                self.received.append((at, RtpPacket.parse(data)))
+                data, ancdata, _, _ = self._sock.recvmsg(65536, socket.CMSG_SPACE(_TIMESPEC.size))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # an ICMP error for an earlier send (the far port closed): nothing to read in it
+                continue
+            try:
+                self.received.append((_arrived_at(ancdata), RtpPacket.parse(data)))
             except ValueError:
                 continue
 
     def send_raw(self, data: bytes, to: tuple[str, int]) -> None:
-        assert self._sock is not None and self._sock.transport is not None
-        self._sock.transport.sendto(data, to)
+        assert self._sock is not None
+        with contextlib.suppress(BlockingIOError):  # the send buffer full: lost, as UDP loses it
+            self._sock.sendto(data, to)
 
     def send_packet(self, pt: int, payload: bytes, to: tuple[str, int], ticks: int, marker: bool = False) -> None:
         self.send_raw(build_rtp(pt, self.seq, self.ts, self.ssrc, payload, marker), to)
@@ -80,10 +109,10 @@ class RtpPeer:
             await asyncio.sleep(max(0.0, start + (i + 1) * 0.02 - time.monotonic()))
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._sock is not None and self._sock.transport is not None:
-            self._sock.transport.close()
+        if self._sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())  # a no-op on a closed loop
+            self._sock.close()
+            self._sock = None
 
 
 def offer(address: str, port: int, codecs: list[tuple[int, str]], direction: str = "sendrecv",
@@ -137,7 +166,7 @@ class SipClient:
         assert self._sock is not None
         deadline = time.monotonic() + timeout
         while True:
-            data, _, _ = await asyncio.wait_for(self._sock.queue.get(), max(0.01, deadline - time.monotonic()))
+            data = await asyncio.wait_for(self._sock.queue.get(), max(0.01, deadline - time.monotonic()))
             try:
                 msg = Message.parse(data)
             except Exception:  # the parser fails on non-SIP bytes in more ways than one: each is a stray
