@@ -7,14 +7,18 @@ its input frames late and its output in bursts, whatever the engine does; the la
 The garbage collector is one cause, kept small here: a full collection walks every tracked object with the loop
 held, and a worker's imports alone (aiohttp, aiortc, av, numpy, torch) are ~365,000 of them, 160 ms a walk on a
 2-core machine; a WebRTC call's packets bring one every few seconds. `freeze_startup_objects` takes what exists once
-the worker serves out of the collector's view, so a full collection walks only what sessions made since.
+the worker serves out of the collector's view, so a full collection walks only what sessions made since; how long
+each full collection held the loop is timed (`collector_report`'s `full_max_ms`), so that a stall in a load run can
+be told from one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -43,19 +47,37 @@ class LoopLag:
 
 
 _frozen = 0
+_full_started: float | None = None
+_full_max_ms = 0.0
+
+
+def _time_full_collections(phase: str, info: dict[str, Any]) -> None:
+    """gc.callbacks: the longest full collection so far, ms (the young generations' are short and many)."""
+    global _full_started, _full_max_ms
+    if info["generation"] != 2:
+        return
+    if phase == "start":
+        _full_started = time.perf_counter()
+    elif _full_started is not None:
+        _full_max_ms = max(_full_max_ms, (time.perf_counter() - _full_started) * 1000.0)
+        _full_started = None
 
 
 def freeze_startup_objects() -> None:
-    """Collect what is garbage now, then move every surviving object to the collector's permanent generation."""
+    """Collect what is garbage now, then move every surviving object to the collector's permanent generation; from
+    then on, time each full collection."""
     global _frozen
     gc.collect()
     gc.freeze()
     # Counted once: gc.get_freeze_count() walks the whole frozen list, 34 ms over a worker's; reported twice a
     # second it held every worker's loop that long (loop lag p99 44 ms on the H200 host).
     _frozen = gc.get_freeze_count()
+    if _time_full_collections not in gc.callbacks:
+        gc.callbacks.append(_time_full_collections)
 
 
 def collector_report() -> dict[str, int]:
-    """Objects taken out of the collector's view at start, and full collections so far (each walks only what is
-    not frozen)."""
-    return {"frozen": _frozen, "full_collections": gc.get_stats()[2]["collections"]}
+    """Objects taken out of the collector's view at start, full collections so far (each walks only what is not
+    frozen; the first is the freeze's own) and the longest of those since the freeze, in whole ms."""
+    return {"frozen": _frozen, "full_collections": gc.get_stats()[2]["collections"],
+            "full_max_ms": round(_full_max_ms)}
