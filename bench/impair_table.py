@@ -157,7 +157,8 @@ def main() -> None:
                 print(json.dumps({"run": name, "worker": process["worker"], "cpu_pct": process.get("cpu_pct"),
                                   "loop_lag_p99_ms": lag.get("p99"), "loop_lag_max_ms": lag.get("max"),
                                   "input_late_frames": process.get("input_late_frames"),
-                                  "gc_full_max_ms": process.get("gc", {}).get("full_max_ms")}))
+                                  "gc_full_max_ms": process.get("gc", {}).get("full_max_ms"),
+                                  "loop_stalls": process.get("loop_stalls")}))
         procs = run.get("driver", {}).get("procs", [])
         if any("loop_lag_ms" in proc for proc in procs):
             print(json.dumps({"run": name, "driver_loop_lag_max_ms": [proc["loop_lag_ms"].get("max") for proc in procs],

@@ -1,9 +1,11 @@
-"""A worker's collector report (app/shell/loop_lag.py): after the start-up freeze, each full collection is timed, so
-that a stall of a worker's loop in a load run can be told from one."""
+"""A door process's own loop (app/shell/loop_lag.py): after the start-up freeze each full collection is timed, and a
+stall of the loop is reported with where the loop was, so that a stall in a load run can be told apart and found."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
 
 from app.shell import loop_lag
 
@@ -20,3 +22,27 @@ def test_a_full_collection_after_the_freeze_is_timed() -> None:
     finally:
         gc.callbacks.remove(loop_lag._time_full_collections)
         gc.unfreeze()
+
+
+def _holds_the_loop(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # busy in Python, as a callback that does too much is
+        pass
+
+
+async def test_a_stall_of_the_loop_is_reported_with_where_the_loop_was() -> None:
+    lag = loop_lag.LoopLag()
+    watching = asyncio.ensure_future(lag.run())
+    try:
+        await asyncio.sleep(0.2)
+        assert lag.stall_sites() == {}  # an idle loop wakes on time
+        for _ in range(3):
+            _holds_the_loop(0.12)
+            await asyncio.sleep(loop_lag.PERIOD_S * 2)  # the next wake-up after each stall
+        sites = lag.stall_sites()
+        ours = [site for site in sites if "_holds_the_loop" in site]
+        assert ours and sites[ours[0]] == 3, sites
+        assert ours[0].startswith("test_loop_lag.py:"), sites  # a frame outside our packages: named by its file
+        assert lag.quantiles()["max"] >= 100
+    finally:
+        watching.cancel()

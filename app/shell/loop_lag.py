@@ -2,7 +2,10 @@
 
 A task asks to wake every PERIOD_S and records how much later it woke. A worker whose loop lags by tens of ms sends
 its input frames late and its output in bursts, whatever the engine does; the lag's recent quantiles go to /metrics
-(`personaplex_event_loop_lag_ms`) and, per worker process, to /health's `processes`.
+(`personaplex_event_loop_lag_ms`) and, per worker process, to /health's `processes`. Where a wake-up is over
+STALL_MS late, a watching thread takes the loop thread's stack once, and the places it found the loop most often
+are reported beside the quantiles (`stall_sites`): a stall in a load run says where it was, not only that it was.
+(A stall inside one C call that holds the GIL is seen as it ends: the stack is then where that call returned.)
 
 The garbage collector is one cause, kept small here: a full collection walks every tracked object with the loop
 held, and a worker's imports alone (aiohttp, aiortc, av, numpy, torch) are ~365,000 of them, 160 ms a walk on a
@@ -16,26 +19,79 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
+import threading
 import time
-from collections import deque
+import traceback
+from collections import Counter, deque
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
 
 PERIOD_S = 0.05
 WINDOW = 1200  # the last minute of wake-ups
+STALL_MS = 30.0  # a wake-up this late is a stall whose place is taken
+WATCH_S = 0.01  # how often the watching thread looks
+SITES = 5  # the most frequent stall places reported
+_OURS = ("app", "media", "model")  # the packages whose frames name a place
+
+
+def stall_site(frame: FrameType) -> str:
+    """Where a stack was: its innermost frame of our packages ("app/doors/sip/call.py:238 snapshot"), and the
+    innermost frame of all where that is another ("... > percentile")."""
+    stack = traceback.extract_stack(frame)
+    inner = stack[-1]
+    for entry in reversed(stack):
+        parts = Path(entry.filename).parts
+        roots = [i for i, part in enumerate(parts) if part in _OURS]
+        if roots:
+            place = f"{'/'.join(parts[roots[-1]:])}:{entry.lineno} {entry.name}"
+            return place if entry is inner else f"{place} > {inner.name}"
+    return f"{Path(inner.filename).name}:{inner.lineno} {inner.name}"
 
 
 class LoopLag:
     def __init__(self) -> None:
         self.lags_ms: deque[float] = deque(maxlen=WINDOW)
+        self.stalls: Counter[str] = Counter()
+        self._stalls_lock = threading.Lock()  # the watching thread counts while the loop's reports read
+        self._due: float | None = None  # when the loop's current sleep is due, on the monotonic clock
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + PERIOD_S
-            await asyncio.sleep(PERIOD_S)
-            self.lags_ms.append(max(0.0, (loop.time() - due) * 1000.0))
+        stop = threading.Event()
+        watcher = threading.Thread(target=self._watch, args=(threading.get_ident(), stop), daemon=True,
+                                   name="loop-stall-watch")
+        watcher.start()
+        try:
+            while True:
+                due = loop.time() + PERIOD_S  # loop.time() is time.monotonic()
+                self._due = due
+                await asyncio.sleep(PERIOD_S)
+                self.lags_ms.append(max(0.0, (loop.time() - due) * 1000.0))
+        finally:
+            stop.set()
+
+    def _watch(self, loop_thread: int, stop: threading.Event) -> None:
+        """The watching thread: once a wake-up is STALL_MS overdue, the loop thread's stack, once per wake-up."""
+        seen: float | None = None
+        while not stop.wait(WATCH_S):
+            due = self._due
+            if due is None or due == seen or (time.monotonic() - due) * 1000.0 < STALL_MS:
+                continue
+            seen = due
+            frame = sys._current_frames().get(loop_thread)
+            if frame is not None:
+                site = stall_site(frame)
+                with self._stalls_lock:
+                    self.stalls[site] += 1
+
+    def stall_sites(self) -> dict[str, int]:
+        """The SITES places the loop was found stalled most often since the start, with how many times."""
+        with self._stalls_lock:
+            return dict(self.stalls.most_common(SITES))
 
     def quantiles(self) -> dict[str, int]:
         """p50, p99 and max over the window, in whole ms (they cross to other processes as integers)."""

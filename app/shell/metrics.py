@@ -80,7 +80,8 @@ class Metrics:
                 "connections": dict(self.connections), "frames": dict(self.frame_totals()),
                 "dtmf": dict(self.dtmf), "sip": dict(self.sip), "recordings": dict(self.recordings),
                 "webhooks": dict(self.webhooks),
-                "loop_lag_ms": self.loop_lag.quantiles(), "gc": collector_report(),
+                "loop_lag_ms": self.loop_lag.quantiles(), "loop_stalls": self.loop_lag.stall_sites(),
+                "gc": collector_report(),
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
     def render(self, engine_stats: Any | None, others: Mapping[str, dict[str, dict[str, int]]] | None = None,

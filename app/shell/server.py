@@ -117,14 +117,14 @@ def processes(ctx: ServerContext) -> list[dict[str, object]]:
     engine = ctx.engine
     if not isinstance(engine, EnginePool):
         return [{"role": "main", "pid": os.getpid(), "loop_lag_ms": ctx.metrics.loop_lag.quantiles(),
-                 "gc": collector_report()}]
+                 "loop_stalls": ctx.metrics.loop_lag.stall_sites(), "gc": collector_report()}]
     found: list[dict[str, object]] = [{"role": "main", "pid": os.getppid()}]
     found += [{"role": "engine", "engine": view.index, "device": view.device, "pid": view.pid}
               for view in engine.engines_now() if view.pid]
     for number, worker in sorted(engine.workers.items(), key=lambda item: int(item[0])):
         found.append({"role": "worker", "worker": int(number), "pid": worker.pid, "sessions": worker.sessions,
                       "input_late_frames": worker.late_frames, "loop_lag_ms": worker.counters.get("loop_lag_ms", {}),
-                      "gc": worker.counters.get("gc", {}),
+                      "loop_stalls": worker.counters.get("loop_stalls", {}), "gc": worker.counters.get("gc", {}),
                       "this": worker.pid == os.getpid()})
     for entry in found:
         if entry.get("this"):
