@@ -18,7 +18,8 @@ summaries (worst RTF, most missing frames, worst lateness p99, first audio p50/p
 and tick quantiles (`/health`'s recent window, and from the `/metrics` tick histogram over the run), underruns and
 errors by code over the run (`/metrics` before and after); CPU % of each server process (`/health`'s `processes`
 and `--server-pids`, read from /proc, so on this machine only) and of the driver's own processes, with each
-process's own loop lag (`loop_lag_ms`) and, per session, the driver's longest stall around its latest piece
+process's own loop lag (`loop_lag_ms`) and where its loop was when it stalled over 30 ms (`loop_stalls`,
+app/shell/loop_lag.py's StallWatch), and, per session, the driver's longest stall around its latest piece
 (`output_lateness_ms.driver_lag_ms`; `worst_with_driver_stall` counts the sessions whose worst moment came with a
 stall of their driver half its size or more). `--out FILE` appends the line.
 
@@ -50,6 +51,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
+from app.shell.loop_lag import StallWatch
 from bench.doors import (
     DOORS,
     RATE,
@@ -200,14 +202,20 @@ class LoopTrace:
     def __init__(self) -> None:
         self.at: list[float] = []
         self.lag_ms: list[float] = []
+        self.stalls = StallWatch()  # where the loop was when a wake-up came over 30 ms late
 
     async def run(self) -> None:
-        while True:
-            due = time.monotonic() + self.PERIOD_S
-            await asyncio.sleep(self.PERIOD_S)
-            now = time.monotonic()
-            self.at.append(now)
-            self.lag_ms.append(max(0.0, (now - due) * 1000.0))
+        self.stalls.start()
+        try:
+            while True:
+                due = time.monotonic() + self.PERIOD_S
+                self.stalls.expect(due)
+                await asyncio.sleep(self.PERIOD_S)
+                now = time.monotonic()
+                self.at.append(now)
+                self.lag_ms.append(max(0.0, (now - due) * 1000.0))
+        finally:
+            self.stalls.stop()
 
     def around(self, t: float, before_s: float = 0.1, after_s: float = 0.05) -> float:
         """The longest stall this loop woke from between `before_s` before t and `after_s` after it, ms."""
@@ -311,11 +319,12 @@ async def run_proc(job: ProcJob, t0: float) -> dict[str, Any]:
             reports = await asyncio.gather(*(run_session(http, job, p, t0, to_hear) for p in job.sessions))
     finally:
         sampling.cancel()
+        trace.stalls.stop()  # now: the players' replays below hold the loop before the cancel reaches the task
     wall = time.monotonic() - w0
     cpu_pct = round(100.0 * (rusage_cpu_s() - c0) / wall, 1)  # the calls', not the players' replays after them
     hear(to_hear, trace)
     return {"pid": os.getpid(), "sessions": len(job.sessions), "wall_s": round(wall, 2), "cpu_pct": cpu_pct,
-            "loop_lag_ms": trace.summary(t0), "reports": reports}
+            "loop_lag_ms": trace.summary(t0), "loop_stalls": trace.stalls.sites(), "reports": reports}
 
 
 def proc_main(conn: Connection, job: ProcJob) -> None:
@@ -482,7 +491,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         "extra_open": extra,
         "server": server_report(before, after, pids),
         "driver": {"main_cpu_pct": round(100.0 * (rusage_cpu_s() - main_c0) / wall, 1),
-                   "procs": [{k: d[k] for k in ("pid", "sessions", "wall_s", "cpu_pct", "loop_lag_ms")}
+                   "procs": [{k: d[k] for k in ("pid", "sessions", "wall_s", "cpu_pct", "loop_lag_ms", "loop_stalls")}
                              for d in done]},
         "per_session": reports,
     }

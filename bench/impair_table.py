@@ -162,6 +162,7 @@ def main() -> None:
         procs = run.get("driver", {}).get("procs", [])
         if any("loop_lag_ms" in proc for proc in procs):
             print(json.dumps({"run": name, "driver_loop_lag_max_ms": [proc["loop_lag_ms"].get("max") for proc in procs],
+                              "driver_loop_stalls": [proc.get("loop_stalls") for proc in procs],
                               "worst_with_driver_stall": run["summary"].get("worst_with_driver_stall"),
                               "live": run["summary"]["live"]}))
 

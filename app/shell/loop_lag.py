@@ -35,7 +35,7 @@ WINDOW = 1200  # the last minute of wake-ups
 STALL_MS = 30.0  # a wake-up this late is a stall whose place is taken
 WATCH_S = 0.01  # how often the watching thread looks
 SITES = 5  # the most frequent stall places reported
-_OURS = ("app", "media", "model")  # the packages whose frames name a place
+_OURS = ("app", "media", "model", "bench")  # the packages whose frames name a place (bench: the load driver's)
 
 
 def stall_site(frame: FrameType) -> str:
@@ -52,32 +52,31 @@ def stall_site(frame: FrameType) -> str:
     return f"{Path(inner.filename).name}:{inner.lineno} {inner.name}"
 
 
-class LoopLag:
+class StallWatch:
+    """A thread beside an event loop's thread: once the wake-up the loop's sampler waits for (`expect`) is STALL_MS
+    overdue, it takes the loop thread's stack, once per wake-up, and counts the place (`stall_site`)."""
+
     def __init__(self) -> None:
-        self.lags_ms: deque[float] = deque(maxlen=WINDOW)
-        self.stalls: Counter[str] = Counter()
-        self._stalls_lock = threading.Lock()  # the watching thread counts while the loop's reports read
-        self._due: float | None = None  # when the loop's current sleep is due, on the monotonic clock
+        self._stalls: Counter[str] = Counter()
+        self._lock = threading.Lock()  # this thread counts while the loop's reports read
+        self._due: float | None = None  # on the monotonic clock
+        self._stop = threading.Event()
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        watcher = threading.Thread(target=self._watch, args=(threading.get_ident(), stop), daemon=True,
-                                   name="loop-stall-watch")
-        watcher.start()
-        try:
-            while True:
-                due = loop.time() + PERIOD_S  # loop.time() is time.monotonic()
-                self._due = due
-                await asyncio.sleep(PERIOD_S)
-                self.lags_ms.append(max(0.0, (loop.time() - due) * 1000.0))
-        finally:
-            stop.set()
+    def start(self) -> None:
+        """Watch the calling thread's loop."""
+        threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
+                         name="loop-stall-watch").start()
 
-    def _watch(self, loop_thread: int, stop: threading.Event) -> None:
-        """The watching thread: once a wake-up is STALL_MS overdue, the loop thread's stack, once per wake-up."""
+    def stop(self) -> None:
+        self._stop.set()
+
+    def expect(self, due: float) -> None:
+        """The loop's next wake-up is due at `due` (time.monotonic())."""
+        self._due = due
+
+    def _watch(self, loop_thread: int) -> None:
         seen: float | None = None
-        while not stop.wait(WATCH_S):
+        while not self._stop.wait(WATCH_S):
             due = self._due
             if due is None or due == seen or (time.monotonic() - due) * 1000.0 < STALL_MS:
                 continue
@@ -85,13 +84,35 @@ class LoopLag:
             frame = sys._current_frames().get(loop_thread)
             if frame is not None:
                 site = stall_site(frame)
-                with self._stalls_lock:
-                    self.stalls[site] += 1
+                with self._lock:
+                    self._stalls[site] += 1
+
+    def sites(self) -> dict[str, int]:
+        """The SITES places the loop was found stalled most often, with how many times."""
+        with self._lock:
+            return dict(self._stalls.most_common(SITES))
+
+
+class LoopLag:
+    def __init__(self) -> None:
+        self.lags_ms: deque[float] = deque(maxlen=WINDOW)
+        self.stalls = StallWatch()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.stalls.start()
+        try:
+            while True:
+                due = loop.time() + PERIOD_S  # loop.time() is time.monotonic()
+                self.stalls.expect(due)
+                await asyncio.sleep(PERIOD_S)
+                self.lags_ms.append(max(0.0, (loop.time() - due) * 1000.0))
+        finally:
+            self.stalls.stop()
 
     def stall_sites(self) -> dict[str, int]:
-        """The SITES places the loop was found stalled most often since the start, with how many times."""
-        with self._stalls_lock:
-            return dict(self.stalls.most_common(SITES))
+        """Where the loop was found stalled most often since the start (StallWatch.sites)."""
+        return self.stalls.sites()
 
     def quantiles(self) -> dict[str, int]:
         """p50, p99 and max over the window, in whole ms (they cross to other processes as integers)."""
