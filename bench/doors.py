@@ -700,15 +700,16 @@ class SipClientDoor(DoorClient):
             await asyncio.sleep(max(0.0, start + k * self.send_period_s - time.monotonic()))
 
     async def server_stats(self, tries: int = 40) -> dict[str, Any] | None:
+        """This call's own (`GET /v1/sip/calls/{call_id}`), not the list: at the end of a load run every SIP caller
+        asks, and the list costs the SIP door's loop ~0.13 ms a live call each time (2-core CPU)."""
         async with aiohttp.ClientSession() as http:
             for _ in range(tries):
                 try:
-                    async with http.get(self.base_url + "/v1/sip/calls", headers=self.headers) as res:
-                        mine = [c for c in (await res.json()).get("data", []) if c.get("call_id") == self.session_id]
+                    async with http.get(f"{self.base_url}/v1/sip/calls/{self.session_id}", headers=self.headers) as res:
+                        if res.status == 200:
+                            return await res.json()
                 except (aiohttp.ClientError, ValueError):
                     continue
-                if mine:
-                    return mine[0]
         return None
 
     async def close(self) -> None:

