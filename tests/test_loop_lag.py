@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import time
 
 from app.shell import loop_lag
@@ -46,3 +47,17 @@ async def test_a_stall_of_the_loop_is_reported_with_where_the_loop_was() -> None
         assert lag.quantiles()["max"] >= 100
     finally:
         watching.cancel()
+
+
+def test_a_place_in_our_packages_is_named_by_its_file_and_what_it_was_in() -> None:
+    """The innermost frame of app/, media/, model/ or bench/, relative to the tree, then the innermost of all: here
+    a StallWatch's own thread, waiting in threading's Event.wait."""
+    watch = loop_lag.StallWatch()
+    watch.start()
+    try:
+        time.sleep(0.05)
+        assert watch.thread is not None and watch.thread.ident is not None
+        site = loop_lag.stall_site(sys._current_frames()[watch.thread.ident])
+        assert site.startswith("app/shell/loop_lag.py:") and " _watch > wait" in site, site
+    finally:
+        watch.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
 import threading
 import time
@@ -35,7 +36,8 @@ WINDOW = 1200  # the last minute of wake-ups
 STALL_MS = 30.0  # a wake-up this late is a stall whose place is taken
 WATCH_S = 0.01  # how often the watching thread looks
 SITES = 5  # the most frequent stall places reported
-_OURS = ("app", "media", "model", "bench")  # the packages whose frames name a place (bench: the load driver's)
+_ROOT = Path(__file__).parents[2]  # as the frames name their files: not resolved
+_OURS = tuple(str(_ROOT / package) + os.sep for package in ("app", "media", "model", "bench"))  # bench: the driver
 
 
 def stall_site(frame: FrameType) -> str:
@@ -44,10 +46,8 @@ def stall_site(frame: FrameType) -> str:
     stack = traceback.extract_stack(frame)
     inner = stack[-1]
     for entry in reversed(stack):
-        parts = Path(entry.filename).parts
-        roots = [i for i, part in enumerate(parts) if part in _OURS]
-        if roots:
-            place = f"{'/'.join(parts[roots[-1]:])}:{entry.lineno} {entry.name}"
+        if entry.filename.startswith(_OURS):
+            place = f"{Path(entry.filename).relative_to(_ROOT).as_posix()}:{entry.lineno} {entry.name}"
             return place if entry is inner else f"{place} > {inner.name}"
     return f"{Path(inner.filename).name}:{inner.lineno} {inner.name}"
 
@@ -61,11 +61,13 @@ class StallWatch:
         self._lock = threading.Lock()  # this thread counts while the loop's reports read
         self._due: float | None = None  # on the monotonic clock
         self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Watch the calling thread's loop."""
-        threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
-                         name="loop-stall-watch").start()
+        self.thread = threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
+                                       name="loop-stall-watch")
+        self.thread.start()
 
     def stop(self) -> None:
         self._stop.set()
