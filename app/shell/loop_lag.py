@@ -5,7 +5,9 @@ its input frames late and its output in bursts, whatever the engine does; the la
 (`personaplex_event_loop_lag_ms`) and, per worker process, to /health's `processes`. Where a wake-up is over
 STALL_MS late, a watching thread takes the loop thread's stack once, and the places it found the loop most often
 are reported beside the quantiles (`stall_sites`): a stall in a load run says where it was, not only that it was.
-(A stall inside one C call that holds the GIL is seen as it ends: the stack is then where that call returned.)
+(A stall inside one C call that holds the GIL is seen as it ends: the stack is then where that call returned. A
+place ending in `> select` is a loop that was idle and still woke late: the process did not get a CPU, or another of
+its threads held the GIL; the host, not the loop's own work.)
 
 The garbage collector is one cause, kept small here: a full collection walks every tracked object with the loop
 held, and a worker's imports alone (aiohttp, aiortc, av, numpy, torch) are ~365,000 of them, 160 ms a walk on a
