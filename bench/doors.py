@@ -138,6 +138,17 @@ class Received:
             return None
         return self.times[int(self.lag_s().argmax())]
 
+    def lateness_p99_outside(self, held: list[tuple[float, float]]) -> float | None:
+        """Lateness p99, ms, as `lateness_ms` measures it, over the pieces not read inside one of `held` (windows,
+        monotonic s, in which the reader's own loop was held: a piece read then was made late by the reader)."""
+        if not self.times:
+            return None
+        times, lag = np.asarray(self.times), self.lag_s()
+        kept = np.ones(times.size, dtype=bool)
+        for start, end in held:
+            kept &= (times < start) | (times > end)
+        return round(float(np.percentile((lag[kept] - lag.min()) * 1000, 99)), 2) if kept.any() else None
+
     def lateness_ms(self, origin: float | None = None) -> dict[str, float]:
         """Quantiles of lateness; with `origin` (monotonic s), when the latest piece came after it: a stall
         shared by several sessions shows as one moment."""
@@ -164,6 +175,7 @@ class DoorClient:
     send_period_s: ClassVar[float] = FRAME_S
     any_piece: ClassVar[bool] = False          # its client may send pieces of any length (`piece_ms`)
     clocked_output: ClassVar[bool] = False     # the server plays out on its clock, silence filling what is missing
+    kernel_stamped: ClassVar[bool] = False     # arrivals stamped by the kernel, not when this process read them
 
     def __init__(self, name: str, base_url: str, headers: dict[str, str] | None = None,
                  persona: str = "You are a wise and friendly teacher.") -> None:
@@ -629,6 +641,7 @@ class SipClientDoor(DoorClient):
     door = "sip"
     send_period_s = TWILIO_CHUNK / TWILIO_RATE
     clocked_output = True
+    kernel_stamped = True  # its arrivals are the kernel's (RtpPeer): the reader's stalls do not move them
     sip_port: ClassVar[int | None] = None
 
     def __init__(self, *args: Any, relay: Any = None, **kwargs: Any) -> None:

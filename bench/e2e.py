@@ -198,6 +198,7 @@ class LoopTrace:
     worst moments fell in their last second, which a server and a driver busy with calls' ends would both explain."""
 
     PERIOD_S = 0.005
+    HELD_MS = 10.0  # a wake-up this late marks a window in which this loop made what it read late
 
     def __init__(self) -> None:
         self.at: list[float] = []
@@ -217,6 +218,12 @@ class LoopTrace:
         finally:
             self.stalls.stop()
 
+    def held(self) -> list[tuple[float, float]]:
+        """The windows this loop was held at least HELD_MS: from each such wake-up's due time to a period after it
+        woke (what arrived meanwhile was read as it caught up)."""
+        return [(at - lag / 1000.0, at + self.PERIOD_S) for at, lag in zip(self.at, self.lag_ms, strict=True)
+                if lag >= self.HELD_MS]
+
     def around(self, t: float, before_s: float = 0.1, after_s: float = 0.05) -> float:
         """The longest stall this loop woke from between `before_s` before t and `after_s` after it, ms."""
         at = np.asarray(self.at)
@@ -232,12 +239,18 @@ class LoopTrace:
 
 def hear(calls: list[tuple[dict[str, Any], DoorClient]], trace: LoopTrace | None = None) -> None:
     """Each ended call's report gets what its caller heard (`run_session`'s `to_hear`) and, with the process's
-    `trace`, the driver's own longest stall around the call's latest piece (`output_lateness_ms.driver_lag_ms`)."""
+    `trace`, the driver's own longest stall around the call's latest piece (`output_lateness_ms.driver_lag_ms`) and
+    the call's lateness p99 without the pieces read while the driver's loop was held
+    (`output_lateness_ms.p99_outside_driver_stalls`; a SIP call's arrivals are the kernel's, none left out)."""
+    held = trace.held() if trace is not None else []
     for report, client in calls:
         report["hearing"] = hearing(client)
         latest = client.received.latest_at()
         if trace is not None and latest is not None:
-            report["output_lateness_ms"]["driver_lag_ms"] = trace.around(latest)
+            lateness = report["output_lateness_ms"]
+            lateness["driver_lag_ms"] = trace.around(latest)
+            lateness["p99_outside_driver_stalls"] = client.received.lateness_p99_outside(
+                [] if client.kernel_stamped else held)
 
 
 def impairment(models: tuple[LinkModel, LinkModel], peer: PeerImpairment | None, spec: str) -> dict[str, Any]:

@@ -6,21 +6,24 @@ Each file is one `bench.e2e` run, or several (one JSON line each, as `--out` app
 other seeds, say), whose sessions are pooled; its name after the last `_` (far, clean, stalls, bursty) names the run.
 Rows: each door under each link: the all-clean run, the clean callers beside the far ones, and the impaired callers of
 every impaired run. Columns: sessions; RTF min at the client; missing frames max; client output lateness p99 ms (median
-/ max over sessions); the server input buffer's added latency p50 ms (median / max; WebRTC from the call's own stats,
-SIP's where the call's end came back, the Realtime and native dialects from `session.closed` (the whole call; runs
-before it from the native dialect's last `session.link`), Twilio from `GET /v1/calls` (none in runs before it)); the
-link's uplink jitter p95 ms (median / max); sessions whose added p50 is over that jitter + 20 ms (the issue's bound, for
-20 ms packets), and over that jitter + the door's packet where its load client sends longer ones (the Realtime and
-native clients' 80 ms appends unless the run set `--piece-ms`: a buffer holds whole appends); concealed / lost ms summed
-over the sessions that report both (lost: what the link lost of the caller's packets, less what in-band FEC rebuilt,
-plus what the caller's own sender skipped, where a WebRTC run reports those; before them, the link's loss alone); input
-underruns max; most sound cut by one read ms / hard cuts; first audio p50 ms. After the table, one JSON line per run:
-ticks, late ticks, tick p50 / p99, the engine thread's garbage collections, and per door the silence the server sent its
-callers where a frame was due and had not come (calls reporting it, calls sent any, total ms: the server's gaps, not the
-link's); one per worker process: its CPU, loop lag and the input frames it sent the engine late (the counters are the
-server's totals since its start), which is where a busy worker shows; and, for runs that traced the load driver's own
-loops (bench.e2e since 2026-12-06), one per run with each driver process's loop lag max and how many sessions had their
-worst moment with a driver stall half its size or more beside it: the driver's share of the lateness maxima.
+/ max over sessions), and the same without the pieces read while the load driver's own loop was held 10 ms or more (runs
+since 2026-12-07; SIP's arrivals are the kernel's, so the same); the server input buffer's added latency p50 ms (median
+/ max; WebRTC from the call's own stats, SIP's where the call's end came back, the Realtime and native dialects from
+`session.closed` (the whole call; runs before it from the native dialect's last `session.link`), Twilio from `GET
+/v1/calls` (none in runs before it)); the link's uplink jitter p95 ms (median / max); sessions whose added p50 is over
+that jitter + 20 ms (the issue's bound, for 20 ms packets), and over that jitter + the door's packet where its load
+client sends longer ones (the Realtime and native clients' 80 ms appends unless the run set `--piece-ms`: a buffer holds
+whole appends); concealed / lost ms summed over the sessions that report both (lost: what the link lost of the caller's
+packets, less what in-band FEC rebuilt, plus what the caller's own sender skipped, where a WebRTC run reports those;
+before them, the link's loss alone); input underruns max; most sound cut by one read ms / hard cuts; first audio p50 ms.
+After the table, one JSON line per run: ticks, late ticks, tick p50 / p99, the engine thread's garbage collections, and
+per door the silence the server sent its callers where a frame was due and had not come (calls reporting it, calls sent
+any, total ms: the server's gaps, not the link's); one per worker process: its CPU, loop lag and the input frames it
+sent the engine late (the counters are the server's totals since its start), its longest full collection and where its
+loop was when it stalled (since 2026-12-07), which is where a busy worker shows; and, for runs that traced the load
+driver's own loops (bench.e2e since 2026-12-06), one per run with each driver process's loop lag max (and where it
+stalled, since 2026-12-07) and how many sessions had their worst moment with a driver stall half its size or more beside
+it: the driver's share of the lateness maxima.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
         DOORS[door], label, str(len(sessions)), f"{min(s['rtf'] for s in sessions):.4f}",
         str(max(s["missing_frames"] for s in sessions)),
         _pair([s["output_lateness_ms"]["p99"] for s in sessions]),
+        _pair([s["output_lateness_ms"]["p99_outside_driver_stalls"] for s in sessions
+               if s["output_lateness_ms"].get("p99_outside_driver_stalls") is not None]),
         _pair([got["added_p50"] for _, got in inputs], 0),
         _pair(list(jitter.values()), 0),
         f"{len(over)} of {judged}" if jitter and inputs else "-",
@@ -128,9 +133,9 @@ def main() -> None:
     args = parser.parse_args()
     runs = {path.stem.rsplit("_", 1)[-1]: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             for path in args.files}
-    print("| door | link | n | RTF min | missing | lateness p99 | added p50 | jitter p95 | over | over + packet "
-          "| concealed / lost | underruns | cut / hard | first audio |")
-    print("|" + "---|" * 14)
+    print("| door | link | n | RTF min | missing | lateness p99 | driver's stalls out | added p50 | jitter p95 | over "
+          "| over + packet | concealed / lost | underruns | cut / hard | first audio |")
+    print("|" + "---|" * 15)
     for door in DOORS:
         for name, lines in runs.items():
             mine = [s for run in lines for s in run["per_session"] if s["door"] == door]

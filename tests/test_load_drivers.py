@@ -113,6 +113,8 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     assert all(p["loop_lag_ms"]["max"] >= p["loop_lag_ms"]["p99"] >= 0 and p["loop_lag_ms"]["max_at_s"] >= 0
                for p in procs), procs
     assert all(s["output_lateness_ms"]["driver_lag_ms"] >= 0 for s in sessions)
+    assert all(0 <= s["output_lateness_ms"]["p99_outside_driver_stalls"] <= s["output_lateness_ms"]["max"]
+               for s in sessions), sessions
     assert 0 <= report["summary"]["worst_with_driver_stall"] <= 4
     driver_line = await run_driver("bench.impair_table", str(out))  # its last line: the driver's share
     assert all(all(isinstance(site, str) and n > 0 for site, n in p["loop_stalls"].items()) for p in procs), procs
@@ -166,6 +168,23 @@ def test_the_outputs_rate_reads_through_a_held_piece_and_still_finds_a_slow_serv
             at = 100.0 + (k + 1) * 0.08 / rate
             received.add(at + (0.2 if held and 133 <= k <= 136 else 0.0), (k + 1) * 0.08)
         assert received.rtf() == pytest.approx(rate, abs=1e-3), rate
+
+
+def test_pieces_read_while_the_drivers_loop_was_held_are_left_out_of_the_second_lateness():
+    """12 s of 80 ms pieces in real time, and the driver's own loop held 250 ms up to 108.0 s: the three pieces that
+    came meanwhile are read at 108.0 s, 80-240 ms late. The lateness p99 reads them; the p99 outside the held window
+    (from the late wake-up's due time to a period after it woke, from the loop's trace) does not."""
+    trace = LoopTrace()
+    trace.at, trace.lag_ms = [100.0 + k * 0.005 for k in range(2400)], [0.5] * 2400
+    trace.lag_ms[1600] = 250.0  # woke at 108.0 s, due at 107.75
+    [(start, end)] = trace.held()
+    assert start == pytest.approx(107.75) and end == pytest.approx(108.005)
+    received = Received()
+    for k in range(150):
+        arrived = 100.0 + (k + 1) * 0.08
+        received.add(108.0 if 107.75 <= arrived <= 108.0 else arrived, (k + 1) * 0.08)
+    assert received.lateness_ms()["p99"] > 100
+    assert received.lateness_p99_outside(trace.held()) < 1
 
 
 def test_a_far_callers_loss_is_weighed_after_fec_and_with_its_own_senders_skips():
