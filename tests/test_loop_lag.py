@@ -36,15 +36,14 @@ async def test_a_stall_of_the_loop_is_reported_with_where_the_loop_was() -> None
     watching = asyncio.ensure_future(lag.run())
     try:
         await asyncio.sleep(0.2)
-        assert lag.stall_sites() == {}  # an idle loop wakes on time
         for _ in range(3):
-            _holds_the_loop(0.12)
+            _holds_the_loop(0.25)
             await asyncio.sleep(loop_lag.PERIOD_S * 2)  # the next wake-up after each stall
         sites = lag.stall_sites()
-        ours = [site for site in sites if "_holds_the_loop" in site]
-        assert ours and sites[ours[0]] == 3, sites
-        assert ours[0].startswith("test_loop_lag.py:"), sites  # a frame outside our packages: named by its file
-        assert lag.quantiles()["max"] >= 100
+        ours = {site: n for site, n in sites.items() if " _holds_the_loop" in site}
+        assert sum(ours.values()) == 3, sites  # once a stall (its line: the loop's test or its body)
+        assert all(site.startswith("test_loop_lag.py:") for site in ours), sites  # not ours: named by its file
+        assert lag.quantiles()["max"] >= 200
     finally:
         watching.cancel()
 
@@ -55,9 +54,12 @@ def test_a_place_in_our_packages_is_named_by_its_file_and_what_it_was_in() -> No
     watch = loop_lag.StallWatch()
     watch.start()
     try:
-        time.sleep(0.05)
         assert watch.thread is not None and watch.thread.ident is not None
-        site = loop_lag.stall_site(sys._current_frames()[watch.thread.ident])
+        for _ in range(20):  # it waits nearly all the time; a sample may catch it between two waits
+            time.sleep(0.013)
+            site = loop_lag.stall_site(sys._current_frames()[watch.thread.ident])
+            if " > " in site:
+                break
         assert site.startswith("app/shell/loop_lag.py:") and " _watch > wait" in site, site
     finally:
         watch.stop()
