@@ -166,8 +166,7 @@ class SlotTable:
             if state not in MOVES[session.state]:
                 return False
             if state in ENDED and self._rows[session.index] is session:
-                for name, value in zip(ROW_COUNTS, self.counts[session.index].tolist(), strict=True):
-                    setattr(session.stats, name, value)
+                vars(session.stats).update(self._row_counts(session.index))
                 self.holders[session.index] = 0
                 self._rows[session.index] = None
             session.stats.state = state
@@ -180,7 +179,11 @@ class SlotTable:
         with self.lock:
             if self._rows[session.index] is not session:  # it left its row: its record holds them
                 return replace(session.stats)
-            return replace(session.stats, **dict(zip(ROW_COUNTS, self.counts[session.index].tolist(), strict=True)))
+            return replace(session.stats, **self._row_counts(session.index))
+
+    def _row_counts(self, row: int) -> dict[str, int]:
+        """The counts in `row` by their SlotStats names (lock held)."""
+        return dict(zip(ROW_COUNTS, self.counts[row].tolist(), strict=True))
 
     def at(self, row: int) -> Session | None:
         return self._rows[row]
