@@ -19,9 +19,10 @@ and tick quantiles (`/health`'s recent window, and from the `/metrics` tick hist
 errors by code over the run (`/metrics` before and after); CPU % of each server process (`/health`'s `processes`
 and `--server-pids`, read from /proc, so on this machine only) and of the driver's own processes, with each
 process's own loop lag (`loop_lag_ms`) and where its loop was when it stalled over 30 ms (`loop_stalls`,
-app/shell/loop_lag.py's StallWatch), and, per session, the driver's longest stall around its latest piece
-(`output_lateness_ms.driver_lag_ms`; `worst_with_driver_stall` counts the sessions whose worst moment came with a
-stall of their driver half its size or more). `--out FILE` appends the line.
+app/shell/loop_lag.py's StallWatch; the latest ones with when they began, `loop_stalls_at`, on the machine's
+monotonic clock, whose value at the sessions' origin is `t0_monotonic`), and, per session, the driver's longest
+stall around its latest piece (`output_lateness_ms.driver_lag_ms`; `worst_with_driver_stall` counts the sessions
+whose worst moment came with a stall of their driver half its size or more). `--out FILE` appends the line.
 
 Far callers: `--impair far` (any `bench.impair.Link` spec) puts `--impaired-share` of each door's sessions (every
 other one at 0.5) behind that link both ways, seeded per session: WebSocket doors through a TCP relay in their
@@ -337,7 +338,8 @@ async def run_proc(job: ProcJob, t0: float) -> dict[str, Any]:
     cpu_pct = round(100.0 * (rusage_cpu_s() - c0) / wall, 1)  # the calls', not the players' replays after them
     hear(to_hear, trace)
     return {"pid": os.getpid(), "sessions": len(job.sessions), "wall_s": round(wall, 2), "cpu_pct": cpu_pct,
-            "loop_lag_ms": trace.summary(t0), "loop_stalls": trace.stalls.sites(), "reports": reports}
+            "loop_lag_ms": trace.summary(t0), "loop_stalls": trace.stalls.sites(),
+            "loop_stalls_at": trace.stalls.recent(), "reports": reports}
 
 
 def proc_main(conn: Connection, job: ProcJob) -> None:
@@ -499,12 +501,14 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         "open": args.open, **({"burst_s": args.burst_s} if args.open == "burst" else {"interval_ms": args.interval_ms}),
         "procs": args.procs, "piece_ms": args.piece_ms,
         "wall_s": round(wall, 2), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "t0_monotonic": round(t0, 3),  # the sessions' time origin: the server's stall times are on this clock
         "summary": summarize(reports), "doors": by_door, "conditions": conditions,
         "impair": args.impair, "impaired_share": args.impaired_share if args.impair else 0.0,
         "extra_open": extra,
         "server": server_report(before, after, pids),
         "driver": {"main_cpu_pct": round(100.0 * (rusage_cpu_s() - main_c0) / wall, 1),
-                   "procs": [{k: d[k] for k in ("pid", "sessions", "wall_s", "cpu_pct", "loop_lag_ms", "loop_stalls")}
+                   "procs": [{k: d[k] for k in ("pid", "sessions", "wall_s", "cpu_pct", "loop_lag_ms", "loop_stalls",
+                                                "loop_stalls_at")}
                              for d in done]},
         "per_session": reports,
     }

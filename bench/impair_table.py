@@ -20,7 +20,9 @@ After the table, one JSON line per run: ticks, late ticks, tick p50 / p99, the e
 per door the silence the server sent its callers where a frame was due and had not come (calls reporting it, calls sent
 any, total ms: the server's gaps, not the link's); one per worker process: its CPU, loop lag and the input frames it
 sent the engine late (the counters are the server's totals since its start), its longest full collection and where its
-loop was when it stalled (since 2026-12-07), which is where a busy worker shows; and, for runs that traced the load
+loop was when it stalled (since 2026-12-07), which is where a busy worker shows, with the stalls that began during
+the run as [seconds from the sessions' origin, place] (`stalls_at_s`, since a later stop that day: beside the calls'
+`worst_at_s`, a stall is told to be the one that made a call's worst moment); and, for runs that traced the load
 driver's own loops (bench.e2e since 2026-12-06), one per run with each driver process's loop lag max (and where it
 stalled, since 2026-12-07) and how many sessions had their worst moment with a driver stall half its size or more beside
 it: the driver's share of the lateness maxima.
@@ -127,6 +129,19 @@ def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def stalls_during(run: dict[str, Any]) -> Any:
+    """A function of a process's report: its loop stalls that began during this run, as [seconds from the sessions'
+    origin, place] (the server's processes outlive the run; runs before `t0_monotonic` was recorded give none)."""
+    t0 = run.get("t0_monotonic")
+
+    def during(process: dict[str, Any]) -> list[list[Any]]:
+        if t0 is None:
+            return []
+        return [[round(at - t0, 2), site] for at, site in process.get("loop_stalls_at", [])
+                if 0.0 <= at - t0 <= run["wall_s"]]
+    return during
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", type=Path, nargs="+")
@@ -151,6 +166,7 @@ def main() -> None:
                     print(row(door, label, sessions))
     for name, run in ((name, run) for name, lines in runs.items() for run in lines):
         server = run["server"]
+        during = stalls_during(run)
         print(json.dumps({"run": name, "sessions": len(run["per_session"]), "ticks": server["ticks"],
                           "late_ticks": server["late_ticks"], "tick_p50_ms": server["tick_run_ms"]["p50_ms"],
                           "tick_p99_ms": server["tick_run_ms"]["p99_ms"], "refused": run["summary"]["refused"],
@@ -163,11 +179,12 @@ def main() -> None:
                                   "loop_lag_p99_ms": lag.get("p99"), "loop_lag_max_ms": lag.get("max"),
                                   "input_late_frames": process.get("input_late_frames"),
                                   "gc_full_max_ms": process.get("gc", {}).get("full_max_ms"),
-                                  "loop_stalls": process.get("loop_stalls")}))
+                                  "loop_stalls": process.get("loop_stalls"), "stalls_at_s": during(process)}))
         procs = run.get("driver", {}).get("procs", [])
         if any("loop_lag_ms" in proc for proc in procs):
             print(json.dumps({"run": name, "driver_loop_lag_max_ms": [proc["loop_lag_ms"].get("max") for proc in procs],
                               "driver_loop_stalls": [proc.get("loop_stalls") for proc in procs],
+                              "driver_stalls_at_s": [during(proc) for proc in procs],
                               "worst_with_driver_stall": run["summary"].get("worst_with_driver_stall"),
                               "live": run["summary"]["live"]}))
 

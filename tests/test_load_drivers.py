@@ -118,8 +118,12 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     assert 0 <= report["summary"]["worst_with_driver_stall"] <= 4
     driver_line = await run_driver("bench.impair_table", str(out))  # its last line: the driver's share
     assert all(all(isinstance(site, str) and n > 0 for site, n in p["loop_stalls"].items()) for p in procs), procs
+    t0, wall = report["t0_monotonic"], report["wall_s"]
+    assert all(all(isinstance(site, str) for _, site in p["loop_stalls_at"]) for p in procs), procs
     assert driver_line == {"run": "e2e", "driver_loop_lag_max_ms": [p["loop_lag_ms"]["max"] for p in procs],
                            "driver_loop_stalls": [p["loop_stalls"] for p in procs],
+                           "driver_stalls_at_s": [[[round(at - t0, 2), site] for at, site in p["loop_stalls_at"]
+                                                   if 0 <= at - t0 <= wall] for p in procs],
                            "worst_with_driver_stall": report["summary"]["worst_with_driver_stall"], "live": 4}
     assert len({p["pid"] for p in procs} | {os.getpid()}) == 3
 

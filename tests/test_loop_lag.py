@@ -36,7 +36,9 @@ async def test_a_stall_of_the_loop_is_reported_with_where_the_loop_was() -> None
     watching = asyncio.ensure_future(lag.run())
     try:
         await asyncio.sleep(0.2)
+        held_at = []
         for _ in range(3):
+            held_at.append(time.monotonic())
             _holds_the_loop(0.25)
             await asyncio.sleep(loop_lag.PERIOD_S * 2)  # the next wake-up after each stall
         sites = lag.stall_sites()
@@ -44,6 +46,10 @@ async def test_a_stall_of_the_loop_is_reported_with_where_the_loop_was() -> None
         assert sum(ours.values()) == 3, sites  # once a stall (its line: the loop's test or its body)
         assert all(site.startswith("test_loop_lag.py:") for site in ours), sites  # not ours: named by its file
         assert lag.quantiles()["max"] >= 200
+        times = [at for at, site in lag.stall_times() if " _holds_the_loop" in site]
+        assert len(times) == 3, lag.stall_times()
+        for began, held in zip(times, held_at, strict=True):  # began: the wake-up that was due within the hold
+            assert held - 0.01 <= began <= held + loop_lag.PERIOD_S + 0.001, (times, held_at)
     finally:
         watching.cancel()
 

@@ -57,8 +57,10 @@ async def test_realtime_two_workers_share_sessions_and_one_dying_frees_only_its_
                 # sessions made (app/shell/loop_lag.py).
                 report = await health(http, url)
                 # (~70,000 objects: a worker imports no torch.)
-                return bool(report) and all(w["gc"].get("frozen", 0) > 40_000 and "full_max_ms" in w["gc"]
-                                            and isinstance(w["loop_stalls"], dict) for w in _workers(report).values())
+                return bool(report) and all(
+                    w["gc"].get("frozen", 0) > 40_000 and "full_max_ms" in w["gc"]
+                    and isinstance(w["loop_stalls"], dict) and isinstance(w["loop_stalls_at"], list)
+                    for w in _workers(report).values())
 
             await eventually(frozen, 10.0, "both workers froze their start-up objects")
             callers = await _spread(http, url, 12)

@@ -4,7 +4,9 @@ A task asks to wake every PERIOD_S and records how much later it woke. A worker 
 its input frames late and its output in bursts, whatever the engine does; the lag's recent quantiles go to /metrics
 (`personaplex_event_loop_lag_ms`) and, per worker process, to /health's `processes`. Where a wake-up is over
 STALL_MS late, a watching thread takes the loop thread's stack once, and the places it found the loop most often
-are reported beside the quantiles (`stall_sites`): a stall in a load run says where it was, not only that it was.
+are reported beside the quantiles (`stall_sites`), and the latest ones with when they began on the machine's
+monotonic clock (`stall_times`): a stall in a load run says where and when it was, not only that it was; a load
+driver on the same machine puts it beside its calls' worst moments.
 (A stall inside one C call that holds the GIL is seen as it ends: the stack is then where that call returned. A
 place ending in `> select` is a loop that was idle and still woke late: the process did not get a CPU, or another of
 its threads held the GIL; the host, not the loop's own work.)
@@ -38,6 +40,7 @@ WINDOW = 1200  # the last minute of wake-ups
 STALL_MS = 30.0  # a wake-up this late is a stall whose place is taken
 WATCH_S = 0.01  # how often the watching thread looks while the loop has not started or is still held
 SITES = 5  # the most frequent stall places reported
+RECENT = 16  # the latest stalls reported with their times
 _ROOT = Path(__file__).parents[2]  # as the frames name their files: not resolved
 _OURS = tuple(str(_ROOT / package) + os.sep for package in ("app", "media", "model", "bench"))  # bench: the driver
 
@@ -60,6 +63,7 @@ class StallWatch:
 
     def __init__(self) -> None:
         self._stalls: Counter[str] = Counter()
+        self._recent: deque[tuple[float, str]] = deque(maxlen=RECENT)  # (the wake-up's due time, the place)
         self._lock = threading.Lock()  # this thread counts while the loop's reports read
         self._due: float | None = None  # on the monotonic clock
         self._stop = threading.Event()
@@ -99,11 +103,18 @@ class StallWatch:
                 site = stall_site(frame)
                 with self._lock:
                     self._stalls[site] += 1
+                    self._recent.append((due, site))
 
     def sites(self) -> dict[str, int]:
         """The SITES places the loop was found stalled most often, with how many times."""
         with self._lock:
             return dict(self._stalls.most_common(SITES))
+
+    def recent(self) -> list[tuple[float, str]]:
+        """The latest RECENT stalls: when each began (the wake-up's due time, time.monotonic(), ms rounded) and its
+        place."""
+        with self._lock:
+            return [(round(due, 3), site) for due, site in self._recent]
 
 
 class LoopLag:
@@ -126,6 +137,10 @@ class LoopLag:
     def stall_sites(self) -> dict[str, int]:
         """Where the loop was found stalled most often since the start (StallWatch.sites)."""
         return self.stalls.sites()
+
+    def stall_times(self) -> list[tuple[float, str]]:
+        """The latest stalls with when each began (StallWatch.recent)."""
+        return self.stalls.recent()
 
     def quantiles(self) -> dict[str, int]:
         """p50, p99 and max over the window, in whole ms (they cross to other processes as integers)."""

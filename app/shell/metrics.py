@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.shell.loop_lag import LoopLag, collector_report
+from model.engine.channel import WorkerCounterSet
 
 _QUANTILES = {"p50": "0.5", "p99": "0.99", "max": "1"}
 _KEY_JOIN = "\t"  # joins a rejection's route and code into one key of a snapshot
@@ -74,17 +75,17 @@ class Metrics:
             totals.update(conv.counters())
         return totals
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
+    def snapshot(self) -> WorkerCounterSet:
         """These counters as plain dicts, to cross to other processes (`render(..., others=[...])`)."""
         return {"admissions": dict(self.admissions), "errors": dict(self.errors),
                 "connections": dict(self.connections), "frames": dict(self.frame_totals()),
                 "dtmf": dict(self.dtmf), "sip": dict(self.sip), "recordings": dict(self.recordings),
                 "webhooks": dict(self.webhooks),
                 "loop_lag_ms": self.loop_lag.quantiles(), "loop_stalls": self.loop_lag.stall_sites(),
-                "gc": collector_report(),
+                "loop_stalls_at": self.loop_lag.stall_times(), "gc": collector_report(),
                 "rejections": {f"{route}{_KEY_JOIN}{code}": n for (route, code), n in self.rejections.items()}}
 
-    def render(self, engine_stats: Any | None, others: Mapping[str, dict[str, dict[str, int]]] | None = None,
+    def render(self, engine_stats: Any | None, others: Mapping[str, WorkerCounterSet] | None = None,
                name: str = "main", engines: Sequence[Any] = ()) -> str:
         """The exposition; `others` are the other worker processes' snapshots by name, `name` is this process's;
         `engine_stats` are the engines' totals and `engines` each engine process's view (model.engine.pool)."""

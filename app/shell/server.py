@@ -116,15 +116,17 @@ def processes(ctx: ServerContext) -> list[dict[str, object]]:
     """The server's processes: the engines' and every worker's in a multi-process server, else this one."""
     engine = ctx.engine
     if not isinstance(engine, EnginePool):
-        return [{"role": "main", "pid": os.getpid(), "loop_lag_ms": ctx.metrics.loop_lag.quantiles(),
-                 "loop_stalls": ctx.metrics.loop_lag.stall_sites(), "gc": collector_report()}]
+        lag = ctx.metrics.loop_lag
+        return [{"role": "main", "pid": os.getpid(), "loop_lag_ms": lag.quantiles(), "loop_stalls": lag.stall_sites(),
+                 "loop_stalls_at": lag.stall_times(), "gc": collector_report()}]
     found: list[dict[str, object]] = [{"role": "main", "pid": os.getppid()}]
     found += [{"role": "engine", "engine": view.index, "device": view.device, "pid": view.pid}
               for view in engine.engines_now() if view.pid]
     for number, worker in sorted(engine.workers.items(), key=lambda item: int(item[0])):
         found.append({"role": "worker", "worker": int(number), "pid": worker.pid, "sessions": worker.sessions,
                       "input_late_frames": worker.late_frames, "loop_lag_ms": worker.counters.get("loop_lag_ms", {}),
-                      "loop_stalls": worker.counters.get("loop_stalls", {}), "gc": worker.counters.get("gc", {}),
+                      "loop_stalls": worker.counters.get("loop_stalls", {}),
+                      "loop_stalls_at": worker.counters.get("loop_stalls_at", []), "gc": worker.counters.get("gc", {}),
                       "this": worker.pid == os.getpid()})
     for entry in found:
         if entry.get("this"):

@@ -20,6 +20,9 @@ import msgspec
 from model.config import FRAME_SAMPLES
 from model.engine.api import EngineStats, SessionParams
 
+# A worker's own metrics counters by kind (each a count by name), and its loop's latest stalls as (when, where).
+WorkerCounterSet = dict[str, dict[str, int] | list[tuple[float, str]]]
+
 HEADER = struct.Struct(">I")
 FRAME_BYTES = FRAME_SAMPLES * 4  # one session's frame, float32, in a message's audio
 MAX_MESSAGE_BYTES = 256 << 20  # a tick of 256 sessions is ~2 MB; anything near this is a broken peer
@@ -89,7 +92,7 @@ class StatsRequest(msgspec.Struct, tag=True):
 class WorkerCounters(msgspec.Struct, tag=True):
     """A worker's own metrics counters (sent now and then), so that any worker can serve the server's totals."""
 
-    counters: dict[str, dict[str, int]]
+    counters: WorkerCounterSet
 
 
 # ---- engine -> worker -------------------------------------------------------------------------------------------
@@ -147,7 +150,7 @@ class Failed(msgspec.Struct, tag=True):
 class WorkerInfo(msgspec.Struct, frozen=True):
     pid: int
     sessions: int
-    counters: dict[str, dict[str, int]]  # the worker's own metrics counters, as it last sent them
+    counters: WorkerCounterSet  # the worker's own metrics counters, as it last sent them
     late_frames: int = 0  # input frames of this worker that reached the engine after their tick, in all
 
 

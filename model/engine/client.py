@@ -60,6 +60,7 @@ from model.engine.channel import (
     ToWorker,
     Welcome,
     WorkerCounters,
+    WorkerCounterSet,
     WorkerInfo,
     encode,
     tail,
@@ -192,7 +193,7 @@ class RemoteEngine:
         self._req = 0
         self._next_tick_at = 0.0
         self._pump: asyncio.TimerHandle | None = None
-        self.counters_source: Callable[[], dict[str, dict[str, int]]] | None = None
+        self.counters_source: Callable[[], WorkerCounterSet] | None = None
         self.connects = 0
 
     # ---- what the doors use -----------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from model.engine.channel import (
     ToEngine,
     Welcome,
     WorkerCounters,
+    WorkerCounterSet,
     WorkerInfo,
     encode,
     tail,
@@ -110,7 +111,7 @@ class WorkerLink:
         self.writer = writer
         self.worker = -1
         self.pid = 0
-        self.counters: dict[str, dict[str, int]] = {}
+        self.counters: WorkerCounterSet = {}
         self.sessions: dict[str, HostSession] = {}
         # Its realtime sessions as the engine thread counts them each tick (`_roster`), rebuilt when the asyncio
         # thread has changed `sessions` or a session's pacing since (`_roster_changes`).
