@@ -1,12 +1,15 @@
 """A door process's own loop (app/shell/loop_lag.py): after the start-up freeze each full collection is timed, and a
-stall of the loop is reported with where the loop was, so that a stall in a load run can be told apart and found."""
+stall of the loop is reported with where and when the loop was, so that a stall in a load run can be told apart and
+found; and what numpy imports at its first percentile is imported before a server process serves."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from app.shell import loop_lag
 
@@ -69,3 +72,23 @@ def test_a_place_in_our_packages_is_named_by_its_file_and_what_it_was_in() -> No
         assert site.startswith("app/shell/loop_lag.py:") and " _watch > wait" in site, site
     finally:
         watch.stop()
+
+
+_IMPORT_THEN_TAKE_A_PERCENTILE = """
+import sys
+import numpy as np
+import app.shell.server, bench.e2e  # what a door worker and a load-driver process import
+before = set(sys.modules)
+np.percentile(np.arange(4.0), 99.0)
+print(" ".join(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_a_door_or_driver_process_imports_nothing_at_its_first_percentile() -> None:
+    """numpy imports numpy.ma at a process's first median or percentile (35-54 ms of a busy host's loop); a door
+    worker and a load-driver process have it from their start, so the first quantiles a call's end or a /health
+    takes import nothing."""
+    done = subprocess.run([sys.executable, "-c", _IMPORT_THEN_TAKE_A_PERCENTILE], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "", done.stdout
