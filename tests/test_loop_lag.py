@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from app.shell import loop_lag
 
 
@@ -75,20 +77,22 @@ def test_a_place_in_our_packages_is_named_by_its_file_and_what_it_was_in() -> No
 
 
 _IMPORT_THEN_TAKE_A_PERCENTILE = """
-import sys
+import importlib, sys
 import numpy as np
-import app.shell.server, bench.e2e  # what a door worker and a load-driver process import
+importlib.import_module(sys.argv[1])
 before = set(sys.modules)
 np.percentile(np.arange(4.0), 99.0)
 print(" ".join(sorted(set(sys.modules) - before)))
 """
 
 
-def test_a_door_or_driver_process_imports_nothing_at_its_first_percentile() -> None:
+# A door worker's, a load-driver process's and an engine process's entry, each in a process of its own.
+@pytest.mark.parametrize("entry", ["app.shell.server", "bench.e2e", "model.engine.process"])
+def test_a_door_driver_or_engine_process_imports_nothing_at_its_first_percentile(entry: str) -> None:
     """numpy imports numpy.ma at a process's first median or percentile (35-54 ms of a busy host's loop); a door
-    worker and a load-driver process have it from their start, so the first quantiles a call's end or a /health
-    takes import nothing."""
-    done = subprocess.run([sys.executable, "-c", _IMPORT_THEN_TAKE_A_PERCENTILE], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parents[1])
+    worker, a load-driver process and an engine process have it from their start, so the first quantiles a call's
+    end, a /health or the engine's first stats take import nothing."""
+    done = subprocess.run([sys.executable, "-c", _IMPORT_THEN_TAKE_A_PERCENTILE, entry], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "", done.stdout

@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+# numpy imports it at a process's first percentile (35-54 ms on a busy host: app/shell/loop_lag.py); the engine
+# process's first is at the stats after its first ticks, beside the tick thread, so it is taken here at the start.
+import numpy.ma  # noqa: F401
+
 from model.engine.api import EngineStats, TickRecord
 
 if TYPE_CHECKING:
