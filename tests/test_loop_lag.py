@@ -1,6 +1,7 @@
 """A door process's own loop (app/shell/loop_lag.py): after the start-up freeze each full collection is timed, and a
 stall of the loop is reported with where and when the loop was, so that a stall in a load run can be told apart and
-found; and what numpy imports at its first percentile is imported before a server process serves."""
+found; and what numpy imports at a process's first percentile, and aiortc at its first call, is imported before a
+server process serves (an import while serving holds the loop: 35-54 ms for numpy's on a busy host)."""
 
 from __future__ import annotations
 
@@ -94,5 +95,44 @@ def test_a_door_driver_or_engine_process_imports_nothing_at_its_first_percentile
     end, a /health or the engine's first stats take import nothing."""
     done = subprocess.run([sys.executable, "-c", _IMPORT_THEN_TAKE_A_PERCENTILE, entry], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "", done.stdout
+
+
+_FIRST_WEBRTC_CALL = """
+import asyncio, sys
+import app.shell.server  # a door worker's entry
+from aiortc import RTCPeerConnection
+before = set(sys.modules)
+
+async def call() -> None:
+    offerer, answerer = RTCPeerConnection(), RTCPeerConnection()
+    connected = asyncio.Event()
+
+    @answerer.on("connectionstatechange")
+    def changed() -> None:
+        if answerer.connectionState == "connected":
+            connected.set()
+
+    offerer.createDataChannel("oai-events")
+    offerer.addTransceiver("audio")
+    await offerer.setLocalDescription(await offerer.createOffer())
+    await answerer.setRemoteDescription(offerer.localDescription)
+    await answerer.setLocalDescription(await answerer.createAnswer())
+    await offerer.setRemoteDescription(answerer.localDescription)
+    await asyncio.wait_for(connected.wait(), 30)
+    await offerer.close()
+    await answerer.close()
+
+asyncio.run(call())
+print(" ".join(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_a_door_workers_first_webrtc_call_imports_nothing() -> None:
+    """aiortc's first peer connection, DTLS handshake included, imports cryptography's OpenSSL backend and its key
+    serialization (pyOpenSSL asks for them inside functions); a door worker has them from its start."""
+    done = subprocess.run([sys.executable, "-c", _FIRST_WEBRTC_CALL], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "", done.stdout

@@ -29,6 +29,11 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+# aiortc's first peer in a process imports these through cryptography and pyOpenSSL (its certificate, then DTLS):
+# 5-7 ms of the worker's loop on the 2-core CPU, likely several times that on a busy host (as numpy.ma's import was:
+# app/shell/loop_lag.py), at a moment every session of the worker hears; so they are taken at its start.
+import cryptography.hazmat.backends.openssl.backend  # noqa: F401
+import cryptography.hazmat.primitives.serialization  # noqa: F401
 import numpy as np
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
