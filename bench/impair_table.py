@@ -21,7 +21,7 @@ per door the silence the server sent its callers where a frame was due and had n
 any, total ms: the server's gaps, not the link's); one per worker process: its CPU, loop lag and the input frames it
 sent the engine late (the counters are the server's totals since its start), its longest full collection and where its
 loop was when it stalled (since 2026-12-07), which is where a busy worker shows, with the stalls that began during
-the run as [seconds from the sessions' origin, place] (`stalls_at_s`, since a later stop that day: beside the calls'
+the run as [seconds from the sessions' origin, place] (`stalls_at_s`, runs since c8b6e3a: beside the calls'
 `worst_at_s`, a stall is told to be the one that made a call's worst moment); and, for runs that traced the load
 driver's own loops (bench.e2e since 2026-12-06), one per run with each driver process's loop lag max (and where it
 stalled, since 2026-12-07) and how many sessions had their worst moment with a driver stall half its size or more beside
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def stalls_during(run: dict[str, Any]) -> Any:
+def stalls_during(run: dict[str, Any]) -> Callable[[dict[str, Any]], list[list[Any]]]:
     """A function of a process's report: its loop stalls that began during this run, as [seconds from the sessions'
     origin, place] (the server's processes outlive the run; runs before `t0_monotonic` was recorded give none)."""
     t0 = run.get("t0_monotonic")
