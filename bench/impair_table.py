@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,17 +129,14 @@ def row(door: str, label: str, sessions: list[dict[str, Any]]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def stalls_during(run: dict[str, Any]) -> Callable[[dict[str, Any]], list[list[Any]]]:
-    """A function of a process's report: its loop stalls that began during this run, as [seconds from the sessions'
-    origin, place] (the server's processes outlive the run; runs before `t0_monotonic` was recorded give none)."""
+def stalls_during(run: dict[str, Any], process: dict[str, Any]) -> list[list[Any]]:
+    """A process's loop stalls that began during this run, as [seconds from the sessions' origin, place] (the
+    server's processes outlive the run; runs before `t0_monotonic` was recorded give none)."""
     t0 = run.get("t0_monotonic")
-
-    def during(process: dict[str, Any]) -> list[list[Any]]:
-        if t0 is None:
-            return []
-        return [[round(at - t0, 2), site] for at, site in process.get("loop_stalls_at", [])
-                if 0.0 <= at - t0 <= run["wall_s"]]
-    return during
+    if t0 is None:
+        return []
+    return [[round(at - t0, 2), site] for at, site in process.get("loop_stalls_at", [])
+            if 0.0 <= at - t0 <= run["wall_s"]]
 
 
 def main() -> None:
@@ -167,7 +163,6 @@ def main() -> None:
                     print(row(door, label, sessions))
     for name, run in ((name, run) for name, lines in runs.items() for run in lines):
         server = run["server"]
-        during = stalls_during(run)
         print(json.dumps({"run": name, "sessions": len(run["per_session"]), "ticks": server["ticks"],
                           "late_ticks": server["late_ticks"], "tick_p50_ms": server["tick_run_ms"]["p50_ms"],
                           "tick_p99_ms": server["tick_run_ms"]["p99_ms"], "refused": run["summary"]["refused"],
@@ -180,12 +175,13 @@ def main() -> None:
                                   "loop_lag_p99_ms": lag.get("p99"), "loop_lag_max_ms": lag.get("max"),
                                   "input_late_frames": process.get("input_late_frames"),
                                   "gc_full_max_ms": process.get("gc", {}).get("full_max_ms"),
-                                  "loop_stalls": process.get("loop_stalls"), "stalls_at_s": during(process)}))
+                                  "loop_stalls": process.get("loop_stalls"),
+                                  "stalls_at_s": stalls_during(run, process)}))
         procs = run.get("driver", {}).get("procs", [])
         if any("loop_lag_ms" in proc for proc in procs):
             print(json.dumps({"run": name, "driver_loop_lag_max_ms": [proc["loop_lag_ms"].get("max") for proc in procs],
                               "driver_loop_stalls": [proc.get("loop_stalls") for proc in procs],
-                              "driver_stalls_at_s": [during(proc) for proc in procs],
+                              "driver_stalls_at_s": [stalls_during(run, proc) for proc in procs],
                               "worst_with_driver_stall": run["summary"].get("worst_with_driver_stall"),
                               "live": run["summary"]["live"]}))
 
