@@ -15,7 +15,7 @@ import pytest_asyncio
 from aiortc import RTCPeerConnection
 from conftest import RunningServer
 from fuzz_support import FUZZ, Bystander, json_values, known_objects, start_fuzz_server
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from server_support import wait_in_use
 
@@ -132,6 +132,17 @@ async def test_fuzz_json_and_multipart_bodies(fuzz, data: st.DataObject, form: s
 async def test_fuzz_binary_junk_bodies(fuzz, junk: bytes, content_type: str) -> None:
     server, http, bystander, _ = fuzz
     await post_and_check(server, http, junk, content_type)
+    await bystander.assert_served()
+
+
+@FUZZ
+@given(part=st.binary(max_size=600))
+@example(part=b"v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\n")  # no header block: its SDP read as headers
+@example(part=b'Content-Disposition: form-data; name="sdp"\r\nv=0\r\n')  # no blank line after its headers
+async def test_fuzz_multipart_parts(fuzz, part: bytes) -> None:
+    """A well-framed multipart body whose one part is anything: its headers and body as they come."""
+    server, http, bystander, _ = fuzz
+    await post_and_check(server, http, b"--x\r\n" + part + b"\r\n--x--\r\n", "multipart/form-data; boundary=x")
     await bystander.assert_served()
 
 

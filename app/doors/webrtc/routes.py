@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from app.doors.realtime.client_secrets import merged_session
 from app.doors.webrtc.call import CALLS_ROUTE, CHANNEL_LABEL, Call, OfferError, WebRTCConfig
@@ -53,7 +54,8 @@ async def read_offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
     """(offer SDP, session object or None) from an `application/sdp`, multipart or JSON body."""
     try:
         sdp, session = await _read_body(request)
-    except (ValueError, LookupError) as e:   # not text in its charset, or a broken multipart body
+    except (ValueError, LookupError, HttpProcessingError) as e:  # not text in its charset, a broken multipart body
+        # (HttpProcessingError: a part whose header block aiohttp cannot parse, e.g. an SDP part with no headers)
         raise OfferError(f"the body cannot be read as {request.content_type}: {type(e).__name__}") from None
     if not isinstance(sdp, str) or not sdp.lstrip().startswith("v=0"):
         raise OfferError("no SDP offer: the `sdp` must be a session description starting with v=0")
