@@ -14,11 +14,18 @@ Reported per way: SNR over the lost stretches only and over the whole stream, in
 
 PyAV's libopus decoder can do neither, so the decoding goes through libopus itself (media/opus.py, which the
 server's WebRTC input now uses for FEC).
+
+`--downlink` measures the other direction, what the server sends a browser: its own encoder (media/tracks.py's
+ContainedOpusEncoder, 24 kHz mono at 48 kb/s) without in-band FEC and with `DOWNLINK_FEC_LOSS_PCT`, each decoded as
+a browser's player does (a lost packet from its successor's FEC where that has some, concealed otherwise), in dB
+against the speech itself: over the lost stretches, over the whole stream, and the whole stream with no loss (what
+FEC's redundancy costs the packets that arrive), with the bit rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import fractions
 import json
 
 import av
@@ -28,6 +35,7 @@ from bench.doors import speech
 from bench.impair import Link, LinkModel
 from media.opus import OpusDecoder
 from media.resample import Resampler
+from media.tracks import DOWNLINK_FEC_LOSS_PCT, ContainedOpusEncoder
 
 RATE = 48000
 PACKET = 960
@@ -80,14 +88,61 @@ def run(seconds: float, link: Link, loss_pct: int, seed: int) -> dict[str, objec
     return report
 
 
+def downlink(seconds: float, link: Link, seed: int) -> dict[str, object]:
+    x = speech(None, seconds)
+    pcm = np.clip(np.rint(x * 32767), -32768, 32767).astype(np.int16)
+    step = 480                                  # the server's 20 ms packets at 24 kHz
+    model = LinkModel(link, seed)
+    lost = [not model.schedule(i * 0.02) for i in range(pcm.size // step)]
+    report: dict[str, object] = {"bench": "impair_opus_downlink", "seconds": seconds, "link": link.__dict__,
+                                 "packets": len(lost), "lost": int(sum(lost))}
+    for loss_pct in (0, DOWNLINK_FEC_LOSS_PCT):
+        encoder, packets = ContainedOpusEncoder(expected_loss_pct=loss_pct), []
+        for i in range(len(lost)):
+            frame = av.AudioFrame.from_ndarray(pcm[None, i * step:(i + 1) * step], format="s16", layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = 24000, i * step, fractions.Fraction(1, 24000)
+            packets += encoder.encode(frame)[0]
+        decoded = {}
+        for name, dropped in (("no_loss", [False] * len(packets)), ("lossy", lost)):
+            decoder, out = OpusDecoder(24000), []
+            for i, pkt in enumerate(packets):
+                if not dropped[i]:
+                    out.append(decoder.decode(pkt))
+                elif i + 1 < len(packets) and not dropped[i + 1] and decoder.has_fec(packets[i + 1]):
+                    out.append(decoder.recover(packets[i + 1], step))
+                else:
+                    out.append(decoder.conceal(step))
+            decoder.close()
+            decoded[name] = np.concatenate(out)
+        # Opus delays its output by its lookahead: align on the loss-free decode
+        n = decoded["no_loss"].size - 400
+        lag = max(range(400), key=lambda d: float(np.dot(x[:n], decoded["no_loss"][d:d + n])))
+        ref = x[:n]
+        mask = np.repeat(np.asarray(lost), step)[:n]
+        got = decoded["lossy"][lag:lag + n]
+        probe = OpusDecoder(24000)
+        with_fec = sum(probe.has_fec(pkt) for pkt in packets)
+        probe.close()
+        report[f"fec_{loss_pct}"] = {
+            "kbps": round(sum(map(len, packets)) * 8 / (len(packets) * 20.0), 1),
+            "with_fec_share": round(with_fec / len(packets), 3),
+            "snr_no_loss_db": snr_db(ref, decoded["no_loss"][lag:lag + n]),
+            "snr_lost_db": snr_db(ref[mask], got[mask]), "snr_all_db": snr_db(ref, got)}
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--link", type=Link.parse, default=Link.parse("far"))
     p.add_argument("--fec-loss-pct", type=int, default=10, help="the encoder's expected loss (libopus `packet_loss`)")
     p.add_argument("--seed", type=int, default=30)
+    p.add_argument("--downlink", action="store_true", help="the server's own encoder, without FEC and with it")
     args = p.parse_args()
-    print(json.dumps(run(args.seconds, args.link, args.fec_loss_pct, args.seed)))
+    if args.downlink:
+        print(json.dumps(downlink(args.seconds, args.link, args.seed)))
+    else:
+        print(json.dumps(run(args.seconds, args.link, args.fec_loss_pct, args.seed)))
 
 
 if __name__ == "__main__":

@@ -192,12 +192,16 @@ class InboundAudio:
                 await self._track.recv()
 
 
+def _opus_payload_types(lines: list[str]) -> list[str]:
+    return [line[9:].split()[0] for line in lines
+            if line.startswith("a=rtpmap:") and line.split()[1].lower().startswith("opus/")]
+
+
 def with_inband_fec(sdp: str) -> str:
     """An SDP (our answer) whose Opus formats say `useinbandfec=1`: the receiver can use in-band FEC, so the caller's
     sender (a browser) adds it once it sees loss. aiortc answers with its own codec parameters, which have none."""
     lines = sdp.split("\r\n")
-    opus = [line[9:].split()[0] for line in lines
-            if line.startswith("a=rtpmap:") and line.split()[1].lower().startswith("opus/")]
+    opus = _opus_payload_types(lines)
     with_fmtp = {line[7:].split()[0] for line in lines if line.startswith("a=fmtp:")}
     out = []
     for line in lines:
@@ -209,6 +213,19 @@ def with_inband_fec(sdp: str) -> str:
         if pt in opus and pt not in with_fmtp:
             out.append(f"a=fmtp:{pt} useinbandfec=1")
     return "\r\n".join(out)
+
+
+def decodes_inband_fec(sdp: str) -> bool:
+    """Whether the caller's SDP (its offer) says its Opus decoder uses in-band FEC (`useinbandfec=1`, every browser's
+    default): then what the server sends it carries some (`DOWNLINK_FEC_LOSS_PCT`)."""
+    lines = sdp.splitlines()
+    opus = set(_opus_payload_types(lines))
+    for line in lines:
+        if line.startswith("a=fmtp:") and line[7:].split()[0] in opus:
+            params = dict(p.strip().partition("=")[::2] for p in line.split(None, 1)[-1].split(";"))
+            if params.get("useinbandfec") == "1":
+                return True
+    return False
 
 
 # ---- send ---------------------------------------------------------------------------------------------------------
@@ -294,6 +311,13 @@ def pcm_frame(samples: np.ndarray, pts: int) -> av.AudioFrame:
     frame.pts = pts
     frame.time_base = _TIME_BASE
     return frame
+
+
+# In-band FEC on what the server sends a caller whose decoder uses it: libopus's redundancy for that much expected
+# loss. Measured (`python3 -m bench.impair_opus --downlink`: speech, 24 kHz mono at 48 kb/s): the loss-free decode
+# 0.09 dB under no FEC at the same bit rate; at 1 % random loss the lost stretches 7.9 dB from the speech against 0.6
+# with the decoder's concealment alone. A fixed amount: PyAV's encoder takes its options once, at open.
+DOWNLINK_FEC_LOSS_PCT = 10
 
 
 class ContainedOpusEncoder(Encoder):

@@ -7,7 +7,7 @@ import pytest
 from conftest import speech_like
 
 from media.opus import OpusDecoder
-from media.tracks import ContainedOpusEncoder, pcm_frame, with_inband_fec
+from media.tracks import ContainedOpusEncoder, decodes_inband_fec, pcm_frame, with_inband_fec
 
 PACKET = 480
 
@@ -65,6 +65,18 @@ def test_the_answer_asks_for_inband_fec() -> None:
     params = "v=0\r\nm=audio 9 RTP/AVP 111\r\na=rtpmap:111 opus/48000/2\r\na=fmtp:111 minptime=10\r\n"
     assert "a=fmtp:111 minptime=10;useinbandfec=1" in with_inband_fec(params)
     assert with_inband_fec(with_inband_fec(bare)) == with_inband_fec(bare)
+
+
+def test_an_offer_whose_opus_decoder_uses_inband_fec_is_told_apart() -> None:
+    chrome = ("v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111 63 0\r\na=rtpmap:111 opus/48000/2\r\n"
+              "a=fmtp:111 minptime=10;useinbandfec=1\r\na=rtpmap:63 red/48000/2\r\na=fmtp:63 111/111\r\n")
+    assert decodes_inband_fec(chrome)
+    assert not decodes_inband_fec(chrome.replace("useinbandfec=1", "useinbandfec=0"))
+    assert not decodes_inband_fec("v=0\r\nm=audio 9 RTP/AVP 96\r\na=rtpmap:96 opus/48000/2\r\n")   # aiortc's own
+    # the parameter on another codec's format line is not the Opus decoder's
+    assert not decodes_inband_fec("v=0\r\nm=audio 9 RTP/AVP 96 97\r\na=rtpmap:96 opus/48000/2\r\n"
+                                  "a=rtpmap:97 G722/8000\r\na=fmtp:97 useinbandfec=1\r\n")
+    assert decodes_inband_fec(with_inband_fec("v=0\r\nm=audio 9 RTP/AVP 96\r\na=rtpmap:96 opus/48000/2\r\n"))
 
 
 class Timeline:

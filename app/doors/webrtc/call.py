@@ -53,10 +53,12 @@ from app.shell.worker_routing import new_call_id
 from media.jitter import FRAME, JitterStats
 from media.pacing import FIRST_PLAYED_FRAME, WEBRTC_TRACK, Pacer
 from media.tracks import (
+    DOWNLINK_FEC_LOSS_PCT,
     RATE,
     ContainedOpusEncoder,
     InboundAudio,
     OutboundAudioTrack,
+    decodes_inband_fec,
     install_contained_encoder,
     with_inband_fec,
 )
@@ -186,7 +188,8 @@ class Call:
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=list(config.ice_servers), iceTransportPolicy=policy))
         self.pacer = Pacer(RATE, WEBRTC_TRACK)
         self.track = OutboundAudioTrack(self.pacer)
-        self.opus = ContainedOpusEncoder()
+        self.opus = ContainedOpusEncoder(expected_loss_pct=DOWNLINK_FEC_LOSS_PCT if decodes_inband_fec(offer_sdp)
+                                         else 0)
         self.inbound: InboundAudio | None = None
         self.channel: Any = None
         self.input_waits_ms: deque[float] = deque(maxlen=750)
