@@ -84,14 +84,17 @@ class LoopLag:
 
     def __init__(self) -> None:
         self.stalls: list[float] = []
+        self.held_ms = 0.0              # how long those late wake-ups were late, together
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         while True:
             due = time.monotonic() + 0.02
             await asyncio.sleep(0.02)
-            if time.monotonic() - due > STALL_S:
+            late = time.monotonic() - due
+            if late > STALL_S:
                 self.stalls.append(time.monotonic())
+                self.held_ms += 1000.0 * late
 
     def stop(self) -> None:
         self._task.cancel()
