@@ -33,9 +33,9 @@ import numpy as np
 
 from bench.doors import speech
 from bench.impair import Link, LinkModel
-from media.opus import OpusDecoder
+from media.opus import DOWNLINK_FEC_LOSS_PCT, OpusDecoder
 from media.resample import Resampler
-from media.tracks import DOWNLINK_FEC_LOSS_PCT, ContainedOpusEncoder
+from media.tracks import ContainedOpusEncoder
 
 RATE = 48000
 PACKET = 960

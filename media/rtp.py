@@ -75,7 +75,9 @@ def codec_named(name: str, clock_rate: int) -> RtpCodec | None:
 class AudioCodec:
     """One direction-pair of a codec for one call: `decode(payload)` and `encode(20 ms of samples)`."""
 
-    def __init__(self, codec: RtpCodec) -> None:
+    def __init__(self, codec: RtpCodec, fec_loss_pct: int = 0) -> None:
+        """`fec_loss_pct` > 0: Opus packets carry in-band FEC for that much expected loss (a caller whose format
+        parameters asked for it)."""
         self.codec = codec
         self._g711 = AudioFormat(codec.name.lower(), codec.sample_rate) if codec in (PCMU, PCMA) else None
         self._dec: av.CodecContext | None = None
@@ -94,6 +96,8 @@ class AudioCodec:
             self._enc.layout = "mono"
             if codec is OPUS:
                 self._enc.bit_rate = 32000
+                if fec_loss_pct:
+                    self._enc.options = {"fec": "1", "packet_loss": str(fec_loss_pct)}
             self._enc.open()
 
     def recover(self, payload: bytes) -> np.ndarray | None:

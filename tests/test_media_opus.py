@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from conftest import speech_like
 
-from media.opus import OpusDecoder
+from media.opus import DOWNLINK_FEC_LOSS_PCT, OpusDecoder, asks_inband_fec
+from media.rtp import OPUS, AudioCodec
 from media.tracks import ContainedOpusEncoder, decodes_inband_fec, pcm_frame, with_inband_fec
 
 PACKET = 480
@@ -77,6 +78,20 @@ def test_an_offer_whose_opus_decoder_uses_inband_fec_is_told_apart() -> None:
     assert not decodes_inband_fec("v=0\r\nm=audio 9 RTP/AVP 96 97\r\na=rtpmap:96 opus/48000/2\r\n"
                                   "a=rtpmap:97 G722/8000\r\na=fmtp:97 useinbandfec=1\r\n")
     assert decodes_inband_fec(with_inband_fec("v=0\r\nm=audio 9 RTP/AVP 96\r\na=rtpmap:96 opus/48000/2\r\n"))
+
+
+def test_opus_format_parameters_that_ask_for_inband_fec() -> None:
+    assert asks_inband_fec("minptime=10;useinbandfec=1") and asks_inband_fec(" useinbandfec=1 ")
+    assert not asks_inband_fec("minptime=10") and not asks_inband_fec("useinbandfec=0") and not asks_inband_fec("")
+
+
+@pytest.mark.parametrize("fec_loss_pct", [0, DOWNLINK_FEC_LOSS_PCT])
+def test_the_sip_senders_opus_carries_inband_fec_when_asked(fec_loss_pct: int) -> None:
+    codec, probe = AudioCodec(OPUS, fec_loss_pct=fec_loss_pct), OpusDecoder(48000)
+    voice = speech_like(1.0, rate=48000)
+    packets = [codec.encode(voice[i:i + 960]) for i in range(0, voice.size - 959, 960)]
+    with_fec = sum(probe.has_fec(p) for p in packets)
+    assert (with_fec > len(packets) // 2) if fec_loss_pct else with_fec == 0, with_fec
 
 
 class Timeline:

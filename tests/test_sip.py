@@ -21,7 +21,8 @@ from aiortc.rtp import RtcpSenderInfo, RtcpSrPacket
 from app.doors.sip import SIP
 from app.doors.sip.client import Dialog, RtpPeer, SipClient, offer
 from app.doors.sip.sdp import parse_offer
-from media.rtp import PCMA, PCMU, AudioCodec, build_rtp
+from media.opus import OpusDecoder
+from media.rtp import OPUS, PCMA, PCMU, AudioCodec, build_rtp
 from model.engine.api import TickRecord
 from model.engine.client import TICK_S
 from tests.conftest import RunningServer, speech_like
@@ -340,6 +341,32 @@ async def test_rtp_goes_where_the_callers_packets_come_from(sip_server: StartSer
     await rtp.stream(PCMU, 0, speech_like(0.4, rate=8000), ("127.0.0.1", media.port))
     assert len(rtp.received) >= 10                  # latched onto our source port (symmetric RTP back to it)
     assert (await calls(srv))[0]["remote"] == ["127.0.0.1", rtp.port]
+    assert (await client.bye(d)).code == 200
+    rtp.close()
+
+
+@pytest.mark.parametrize("fmtp", [None, "minptime=10;useinbandfec=1"])
+async def test_an_opus_caller_whose_decoder_uses_inband_fec_is_sent_some(sip_server: StartServer, caller: Any,
+                                                                          fmtp: str | None) -> None:
+    """The Opus the server sends carries in-band FEC (the packet before, again, at a lower rate) exactly when the
+    caller's format parameters say its decoder uses it, as a WebRTC gateway's or a softphone's do."""
+    srv = await sip_server()
+    client = await caller(srv)
+    rtp = RtpPeer()
+    await rtp.open()
+    d = client.dialog()
+    final = (await client.invite(d, offer("127.0.0.1", rtp.port, [(111, "opus/48000/2")],
+                                          fmtp={111: fmtp} if fmtp else None)))[-1]
+    assert final.code == 200, (final.code, final.phrase)
+    client.ack(d, final)
+    media = parse_offer(final.body).media[0]
+    await rtp.stream(OPUS, 111, speech_like(3.0, rate=48000), ("127.0.0.1", media.port))
+    probe = OpusDecoder(48000)
+    sent = [packet.payload for _, packet in rtp.received if packet.payload_type == 111]
+    with_fec = sum(probe.has_fec(payload) for payload in sent)
+    probe.close()
+    assert len(sent) >= 100, len(sent)
+    assert (with_fec >= 10) if fmtp else with_fec == 0, (with_fec, len(sent))
     assert (await client.bye(d)).code == 200
     rtp.close()
 

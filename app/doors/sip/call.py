@@ -34,8 +34,9 @@ from app.sessions.link import input_report
 from app.sessions.udp import DatagramSocket
 from app.shell.metrics import Metrics
 from app.shell.settings import rtp_port_range
+from media.opus import DOWNLINK_FEC_LOSS_PCT, asks_inband_fec
 from media.pacing import FIRST_PLAYED_FRAME, SIP_RTP, Pacer
-from media.rtp import AudioCodec, RtpReceiver, TelephoneEvent, build_rtp
+from media.rtp import OPUS, AudioCodec, RtpReceiver, TelephoneEvent, build_rtp
 from model.engine import EngineError, FrameOutput, SessionParams, Slot
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,12 @@ class PortRange:
         order = [self.ports[(self._next + i) % n] for i in range(n)]
         self._next = (self._next + 1) % n
         return order
+
+
+def sender_codec(choice: Choice) -> AudioCodec:
+    """The codec the call sends with: Opus with in-band FEC when the caller's format parameters ask for it."""
+    asked = choice.codec is OPUS and asks_inband_fec(choice.fmtp or "")
+    return AudioCodec(choice.codec, fec_loss_pct=DOWNLINK_FEC_LOSS_PCT if asked else 0)
 
 
 @dataclass
@@ -90,7 +97,7 @@ class MediaSession:
         self.receiver: RtpReceiver | None = None
         self._rtp: DatagramSocket | None = None
         self._rtcp: DatagramSocket | None = None
-        self._codec = AudioCodec(choice.codec)
+        self._codec = sender_codec(choice)
         self.pacer = Pacer(choice.codec.sample_rate, SIP_RTP)
         self._ssrc = random.getrandbits(32)
         self._seq = random.getrandbits(16)
@@ -135,7 +142,7 @@ class MediaSession:
     def update(self, choice: Choice) -> None:
         """A re-INVITE's answer: a new codec, direction or address takes effect now."""
         if choice.codec != self.choice.codec:
-            self._codec = AudioCodec(choice.codec)
+            self._codec = sender_codec(choice)
             self.pacer.set_rate(choice.codec.sample_rate)
         if self.receiver is not None:
             if choice.codec != self.choice.codec or choice.payload_type != self.choice.payload_type:

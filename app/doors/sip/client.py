@@ -116,12 +116,14 @@ class RtpPeer:
 
 
 def offer(address: str, port: int, codecs: list[tuple[int, str]], direction: str = "sendrecv",
-          dtmf_pt: int | None = 101, version: int = 1) -> bytes:
-    """An SDP offer: `codecs` as (payload type, rtpmap) e.g. (0, "PCMU/8000"), plus telephone-event/8000."""
+          dtmf_pt: int | None = 101, version: int = 1, fmtp: dict[int, str] | None = None) -> bytes:
+    """An SDP offer: `codecs` as (payload type, rtpmap) e.g. (0, "PCMU/8000"), with `fmtp` parameters by payload
+    type (e.g. {111: "useinbandfec=1"}), plus telephone-event/8000."""
     pts = [pt for pt, _ in codecs] + ([dtmf_pt] if dtmf_pt is not None else [])
     lines = ["v=0", f"o=test 1 {version} IN IP4 {address}", "s=-", f"c=IN IP4 {address}", "t=0 0",
              f"m=audio {port} RTP/AVP {' '.join(map(str, pts))}"]
     lines += [f"a=rtpmap:{pt} {name}" for pt, name in codecs]
+    lines += [f"a=fmtp:{pt} {params}" for pt, params in (fmtp or {}).items()]
     if dtmf_pt is not None:
         lines += [f"a=rtpmap:{dtmf_pt} telephone-event/8000", f"a=fmtp:{dtmf_pt} 0-15"]
     lines += ["a=ptime:20", f"a={direction}"]

@@ -51,9 +51,9 @@ from app.shell.context import CONTEXT
 from app.shell.settings import Settings
 from app.shell.worker_routing import new_call_id
 from media.jitter import FRAME, JitterStats
+from media.opus import DOWNLINK_FEC_LOSS_PCT
 from media.pacing import FIRST_PLAYED_FRAME, WEBRTC_TRACK, Pacer
 from media.tracks import (
-    DOWNLINK_FEC_LOSS_PCT,
     RATE,
     ContainedOpusEncoder,
     InboundAudio,
