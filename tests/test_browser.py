@@ -209,7 +209,7 @@ async def player(page) -> dict:
                 samples: r.totalSamplesReceived, concealed: r.concealedSamples, events: r.concealmentEvents,
                 lost: r.packetsLost, packets: r.packetsReceived, fec: r.fecPacketsReceived,
                 jb_delay: r.jitterBufferDelay, jb_emitted: r.jitterBufferEmittedCount,
-                jb_target: r.jitterBufferTargetDelay, level: r.audioLevel });
+                jb_target: r.jitterBufferTargetDelay });
             if (r.type === "transport" && byId.has(r.selectedCandidatePairId)) {
                 const remote = byId.get(byId.get(r.selectedCandidatePairId).remoteCandidateId);
                 out.remote = [remote.address, remote.port];
