@@ -2,7 +2,8 @@
 
 Used by the end-to-end tests and by `bench/webrtc_load.py`, and usable from scripts. The microphone is an
 `OutboundAudioTrack` over the given samples (20 ms paced, then silence); the model's audio comes through the same
-receive path the server uses (`InboundAudio`, no aiortc jitter buffer) and is recorded at its pts; `oai-events`
+receive path the server uses (`InboundAudio`, no aiortc jitter buffer; its offer says `useinbandfec=1`, as a
+browser's does, so a lost packet comes back from the next one's FEC) and is recorded at its pts; `oai-events`
 messages are kept in order.
 """
 
@@ -27,6 +28,7 @@ from media.tracks import (
     InboundAudio,
     OutboundAudioTrack,
     install_contained_encoder,
+    with_inband_fec,
 )
 
 
@@ -141,7 +143,9 @@ class RealtimeCall:
                 self._failed.set()
 
         await pc.setLocalDescription(await pc.createOffer())
-        answer = await self._post_offer(pc.localDescription.sdp)
+        # As a browser's offer does: our receive path (InboundAudio) rebuilds a lost packet from in-band FEC, so
+        # the server sends some (aiortc's own offer does not say so).
+        answer = await self._post_offer(with_inband_fec(pc.localDescription.sdp))
         await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
         if self.on_answer is not None:
             self.on_answer(pc)
