@@ -67,15 +67,25 @@ async def browser_factory():
 
 
 async def inbound_audio(page) -> dict:
-    """The page's inbound-rtp audio stats (samples received, audio level, concealment) from pc.getStats()."""
+    """The page's player for the model's audio, from pc.getStats(): its inbound-rtp stats (samples received, level,
+    energy, packets, loss, FEC, concealment, jitter buffer) and the remote address of the candidate pair its
+    transport selected."""
     return await page.evaluate("""async () => {
         const pc = window.personaplex.pc;
         if (!pc) return {};
+        const stats = await pc.getStats();
+        const byId = new Map(); stats.forEach((r) => byId.set(r.id, r));
         let out = {};
-        (await pc.getStats()).forEach((r) => {
-            if (r.type === "inbound-rtp" && r.kind === "audio") out = {
+        stats.forEach((r) => {
+            if (r.type === "inbound-rtp" && r.kind === "audio") Object.assign(out, {
                 samples: r.totalSamplesReceived || 0, level: r.audioLevel || 0, energy: r.totalAudioEnergy || 0,
-                concealed: r.concealedSamples || 0, packets: r.packetsReceived || 0, lost: r.packetsLost || 0 };
+                concealed: r.concealedSamples || 0, events: r.concealmentEvents || 0, packets: r.packetsReceived || 0,
+                lost: r.packetsLost || 0, fec: r.fecPacketsReceived || 0, jb_delay: r.jitterBufferDelay || 0,
+                jb_emitted: r.jitterBufferEmittedCount || 0, jb_target: r.jitterBufferTargetDelay || 0 });
+            if (r.type === "transport" && byId.has(r.selectedCandidatePairId)) {
+                const remote = byId.get(byId.get(r.selectedCandidatePairId).remoteCandidateId);
+                out.remote = [remote.address, remote.port];
+            }
         });
         return out;
     }""")
@@ -197,28 +207,6 @@ def through(sdp: str, address: tuple[str, int]) -> tuple[str, tuple[str, int]]:
     return out, found[0]
 
 
-async def player(page) -> dict:
-    """The browser's own player for the model's audio (inbound-rtp: its jitter buffer and concealment) and the remote
-    address of the candidate pair its transport selected."""
-    return await page.evaluate("""async () => {
-        const stats = await window.personaplex.pc.getStats();
-        const byId = new Map(); stats.forEach((r) => byId.set(r.id, r));
-        let out = {};
-        stats.forEach((r) => {
-            if (r.type === "inbound-rtp" && r.kind === "audio") Object.assign(out, {
-                samples: r.totalSamplesReceived, concealed: r.concealedSamples, events: r.concealmentEvents,
-                lost: r.packetsLost, packets: r.packetsReceived, fec: r.fecPacketsReceived,
-                jb_delay: r.jitterBufferDelay, jb_emitted: r.jitterBufferEmittedCount,
-                jb_target: r.jitterBufferTargetDelay });
-            if (r.type === "transport" && byId.has(r.selectedCandidatePairId)) {
-                const remote = byId.get(byId.get(r.selectedCandidatePairId).remoteCandidateId);
-                out.remote = [remote.address, remote.port];
-            }
-        });
-        return out;
-    }""")
-
-
 async def test_a_far_caller_in_the_browser_hears_the_model_whole(server, browser_factory, mic_wav):
     """The page's call behind issue 30's far link both ways (150 ms round trip, +-30 ms jitter, 1 % loss, 0.5 %
     reordering: bench.impair's UDP relay, the offer's and the answer's candidates moved onto it). What the caller
@@ -246,9 +234,9 @@ async def test_a_far_caller_in_the_browser_hears_the_model_whole(server, browser
         await wait_until(lambda: page.evaluate("window.personaplex.state === 'connected'"), 20, "the far call")
         await wait_until(lambda: _heard(page), 20, "model audio through the far link")
         await asyncio.sleep(1.0)
-        before, began, lag = await player(page), time.monotonic(), LoopLag()
+        before, began, lag = await inbound_audio(page), time.monotonic(), LoopLag()
         await asyncio.sleep(FAR_CALL_S)
-        after, elapsed = await player(page), time.monotonic() - began
+        after, elapsed = await inbound_audio(page), time.monotonic() - began
         lag.stop()
         served = next(iter(server.app[CALLS].values()))
         inbound = served.conversation.input.stats()

@@ -77,6 +77,14 @@ def test_a_place_in_our_packages_is_named_by_its_file_and_what_it_was_in() -> No
         watch.stop()
 
 
+def _imported_while_serving(script: str, *args: str) -> str:
+    """What `script` prints, run in a fresh process from the repository: the modules it found imported late."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
 _IMPORT_THEN_TAKE_A_PERCENTILE = """
 import importlib, sys
 import numpy as np
@@ -93,10 +101,7 @@ def test_a_door_driver_or_engine_process_imports_nothing_at_its_first_percentile
     """numpy imports numpy.ma at a process's first median or percentile (35-54 ms of a busy host's loop); a door
     worker, a load-driver process and an engine process have it from their start, so the first quantiles a call's
     end, a /health or the engine's first stats take import nothing."""
-    done = subprocess.run([sys.executable, "-c", _IMPORT_THEN_TAKE_A_PERCENTILE, entry], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).parents[1])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "", done.stdout
+    assert _imported_while_serving(_IMPORT_THEN_TAKE_A_PERCENTILE, entry) == ""
 
 
 _FIRST_WEBRTC_CALL = """
@@ -132,7 +137,4 @@ print(" ".join(sorted(set(sys.modules) - before)))
 def test_a_door_workers_first_webrtc_call_imports_nothing() -> None:
     """aiortc's first peer connection, DTLS handshake included, imports cryptography's OpenSSL backend and its key
     serialization (pyOpenSSL asks for them inside functions); a door worker has them from its start."""
-    done = subprocess.run([sys.executable, "-c", _FIRST_WEBRTC_CALL], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).parents[1])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "", done.stdout
+    assert _imported_while_serving(_FIRST_WEBRTC_CALL) == ""
