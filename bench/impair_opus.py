@@ -16,10 +16,12 @@ PyAV's libopus decoder can do neither, so the decoding goes through libopus itse
 server's WebRTC input now uses for FEC).
 
 `--downlink` measures the other direction, what the server sends a browser: its own encoder (media/tracks.py's
-ContainedOpusEncoder, 24 kHz mono at 48 kb/s) without in-band FEC and with `DOWNLINK_FEC_LOSS_PCT`, each decoded as
-a browser's player does (a lost packet from its successor's FEC where that has some, concealed otherwise), in dB
-against the speech itself: over the lost stretches, over the whole stream, and the whole stream with no loss (what
-FEC's redundancy costs the packets that arrive), with the bit rate.
+ContainedOpusEncoder, 24 kHz mono at 48 kb/s) without in-band FEC, with `DOWNLINK_FEC_LOSS_PCT`, and with that and RED
+(media/red.py, once redundant, as with a browser that offers it: `fec_10_red`), each decoded as a browser's player
+does (a lost packet from its successor's RED block where it came, else from its FEC where that has some, concealed
+otherwise), in dB against the speech itself: over the lost stretches, over the whole stream, and the whole stream
+with no loss (what the redundancy costs the packets that arrive), with the bit rate (RED's headers included) and the
+share of lost packets that decoded bit for bit as if they had arrived (`lost_as_if_received`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 from bench.doors import speech
 from bench.impair import Link, LinkModel
 from media.opus import DOWNLINK_FEC_LOSS_PCT, OpusDecoder
+from media.red import Block, RedFormat, Redundancy, unpack
 from media.resample import Resampler
 from media.tracks import ContainedOpusEncoder
 
@@ -96,24 +99,32 @@ def downlink(seconds: float, link: Link, seed: int) -> dict[str, object]:
     lost = [not model.schedule(i * 0.02) for i in range(pcm.size // step)]
     report: dict[str, object] = {"bench": "impair_opus_downlink", "seconds": seconds, "link": link.__dict__,
                                  "packets": len(lost), "lost": int(sum(lost))}
-    for loss_pct in (0, DOWNLINK_FEC_LOSS_PCT):
-        encoder, packets = ContainedOpusEncoder(expected_loss_pct=loss_pct), []
+    for variant, loss_pct, red in (("fec_0", 0, False), (f"fec_{DOWNLINK_FEC_LOSS_PCT}", DOWNLINK_FEC_LOSS_PCT, False),
+                                   (f"fec_{DOWNLINK_FEC_LOSS_PCT}_red", DOWNLINK_FEC_LOSS_PCT, True)):
+        encoder, sent = ContainedOpusEncoder(expected_loss_pct=loss_pct), []
+        encoder.red = Redundancy(RedFormat(63, 111, 1)) if red else None
         for i in range(len(lost)):
             frame = av.AudioFrame.from_ndarray(pcm[None, i * step:(i + 1) * step], format="s16", layout="mono")
             frame.sample_rate, frame.pts, frame.time_base = 24000, i * step, fractions.Fraction(1, 24000)
-            packets += encoder.encode(frame)[0]
-        decoded = {}
+            sent += encoder.encode(frame)[0]
+        blocks = [unpack(pkt) if red else [Block(111, 0, pkt)] for pkt in sent]
+        packets = [b[-1].data for b in blocks]
+        decoded, per_packet = {}, {}
         for name, dropped in (("no_loss", [False] * len(packets)), ("lossy", lost)):
             decoder, out = OpusDecoder(24000), []
             for i, pkt in enumerate(packets):
+                arrived = i + 1 < len(packets) and not dropped[i + 1]
+                copy = next((b.data for b in blocks[i + 1][:-1] if b.offset == 2 * step), None) if arrived else None
                 if not dropped[i]:
                     out.append(decoder.decode(pkt))
-                elif i + 1 < len(packets) and not dropped[i + 1] and decoder.has_fec(packets[i + 1]):
+                elif copy is not None:
+                    out.append(decoder.decode(copy))
+                elif arrived and decoder.has_fec(packets[i + 1]):
                     out.append(decoder.recover(packets[i + 1], step))
                 else:
                     out.append(decoder.conceal(step))
             decoder.close()
-            decoded[name] = np.concatenate(out)
+            decoded[name], per_packet[name] = np.concatenate(out), out
         # Opus delays its output by its lookahead: align on the loss-free decode
         n = decoded["no_loss"].size - 400
         lag = max(range(400), key=lambda d: float(np.dot(x[:n], decoded["no_loss"][d:d + n])))
@@ -123,11 +134,13 @@ def downlink(seconds: float, link: Link, seed: int) -> dict[str, object]:
         probe = OpusDecoder(24000)
         with_fec = sum(probe.has_fec(pkt) for pkt in packets)
         probe.close()
-        report[f"fec_{loss_pct}"] = {
-            "kbps": round(sum(map(len, packets)) * 8 / (len(packets) * 20.0), 1),
+        report[variant] = {
+            "kbps": round(sum(map(len, sent)) * 8 / (len(sent) * 20.0), 1),
             "with_fec_share": round(with_fec / len(packets), 3),
             "snr_no_loss_db": snr_db(ref, decoded["no_loss"][lag:lag + n]),
-            "snr_lost_db": snr_db(ref[mask], got[mask]), "snr_all_db": snr_db(ref, got)}
+            "snr_lost_db": snr_db(ref[mask], got[mask]), "snr_all_db": snr_db(ref, got),
+            "lost_as_if_received": round(sum(np.array_equal(per_packet["lossy"][i], per_packet["no_loss"][i])
+                                             for i in np.flatnonzero(lost)) / max(1, sum(lost)), 3)}
     return report
 
 
@@ -137,7 +150,8 @@ def main() -> None:
     p.add_argument("--link", type=Link.parse, default=Link.parse("far"))
     p.add_argument("--fec-loss-pct", type=int, default=10, help="the encoder's expected loss (libopus `packet_loss`)")
     p.add_argument("--seed", type=int, default=30)
-    p.add_argument("--downlink", action="store_true", help="the server's own encoder, without FEC and with it")
+    p.add_argument("--downlink", action="store_true",
+                   help="the server's own encoder: without FEC, with it, with it and RED")
     args = p.parse_args()
     if args.downlink:
         print(json.dumps(downlink(args.seconds, args.link, args.seed)))

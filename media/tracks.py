@@ -5,12 +5,14 @@ good while it throws frames away. `InboundAudio` takes its place in the receiver
 arrives and written as 24 kHz mono into our own jitter buffer at its pts, so a lost packet is a gap there (concealed
 as silence) and a late one lands at its place; a lost packet whose successor carries in-band FEC is rebuilt from
 it (media/opus.py) and lands in its gap before the buffer reads it. `with_inband_fec(answer_sdp)` asks the caller's
-sender for that redundancy.
+sender for that redundancy. Where both peers have RED (media/red.py; `use_red`, after the remote description), a lost
+packet comes back whole from the next one's redundant copy instead, and in-band FEC covers what RED could not.
 
 Send: `OutboundAudioTrack` returns exactly 20 ms per `recv()` (aiortc stamps every packet of one `recv()` with one RTP
 timestamp), paced by a send grid (media/pacing.py), silence when the playout buffer is empty, and after a stall it
 jumps its clock forward instead of bursting overdue frames. `ContainedOpusEncoder` encodes those frames as mono Opus
-at 24 kHz with no resampling, and an encoder failure costs one frame instead of ending aiortc's RTP sender for good.
+at 24 kHz with no resampling (each packet wrapped with the one before it where RED was negotiated), and an encoder
+failure costs one frame instead of ending aiortc's RTP sender for good.
 
 Both swaps touch private aiortc attributes: the version is pinned (`AIORTC_VERSION`) and checked when they are made.
 """
@@ -33,12 +35,15 @@ import numpy as np
 from aiortc.codecs.base import Encoder
 from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from aiortc.rtcrtpparameters import RTCRtpCodecParameters
 from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtcrtpsender import RTCRtpSender
+from aiortc.rtcrtptransceiver import RTCRtpTransceiver
 from aiortc.rtp import RtpPacket
 
 from media.opus import OpusDecoder, asks_inband_fec
 from media.pacing import Pacer, SendGrid
+from media.red import RedFormat, Redundancy, red_format, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +103,9 @@ class InboundStats:
     frames: int = 0               # packets decoded
     fec_frames: int = 0           # lost packets rebuilt from their successor's in-band FEC
     fec_superseded: int = 0       # rebuilt, then the original came after all (reordered, not lost): not in fec_frames
+    red_packets: int = 0          # packets that came as RED (the caller sends it: negotiated, `use_red`)
+    red_frames: int = 0           # lost packets taken whole from a later packet's RED block
+    red_superseded: int = 0       # taken from RED, then the original came after all: not in red_frames
     lost_frames: int = 0          # gaps in pts, in packets, when seen (a late packet may fill one afterwards)
     late_frames: int = 0          # arrived behind a newer packet (reordered)
     bad_frames: int = 0           # undecodable, or refused by the sink: dropped and counted
@@ -112,27 +120,30 @@ class InboundAudio:
     Each packet is decoded here, on the event loop (libopus, mono, straight to 24 kHz: ~30 µs), rather than handed to
     aiortc's decoder thread and back through a queue and the remote track. Its output for RTP time `t` (48 kHz, from
     the first packet) goes to `t/2`: in-order audio is contiguous, a lost packet leaves a gap of exactly its length,
-    a reordered one lands in its own place. When a packet comes after a gap and carries in-band FEC, the lost packet
-    just before it is rebuilt from it first and pushed into the end of the gap (the buffer holds a margin of tens of
-    ms, so it is there before the gap is read; a late original that comes after it finds its place taken). aiortc
-    still keeps its RTCP statistics; the remote track gets no frames and ends (`ended()` returns) when the receiver
-    stops: RTCP BYE, or the peer connection closing.
+    a reordered one lands in its own place. A packet after a gap fills what it can of it before its own audio: with
+    RED (`red`, the negotiated format), the lost packets its redundant blocks carry, whole; then, if the packet just
+    before it is still missing and it carries in-band FEC, that one from the FEC. What is rebuilt lands in the gap
+    before the buffer reads it (the buffer holds a margin of tens of ms); a late original that comes after it finds
+    its place taken. aiortc still keeps its RTCP statistics; the remote track gets no frames and ends (`ended()`
+    returns) when the receiver stops: RTCP BYE, or the peer connection closing.
 
     Install after `setRemoteDescription` has made the receiver's track and before ICE connects. The call must
-    have negotiated Opus only (the packets are not checked for their payload type)."""
+    have negotiated Opus, and RED over it if `red` is given; packets of any other payload type are counted bad."""
 
-    def __init__(self, receiver: RTCRtpReceiver, sink: PtsSink, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, receiver: RTCRtpReceiver, sink: PtsSink, clock: Callable[[], float] = time.monotonic,
+                 red: RedFormat | None = None) -> None:
         _check_aiortc()
         if receiver.track is None or receiver.track.kind != "audio":
             raise ValueError("InboundAudio takes an audio receiver whose remote track exists")
         self._track = receiver.track
         self._sink = sink
         self._clock = clock
+        self.red = red
         self._decoder = OpusDecoder(RATE)
         self._mapper = ReorderingTimestampMapper()
         self._next: int | None = None                       # RTP time the next in-order packet should carry
         self._seq: int | None = None                        # the newest sequence number seen
-        self._rebuilt: deque[int] = deque(maxlen=64)        # RTP times rebuilt from FEC, recent ones
+        self._rebuilt: deque[tuple[int, bool]] = deque(maxlen=64)   # recent rebuilt RTP times, and whether by RED
         self.stats = InboundStats()
         _swap(receiver, "_RTCRtpReceiver__jitter_buffer", JitterBuffer, self)
 
@@ -140,17 +151,19 @@ class InboundAudio:
         """aiortc's `JitterBuffer.add`: called with every depayloaded packet; aiortc gets no frame back to decode."""
         now = self._clock()
         st = self.stats
-        payload: bytes = packet._data  # type: ignore[attr-defined]
         t = self._mapper.map(packet.timestamp)
         newest = self._seq is None or (packet.sequence_number - self._seq) & 0xFFFF < 0x8000
         lost_before = newest and self._seq is not None and (packet.sequence_number - self._seq) & 0xFFFF > 1
         self._seq = packet.sequence_number if newest else self._seq
         try:
+            payload, earlier = self._opus(packet)
             samples = self._decoder.samples_in(payload)
+            recovered = self._recover(t, earlier)
+            gap_from = recovered[-1][0] + 2 * recovered[-1][1].size if recovered else self._next
             rebuilt = None
             # The packet just before this one (by sequence number, not a sender's timestamp jump) is missing, and its
             # time is a gap here: rebuild it from this packet's redundancy.
-            if lost_before and self._next is not None and t - self._next >= 2 * samples and \
+            if lost_before and gap_from is not None and t - gap_from >= 2 * samples and \
                     self._decoder.has_fec(payload):
                 rebuilt = self._decoder.recover(payload, samples)
             audio = self._decoder.decode(payload)
@@ -158,6 +171,7 @@ class InboundAudio:
             st.bad_frames += 1
             return False, None
         st.frames += 1
+        st.red_packets += self.red is not None and packet.payload_type == self.red.payload_type
         st.first_arrival = now if st.first_arrival is None else st.first_arrival
         st.last_arrival = now
         if self._next is not None:
@@ -165,17 +179,65 @@ class InboundAudio:
                 st.lost_frames += (t - self._next) // (2 * samples)
             elif t < self._next:
                 st.late_frames += 1
-                if t in self._rebuilt:          # the "lost" packet was only reordered: FEC recovered no loss
-                    self._rebuilt.remove(t)
-                    st.fec_frames -= 1
-                    st.fec_superseded += 1
+                self._superseded(t)
         self._next = max(self._next or 0, t + 2 * samples)
+        for at, copy in recovered:
+            st.red_frames += 1
+            self._rebuilt.append((at, True))
+            self._push(at // 2, copy, now)
         if rebuilt is not None and rebuilt.size:
             st.fec_frames += 1
-            self._rebuilt.append(t - 2 * rebuilt.size)
+            self._rebuilt.append((t - 2 * rebuilt.size, False))
             self._push(t // 2 - rebuilt.size, rebuilt, now)
         self._push(t // 2, audio, now)
         return False, None
+
+    def _opus(self, packet: RtpPacket) -> tuple[bytes, list[tuple[int, bytes]]]:
+        """A packet's Opus payload and, from a RED packet, its newest earlier blocks (as many as the format carries)
+        as (RTP ticks before it, payload)."""
+        payload: bytes = packet._data  # type: ignore[attr-defined]
+        red = self.red
+        if red is None or packet.payload_type != red.payload_type:
+            if red is not None and packet.payload_type != red.opus_type:
+                raise ValueError(f"payload type {packet.payload_type} is neither Opus nor RED")
+            return payload, []
+        blocks = unpack(payload)
+        if any(b.payload_type != red.opus_type for b in blocks):
+            raise ValueError("a RED block that is not Opus")
+        return blocks[-1].data, [(b.offset, b.data) for b in blocks[:-1][-red.redundant:]]
+
+    def _recover(self, t: int, earlier: list[tuple[int, bytes]]) -> list[tuple[int, np.ndarray]]:
+        """The earlier blocks of a packet at RTP time `t` that fill where nothing has come yet (from the in-order end
+        on, oldest first, none overlapping), decoded. A block that does not decode is skipped (counted bad): the
+        packet's own audio is still good."""
+        out: list[tuple[int, np.ndarray]] = []
+        edge = self._next
+        for offset, data in earlier:
+            at = t - offset
+            if edge is None or not edge <= at < t:
+                continue
+            try:
+                audio = self._decoder.decode(data)
+            except ValueError:
+                self.stats.bad_frames += 1
+                continue
+            out.append((at, audio))
+            edge = at + 2 * audio.size
+        return out
+
+    def _superseded(self, t: int) -> None:
+        """A late packet at RTP time `t`: if its place was rebuilt, that rebuild recovered no loss after all."""
+        st = self.stats
+        for at, by_red in self._rebuilt:
+            if at == t:
+                self._rebuilt.remove((at, by_red))
+                if by_red:
+                    st.red_frames -= 1
+                    st.red_superseded += 1
+                else:
+                    st.fec_frames -= 1
+                    st.fec_superseded += 1
+                return
 
     def _push(self, at: int, audio: np.ndarray, now: float) -> None:
         if audio.size and at + audio.size > 0:
@@ -213,6 +275,23 @@ def with_inband_fec(sdp: str) -> str:
         if pt in opus and pt not in with_fmtp:
             out.append(f"a=fmtp:{pt} useinbandfec=1")
     return "\r\n".join(out)
+
+
+def use_red(transceiver: RTCRtpTransceiver, remote_sdp: str) -> RedFormat | None:
+    """After `setRemoteDescription`: where the remote SDP has RED over the Opus format the transceiver negotiated, put
+    RED first among its codecs (aiortc's own list has no RED, so it drops it from the remote's), so that an answer
+    made from them offers it first (a browser sends RED only then), the sender sends under its payload type (the
+    encoder then wraps: `ContainedOpusEncoder.red`), and the receiver takes it (`InboundAudio(red=...)`)."""
+    _check_aiortc()
+    codecs: list[RTCRtpCodecParameters] = transceiver._codecs
+    opus = next((c for c in codecs if c.mimeType.lower() == "audio/opus"), None)
+    fmt = red_format(remote_sdp, opus.payloadType) if opus is not None else None
+    if fmt is None or any(c.payloadType == fmt.payload_type for c in codecs):
+        return None
+    blocks = "/".join([str(fmt.opus_type)] * (fmt.redundant + 1))
+    codecs.insert(0, RTCRtpCodecParameters(mimeType="audio/red", clockRate=opus.clockRate, channels=opus.channels,
+                                           payloadType=fmt.payload_type, parameters={blocks: None}))
+    return fmt
 
 
 def decodes_inband_fec(sdp: str) -> bool:
@@ -320,6 +399,7 @@ class ContainedOpusEncoder(Encoder):
     def __init__(self, bitrate: int = 48000, expected_loss_pct: int = 0) -> None:
         self.bitrate = bitrate
         self.expected_loss_pct = expected_loss_pct   # > 0: in-band FEC for that much loss (as a browser sends it)
+        self.red: Redundancy | None = None            # set where RED was negotiated (`use_red`): packets wrapped
         self.failures = 0
         self._codec: av.CodecContext | None = None
         self._first_pts: int | None = None
@@ -363,7 +443,10 @@ class ContainedOpusEncoder(Encoder):
         if self._first_pts is None:
             self._first_pts = frame.pts
         timestamp = (frame.pts - self._first_pts) * (RTP_RATE // RATE)
-        return [bytes(p) for p in packets], timestamp
+        payloads = [bytes(p) for p in packets]
+        if self.red is not None:
+            payloads = [self.red.wrap(p, timestamp) for p in payloads]
+        return payloads, timestamp
 
     def pack(self, packet: av.Packet) -> tuple[list[bytes], int]:
         raise NotImplementedError("ContainedOpusEncoder encodes frames; it does not pack pre-encoded packets")

@@ -169,15 +169,17 @@ async def test_webrtc_far_caller(server, speech_24k, lag, condition):
         buffer = served.conversation.input
         hook = hooks[0]
         audible = [c for c in call.recording.chunks if np.abs(c[1]).max(initial=0.0) > 1e-3]
-        fec = served.inbound.stats.fec_frames
-        # a loss FEC rebuilt is not concealed: the buffer's loss is what FEC left
-        report = judge("webrtc", condition, buffer, origin, 20.0 * (len(hook.rtp_lost_at) - fec), hook.up,
+        fec, red = served.inbound.stats.fec_frames, served.inbound.stats.red_frames
+        # a loss RED or FEC rebuilt is not concealed: the buffer's loss is what they left
+        report = judge("webrtc", condition, buffer, origin, 20.0 * (len(hook.rtp_lost_at) - fec - red), hook.up,
                        hook.rtp_lost_at + lag.stalls, {"rtp_lost": len(hook.rtp_lost_at), "fec_rebuilt": fec,
+                  "red_rebuilt": red,
                   "sender_skipped_ms": call.mic.stats.skipped_ms, "up": hook.up.stats.summary(),
                   "down": hook.down.stats.summary(), "player": adaptive_player(call.recording.chunks),
                   "first_audio_ms": round((audible[0][2] - began) * 1000.0, 1) if audible else None})
         if len(hook.rtp_lost_at) >= 3 and condition == "far":
-            assert fec >= len(hook.rtp_lost_at) / 3, report    # isolated losses: most come back from FEC
+            # isolated losses: each comes back whole from the next packet's RED block (the caller proposed RED)
+            assert red >= 0.8 * len(hook.rtp_lost_at), report
     finally:
         await call.hang_up()
 

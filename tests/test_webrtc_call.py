@@ -296,3 +296,29 @@ async def test_the_model_starts_at_the_answer_not_at_the_first_microphone_packet
                 assert r.status == 204
     finally:
         await pc.close()
+
+
+@pytest.mark.parametrize("allowed, offered", [(True, True), (True, False), (False, True)])
+async def test_red_is_taken_both_ways_when_the_caller_offers_it_and_the_server_allows(start_server, speech_24k,
+                                                                                     allowed, offered):
+    """A caller whose offer has RED over its Opus (as a browser's does; our client's `red`) gets an answer that lists
+    RED first, and then each side's packets come as RED; a caller that offers none, or a server started with
+    `--no-webrtc-red`, gets plain Opus both ways."""
+    srv = await start_server(webrtc_red=allowed)
+    call = RealtimeCall(srv.url, speech_24k, red=offered)
+    await call.connect()
+    try:
+        served = next(iter(srv.app[CALLS].values()))
+        await wait_for(lambda: min(call.inbound.stats.frames, served.inbound.stats.frames) > 50, 20,
+                       "packets both ways")
+        red = allowed and offered
+        answer = call.pc.remoteDescription.sdp
+        audio = next(line for line in answer.splitlines() if line.startswith("m=audio"))
+        assert audio.split()[3] == ("63" if red else "96") and ("red/48000/2" in answer) == red   # RED first
+        for received in (served.inbound.stats, call.inbound.stats):      # what each side got
+            assert received.red_packets == (received.frames if red else 0) and received.bad_frames == 0, received
+        async with aiohttp.ClientSession() as http, http.get(call.location) as res:
+            stats = await res.json()
+        assert stats["output"]["red"] == red and (stats["inbound"]["red_packets"] > 0) == red, stats
+    finally:
+        await call.hang_up()

@@ -57,6 +57,7 @@ class PacketTap:
 
         self.handled = 0
         self.timestamps: list[int] = []          # RTP timestamp of each packet, by arrival index
+        self.payloads: list[bytes] = []          # and its payload
         self.dropped: list[int] = []
         self.delayed: list[int] = []
         self._drop = drop or (lambda i: False)
@@ -68,6 +69,7 @@ class PacketTap:
             index = self.handled
             self.handled += 1
             self.timestamps.append(packet.timestamp)
+            self.payloads.append(packet.payload)
             if self._drop(index):
                 self.dropped.append(index)
                 return
@@ -88,18 +90,21 @@ class PacketTap:
         return (self.timestamps[index] - self.timestamps[0]) % (1 << 32)
 
 
-async def connect_pair(sender_track, *, sink=None, drop=None, delay_s=None, timeout_s: float = 15.0, encoder=None):
+async def connect_pair(sender_track, *, sink=None, drop=None, delay_s=None, timeout_s: float = 15.0, encoder=None,
+                       red: bool = False):
     """Two in-process aiortc peers on loopback: `sender_track` (with our contained encoder) -> a receiver whose
     RTP entry is tapped from the first packet on. With a `sink`, the receiver's audio goes through `InboundAudio`
-    into it; without, through aiortc's own jitter buffer and decoder to the remote track.
+    into it; without, through aiortc's own jitter buffer and decoder to the remote track. `red`: the offer proposes
+    RED and both peers take it (`media.tracks.use_red`), as the server and a browser do.
 
     Returns (sender_pc, receiver_pc, receiver_transceiver, encoder, tap, inbound or None)."""
     import asyncio
 
-    from aiortc import RTCConfiguration, RTCPeerConnection
+    from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
     from aiortc.rtcrtpsender import RTCRtpSender
 
-    from media.tracks import ContainedOpusEncoder, InboundAudio, install_contained_encoder
+    from media.red import Redundancy, with_red_offer
+    from media.tracks import ContainedOpusEncoder, InboundAudio, install_contained_encoder, use_red
 
     ensure_ice_host_address()
     a = RTCPeerConnection(RTCConfiguration(iceServers=[]))
@@ -110,14 +115,18 @@ async def connect_pair(sender_track, *, sink=None, drop=None, delay_s=None, time
     encoder = encoder or ContainedOpusEncoder()
     install_contained_encoder(sending.sender, encoder)
     await a.setLocalDescription(await a.createOffer())
-    await b.setRemoteDescription(a.localDescription)
+    offer = with_red_offer(a.localDescription.sdp) if red else a.localDescription.sdp
+    await b.setRemoteDescription(RTCSessionDescription(sdp=offer, type="offer"))
     receiving = b.getTransceivers()[0]
+    fmt = use_red(receiving, offer) if red else None
     tap = PacketTap(receiving.receiver, drop=drop, delay_s=delay_s)
     if hasattr(sink, "tap"):
         sink.tap = tap
-    inbound = InboundAudio(receiving.receiver, sink) if sink is not None else None
+    inbound = InboundAudio(receiving.receiver, sink, red=fmt) if sink is not None else None
     await b.setLocalDescription(await b.createAnswer())
     await a.setRemoteDescription(b.localDescription)
+    if red:
+        encoder.red = Redundancy(use_red(sending, b.localDescription.sdp))
     connected = asyncio.Event()
 
     @b.on("connectionstatechange")

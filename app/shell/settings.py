@@ -46,6 +46,7 @@ class Settings:
     turn_credential: str = ""
     ice_relay_only: bool = False          # force TURN relay (needs turn_url)
     ice_connect_timeout_s: float = 20.0   # a call whose ICE + DTLS is not up this long after the answer ends
+    webrtc_red: bool = True               # RED audio (RFC 2198) both ways with WebRTC callers that offer it
     max_message_bytes: int = 4 << 20      # one WebSocket message; larger closes with 1009
     first_message_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0         # read-idle period that ends a session
@@ -176,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turn-credential", help="password for the TURN server (with --turn-url); browsers get it from "
                                              "/v1/realtime/webrtc-config, which needs an API key when keys are set")
     p.add_argument("--ice-relay-only", action="store_true", default=None, help="relay all WebRTC media via TURN")
+    p.add_argument("--webrtc-red", action=argparse.BooleanOptionalAction, default=None,
+                   help="with a WebRTC caller that offers RED (browsers do), carry each Opus packet again in the next "
+                        "one, both ways: a lost packet comes back whole, at twice the audio bit rate (default on)")
     p.add_argument("--ice-connect-timeout-s", type=float,
                    help=f"a WebRTC call whose ICE and DTLS are not up this long after the answer ends "
                         f"(default {d.ice_connect_timeout_s:g})")

@@ -53,6 +53,7 @@ from app.shell.worker_routing import new_call_id
 from media.jitter import FRAME, JitterStats
 from media.opus import DOWNLINK_FEC_LOSS_PCT
 from media.pacing import FIRST_PLAYED_FRAME, WEBRTC_TRACK, Pacer
+from media.red import Redundancy
 from media.tracks import (
     RATE,
     ContainedOpusEncoder,
@@ -60,6 +61,7 @@ from media.tracks import (
     OutboundAudioTrack,
     decodes_inband_fec,
     install_contained_encoder,
+    use_red,
     with_inband_fec,
 )
 from model.engine import FrameOutput, InvalidSessionParams, Slot
@@ -79,6 +81,7 @@ class WebRTCConfig:
     ice_servers: tuple[RTCIceServer, ...] = ()
     relay_only: bool = False
     connect_timeout_s: float = 20.0        # ICE + DTLS must be up this long after the answer, or the call ends
+    red: bool = True                       # RED (media/red.py) both ways with a caller that offers it
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WebRTCConfig:
@@ -92,7 +95,7 @@ class WebRTCConfig:
         if settings.ice_relay_only and not settings.turn_url:
             raise ValueError("ice_relay_only needs a TURN server (turn_url)")
         return cls(ice_servers=tuple(servers), relay_only=settings.ice_relay_only,
-                   connect_timeout_s=settings.ice_connect_timeout_s)
+                   connect_timeout_s=settings.ice_connect_timeout_s, red=settings.webrtc_red)
 
     def browser_ice_servers(self) -> list[dict[str, Any]]:
         out = []
@@ -249,8 +252,11 @@ class Call:
         for other in pc.getTransceivers():
             if other is not mic:
                 other.direction = "inactive"          # video, or extra audio lines: not ours to decode
+        red = use_red(mic, self.offer_sdp) if self.webrtc.red else None
+        if red is not None:
+            self.opus.red = Redundancy(red)
         install_contained_encoder(mic.sender, self.opus)
-        self.inbound = InboundAudio(mic.receiver, self)
+        self.inbound = InboundAudio(mic.receiver, self, red=red)
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", self._on_connection_state)
         try:
@@ -410,7 +416,8 @@ class Call:
             "connected": self.connected_at is not None,
             "input": asdict(conv.input.stats()) if conv is not None and conv.input is not None else None,
             "output": {**asdict(self.pacer.playout.stats()), "frames_sent": track.frames, "stalls": track.stalls,
-                       "skipped_ms": track.skipped_ms, "encode_failures": self.opus.failures},
+                       "skipped_ms": track.skipped_ms, "encode_failures": self.opus.failures,
+                       "red": self.opus.red is not None},
             "inbound": asdict(self.inbound.stats) if self.inbound is not None else None,
             "rtp": rtp,
             "latency_ms": {"input_added": _summary(self.input_waits_ms),

@@ -2,9 +2,9 @@
 
 Used by the end-to-end tests and by `bench/webrtc_load.py`, and usable from scripts. The microphone is an
 `OutboundAudioTrack` over the given samples (20 ms paced, then silence); the model's audio comes through the same
-receive path the server uses (`InboundAudio`, no aiortc jitter buffer; its offer says `useinbandfec=1`, as a
-browser's does, so a lost packet comes back from the next one's FEC) and is recorded at its pts; `oai-events`
-messages are kept in order.
+receive path the server uses (`InboundAudio`, no aiortc jitter buffer; its offer says `useinbandfec=1` and proposes
+RED, as a browser's does, so a lost packet comes back from the next one, whole or from its FEC) and is recorded at its
+pts; `oai-events` messages are kept in order.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcrtpsender import RTCRtpSender
 
+from media.red import Redundancy, with_red_offer
 from media.tracks import (
     RATE,
     ContainedOpusEncoder,
     InboundAudio,
     OutboundAudioTrack,
     install_contained_encoder,
+    use_red,
     with_inband_fec,
 )
 
@@ -96,7 +98,8 @@ class RealtimeCall:
     def __init__(self, base_url: str, audio: np.ndarray | None = None, *, session: dict[str, Any] | None = None,
                  api_key: str | None = None, ice_servers: list[RTCIceServer] | None = None, loop_audio: bool = False,
                  multipart: bool | None = None,
-                 on_answer: Callable[[RTCPeerConnection], object] | None = None, fec_loss_pct: int = 0) -> None:
+                 on_answer: Callable[[RTCPeerConnection], object] | None = None, fec_loss_pct: int = 0,
+                 red: bool = True) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
         self.api_key = api_key
@@ -109,6 +112,7 @@ class RealtimeCall:
         self.mic = OutboundAudioTrack(self.source)
         # > 0: the microphone sends in-band FEC for that much loss, as a browser does once its RTCP says it loses.
         self.encoder = ContainedOpusEncoder(expected_loss_pct=fec_loss_pct)
+        self.offers_red = red              # as a browser's offer does: RED both ways if the server answers it
         self.recording = Recording()
         self.inbound: InboundAudio | None = None
         self.events: list[dict[str, Any]] = []
@@ -145,12 +149,16 @@ class RealtimeCall:
         await pc.setLocalDescription(await pc.createOffer())
         # As a browser's offer does: our receive path (InboundAudio) rebuilds a lost packet from in-band FEC, so
         # the server sends some (aiortc's own offer does not say so).
-        answer = await self._post_offer(with_inband_fec(pc.localDescription.sdp))
+        offer = with_inband_fec(pc.localDescription.sdp)
+        answer = await self._post_offer(with_red_offer(offer) if self.offers_red else offer)
         await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+        red = use_red(transceiver, answer) if self.offers_red else None
+        if red is not None:
+            self.encoder.red = Redundancy(red)
         if self.on_answer is not None:
             self.on_answer(pc)
         # the remote track exists from here on; packets can only come after ICE and DTLS
-        self.inbound = InboundAudio(transceiver.receiver, self.recording)
+        self.inbound = InboundAudio(transceiver.receiver, self.recording, red=red)
         waits = [asyncio.ensure_future(self._connected.wait()), asyncio.ensure_future(self._failed.wait())]
         done, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         for w in pending:
