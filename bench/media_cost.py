@@ -18,6 +18,7 @@ import numpy as np
 from media.codecs import AudioFormat
 from media.jitter import FRAME, JitterBuffer
 from media.playout import PlayoutBuffer
+from media.red import RedFormat, Redundancy, unpack
 from media.resample import Resampler
 
 
@@ -77,6 +78,19 @@ def playout_op() -> Callable[[], object]:
     return tick
 
 
+def red_wrap_op() -> Callable[[], object]:
+    """A WebRTC sender's RED (media/red.py) around one 20 ms Opus packet of ~120 bytes (48 kb/s)."""
+    red = Redundancy(RedFormat(63, 111, 1))
+    packet = bytes(120)
+    state = {"ts": 0}
+
+    def wrap() -> object:
+        state["ts"] += 960
+        return red.wrap(packet, state["ts"])
+
+    return wrap
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0.5, help="measuring time per operation")
@@ -86,6 +100,8 @@ def main() -> None:
     coded = ulaw.encode(chunk_8k)
     pcm16 = AudioFormat("pcm16", 24000)
     frame_bytes = pcm16.encode(np.zeros(FRAME, np.float32))
+    sender = Redundancy(RedFormat(63, 111, 1))
+    red_packet = [sender.wrap(bytes(120), ts) for ts in (0, 960)][-1]     # a packet and the one before it
     ops: list[tuple[str, Callable[[], object], dict[str, object]]] = [
         ("resample_48k_to_24k", resample_op(48000, 24000, 20), {"chunk_ms": 20}),
         ("resample_8k_to_24k", resample_op(8000, 24000, 20), {"chunk_ms": 20}),
@@ -96,6 +112,8 @@ def main() -> None:
         ("pcm16_decode_24k", lambda: pcm16.decode(frame_bytes), {"chunk_ms": 80}),
         ("jitter_push4_read1", jitter_op(), {"per_ms": 80}),
         ("playout_write1_read4_48k", playout_op(), {"per_ms": 80}),
+        ("red_wrap", red_wrap_op(), {"chunk_ms": 20}),
+        ("red_unpack", lambda: unpack(red_packet), {"chunk_ms": 20}),
     ]
     for name, op, extra in ops:
         print(json.dumps(measure(name, op, seconds, **extra)), flush=True)
