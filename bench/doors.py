@@ -762,6 +762,7 @@ def peer_report(st: dict[str, Any]) -> dict[str, Any]:
         "packets_received": rtp.get("packets_received"),
         "packets_lost": rtp.get("packets_lost"),
         "fec_rebuilt": (st.get("inbound") or {}).get("fec_frames"),
+        "red_rebuilt": (st.get("inbound") or {}).get("red_frames"),
         "send_stalls": out.get("stalls"),
         "encode_failures": out.get("encode_failures"),
     }

@@ -88,8 +88,10 @@ def silence_by_door(sessions: list[dict[str, Any]]) -> dict[str, dict[str, float
 
 
 def lost_ms(session: dict[str, Any]) -> float:
-    """The caller's audio the server could not have had: the link's losses less FEC's rebuilds, plus sender skips."""
-    rebuilt = (session.get("server") or {}).get("fec_rebuilt") or 0
+    """The caller's audio the server could not have had: the link's losses less what RED and FEC rebuilt, plus
+    sender skips."""
+    server = session.get("server") or {}
+    rebuilt = (server.get("fec_rebuilt") or 0) + (server.get("red_rebuilt") or 0)
     return session["impairment"]["rtp_lost_ms"] - 20.0 * rebuilt + session.get("sender_skipped_ms", 0.0)
 
 

@@ -93,8 +93,10 @@ async def test_e2e_drives_every_door_from_two_processes(start_server, tmp_path):
     silence = silence_by_door(sessions)
     assert set(silence) == {"webrtc", "twilio"} and all(d["calls"] == 1 and d["ms"] >= 0 for d in silence.values())
     assert webrtc["server"]["output_added_ms"]["p50"] is not None
-    # What the table weighs concealment against: FEC's rebuilds (none on a clean loopback) and the caller's skips.
-    assert webrtc["server"]["fec_rebuilt"] == 0 and webrtc["sender_skipped_ms"] >= 0.0, webrtc
+    # What the table weighs concealment against: RED's and FEC's rebuilds (none on a clean loopback) and the
+    # caller's skips.
+    assert webrtc["server"]["fec_rebuilt"] == webrtc["server"]["red_rebuilt"] == 0, webrtc
+    assert webrtc["sender_skipped_ms"] >= 0.0, webrtc
     for door, summary in report["doors"].items():
         assert summary["live"] == 1 and summary["first_audio_ms"]["p99"] > 0, (door, summary)
         assert summary["rtf_min"] is not None and summary["lateness_p99_ms_max"] is not None, (door, summary)
@@ -192,10 +194,12 @@ def test_pieces_read_while_the_drivers_loop_was_held_are_left_out_of_the_second_
 
 
 def test_a_far_callers_loss_is_weighed_after_fec_and_with_its_own_senders_skips():
-    """The impaired table's "lost": the link's losses less what in-band FEC rebuilt, plus the time the caller's own
-    send grid skipped (each is audio the server could not have had); older runs carry neither field."""
-    session = {"impairment": {"rtp_lost_ms": 200.0}, "server": {"fec_rebuilt": 6}, "sender_skipped_ms": 40.0}
+    """The impaired table's "lost": the link's losses less what RED and in-band FEC rebuilt, plus the time the
+    caller's own send grid skipped (each is audio the server could not have had); older runs carry none of them."""
+    session = {"impairment": {"rtp_lost_ms": 200.0}, "server": {"fec_rebuilt": 2, "red_rebuilt": 4},
+               "sender_skipped_ms": 40.0}
     assert lost_ms(session) == 200.0 - 120.0 + 40.0
+    assert lost_ms({**session, "server": {"fec_rebuilt": 6}}) == 200.0 - 120.0 + 40.0      # runs before RED
     assert lost_ms({"impairment": {"rtp_lost_ms": 200.0}, "server": {"packets_lost": 10}}) == 200.0
 
 
