@@ -255,8 +255,8 @@ class InboundAudio:
 
 
 def _opus_payload_types(lines: list[str]) -> list[str]:
-    return [line[9:].split()[0] for line in lines
-            if line.startswith("a=rtpmap:") and line.split()[1].lower().startswith("opus/")]
+    return [parts[0] for line in lines if line.startswith("a=rtpmap:")
+            and len(parts := line[9:].split()) > 1 and parts[1].lower().startswith("opus/")]
 
 
 def with_inband_fec(sdp: str) -> str:
@@ -299,8 +299,8 @@ def decodes_inband_fec(sdp: str) -> bool:
     carries some (media/opus.py, `DOWNLINK_FEC_LOSS_PCT`)."""
     lines = sdp.splitlines()
     opus = set(_opus_payload_types(lines))
-    return any(line.startswith("a=fmtp:") and line[7:].split()[0] in opus and asks_inband_fec(line.split(None, 1)[-1])
-               for line in lines)
+    return any(line.startswith("a=fmtp:") and line[7:].partition(" ")[0] in opus
+               and asks_inband_fec(line.split(None, 1)[-1]) for line in lines)
 
 
 # ---- send ---------------------------------------------------------------------------------------------------------

@@ -202,6 +202,10 @@ async def test_session_closed_is_sent_on_hang_up_and_at_server_shutdown(start_se
     (OFFER.encode(), "application/sdp", 400, "bad_event"),                          # no m=audio
     (b'{"sdp": 5}', "application/json", 400, "bad_event"),
     (b"{broken", "application/json", 400, "invalid_json"),
+    ((OFFER + "m=audio 9 UDP/TLS/RTP/SAVPF 111\r\na=rtpmap:111\r\n").encode(), "application/sdp", 400,
+     "bad_event"),                                                                  # a format with no encoding
+    ((OFFER + "m=audio 9 UDP/TLS/RTP/SAVPF 111\r\na=rtpmap:111 opus/48000/2\r\na=fmtp:\r\n").encode(),
+     "application/sdp", 400, "bad_event"),                                          # parameters of no format
 ])
 async def test_bad_offers_get_clear_errors_and_take_no_slot(server, body, ctype, status, code):
     async with aiohttp.ClientSession() as http:
