@@ -14,7 +14,8 @@ asked for (libopus resamples internally: 24 kHz here, so no resampler and no res
 - `conceal(samples)`: packet-loss concealment, continuing the signal.
 
 And what the server's own Opus senders (WebRTC, SIP) do about in-band FEC: `asks_inband_fec(fmtp)` reads a caller's
-Opus format parameters, and `DOWNLINK_FEC_LOSS_PCT` is the loss they then encode redundancy for.
+Opus format parameters, and `DOWNLINK_FEC_LOSS_PCT` is the loss they then encode redundancy for;
+`rtpmap_payload_types(lines, "opus/")` finds an SDP's Opus formats.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ MAX_FRAME_S = 0.12          # Opus packets carry at most 120 ms
 # 0.09 dB under no FEC at the same bit rate; at 1 % random loss the lost stretches 7.9 dB from the speech against 0.6
 # with the decoder's concealment alone. A fixed amount: PyAV's encoder takes its options once, at open.
 DOWNLINK_FEC_LOSS_PCT = 10
+
+
+def rtpmap_payload_types(lines: list[str], encoding: str = "") -> list[str]:
+    """The payload types of an SDP's `a=rtpmap:` lines whose encoding (as `opus/48000/2`, in any case) starts with
+    `encoding`; a line that names no encoding is skipped."""
+    return [parts[0] for line in lines if line.startswith("a=rtpmap:")
+            and len(parts := line[9:].split()) > 1 and parts[1].lower().startswith(encoding)]
 
 
 def asks_inband_fec(fmtp: str) -> bool:

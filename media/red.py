@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from media.opus import rtpmap_payload_types
+
 RED_CODEC = "red/48000/2"
 MAX_OFFSET = (1 << 14) - 1        # RTP clock ticks a redundant block may lie behind the primary
 MAX_BLOCK = (1 << 10) - 1         # bytes in a redundant block
@@ -45,8 +47,7 @@ class Block:
 def red_format(sdp: str, opus_type: int) -> RedFormat | None:
     """The RED format an SDP's audio section offers over `opus_type` (every block Opus), or None."""
     audio = _audio_lines(sdp)
-    red = [line[9:].split()[0] for line in audio
-           if line.startswith("a=rtpmap:") and line.split()[1].lower() == RED_CODEC]
+    red = rtpmap_payload_types(audio, RED_CODEC)
     for line in audio:
         if not line.startswith("a=fmtp:"):
             continue
@@ -115,10 +116,8 @@ def with_red_offer(sdp: str, payload_type: int = 63) -> str:
     offer without Opus, or with RED already, is returned as it is."""
     lines = sdp.split("\r\n")
     audio = _audio_lines(sdp)
-    opus = [line[9:].split()[0] for line in audio
-            if line.startswith("a=rtpmap:") and line.split()[1].lower().startswith("opus/")]
-    taken = {line[9:].split()[0] for line in audio if line.startswith("a=rtpmap:")}
-    if not opus or any(RED_CODEC in line.lower() for line in audio) or str(payload_type) in taken:
+    opus = rtpmap_payload_types(audio, "opus/")
+    if not opus or rtpmap_payload_types(audio, RED_CODEC) or str(payload_type) in rtpmap_payload_types(audio):
         return sdp
     out = []
     for line in lines:

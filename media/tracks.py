@@ -41,7 +41,7 @@ from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.rtcrtptransceiver import RTCRtpTransceiver
 from aiortc.rtp import RtpPacket
 
-from media.opus import OpusDecoder, asks_inband_fec
+from media.opus import OpusDecoder, asks_inband_fec, rtpmap_payload_types
 from media.pacing import Pacer, SendGrid
 from media.red import RedFormat, Redundancy, red_format, unpack
 
@@ -254,16 +254,11 @@ class InboundAudio:
                 await self._track.recv()
 
 
-def _opus_payload_types(lines: list[str]) -> list[str]:
-    return [parts[0] for line in lines if line.startswith("a=rtpmap:")
-            and len(parts := line[9:].split()) > 1 and parts[1].lower().startswith("opus/")]
-
-
 def with_inband_fec(sdp: str) -> str:
     """An SDP (our answer) whose Opus formats say `useinbandfec=1`: the receiver can use in-band FEC, so the caller's
     sender (a browser) adds it once it sees loss. aiortc answers with its own codec parameters, which have none."""
     lines = sdp.split("\r\n")
-    opus = _opus_payload_types(lines)
+    opus = rtpmap_payload_types(lines, "opus/")
     with_fmtp = {line[7:].split()[0] for line in lines if line.startswith("a=fmtp:")}
     out = []
     for line in lines:
@@ -298,7 +293,7 @@ def decodes_inband_fec(sdp: str) -> bool:
     """Whether the caller's SDP (its offer) says its Opus decoder uses in-band FEC: then what the server sends it
     carries some (media/opus.py, `DOWNLINK_FEC_LOSS_PCT`)."""
     lines = sdp.splitlines()
-    opus = set(_opus_payload_types(lines))
+    opus = set(rtpmap_payload_types(lines, "opus/"))
     return any(line.startswith("a=fmtp:") and line[7:].partition(" ")[0] in opus
                and asks_inband_fec(line.split(None, 1)[-1]) for line in lines)
 
