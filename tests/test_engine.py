@@ -394,6 +394,46 @@ async def test_a_sessions_frame_counts_go_on_across_a_restart_stay_once_it_ends_
     assert first.stats() == ended
 
 
+class HandsOverItsRow(QueueSource):
+    """A source that, as the engine reads its `read`-th frame, closes its session and reserves the next in the
+    same row, as another thread may between the engine's choosing the session and its counting what it read."""
+
+    def __init__(self, engine: Engine, frames, read: int):
+        super().__init__(frames)
+        self.engine, self.read, self.slot, self.next_slot = engine, read, None, None
+
+    def read_frame(self):
+        frame = super().read_frame()
+        if self._reads == self.read:
+            self.slot.close()
+            self.next_slot = self.engine.reserve()
+        return frame
+
+
+@pytest.mark.parametrize(("pacing", "read", "underrun"), [("input", 3, False), ("realtime", 3, False),
+                                                          ("realtime", 5, True)])
+async def test_a_frame_read_as_its_session_closes_counts_nothing_for_the_next_session_of_its_row(
+        make_engine, pacing, read, underrun):
+    """A session closed, and its row reserved again, while the engine thread read its frame (an input-clocked
+    step's, a tick's, or a tick's underrun): the next session's counts start at zero, and the closed one's stay as
+    they were when it closed."""
+    engine = make_engine(max_sessions=1)
+    slot, sink = engine.reserve(), Collector()
+    source = HandsOverItsRow(engine, speechlike(4 if underrun else 8, 2), read)
+    source.slot = slot
+    await slot.start(SessionParams(sampling=GREEDY, pacing=pacing), source, sink.on_output, sink.on_error)
+    deadline = time.monotonic() + 10
+    while source.next_slot is None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)  # the engine thread has counted what it read, wherever it counts it
+    second = source.next_slot.stats()
+    assert (second.frames_in, second.frames_out, second.underruns) == (0, 0, 0), second
+    ended = slot.stats()
+    assert ended.state == "closed" and ended.frames_in == read - 1, ended
+    source.next_slot.close()
+
+
 async def test_underrun_feeds_silence_and_is_counted(make_engine):
     engine = make_engine()
     slot, sink = engine.reserve(), Collector()

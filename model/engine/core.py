@@ -55,6 +55,7 @@ from model.engine.runner import RowOutputs, Runner, make_current
 from model.engine.scheduler import Scheduler
 from model.engine.slots import (
     ENDED,
+    FRAMES_IN,
     UNDERRUNS,
     WINDOW_FRAMES,
     WINDOW_SHRINKS,
@@ -680,18 +681,20 @@ class Engine:
         if copied and not np.isfinite(self.runner.pcm_np[session.index]).all():
             return self._refuse_input(session)
         if copied:
-            self.slots.frames_in[session.index] += 1
+            self.slots.count(FRAMES_IN, session)
         return copied is not None
 
-    def _read_inputs(self, sessions: Sequence[Session], rows: np.ndarray) -> tuple[Sequence[Session], np.ndarray]:
-        """_read_input for a tick's sessions (`sessions[k]` in `rows[k]`), with one finiteness check over their rows
-        instead of one per frame (250 checks of 1920 samples were ~0.4 ms of the tick's host time), the frames staged
-        in their rows as they arrived only taken (staging.py); the sessions that did not fail, and their rows."""
+    def _read_inputs(self, sessions: Sequence[Session], rows: np.ndarray, serials: np.ndarray
+                     ) -> tuple[Sequence[Session], np.ndarray]:
+        """_read_input for a tick's sessions (`sessions[k]` in `rows[k]`, of `serials[k]`), with one finiteness check
+        over their rows instead of one per frame (250 checks of 1920 samples were ~0.4 ms of the tick's host time),
+        the frames staged in their rows as they arrived only taken (staging.py); the sessions that did not fail, and
+        their rows."""
         staged = self.inputs.take(rows)
         if staged.all():  # the engine process's usual tick: every frame came before it, its finiteness checked then
-            self.slots.frames_in[rows] += 1
+            self.slots.count_rows(FRAMES_IN, rows, serials)
             return sessions, rows
-        self.slots.frames_in[rows] += staged
+        self.slots.count_rows(FRAMES_IN, rows, serials, staged)
         read, copied = [], []
         for session, was_staged in zip(sessions, staged.tolist(), strict=True):
             if was_staged:
@@ -706,7 +709,9 @@ class Engine:
             pcm = self.runner.pcm_np
             finite = np.isfinite(pcm[: max(s.index for s in copied) + 1]).all(axis=1).tolist()
             failed = {s.index for s in copied if not finite[s.index] and not self._refuse_input(s)}
-            self.slots.frames_in[[s.index for s in copied if s.index not in failed]] += 1
+            counted = [s for s in copied if s.index not in failed]
+            self.slots.count_rows(FRAMES_IN, np.array([s.index for s in counted], dtype=np.int64),
+                                  np.array([s.serial for s in counted], dtype=np.int64))
             read = [s for s in read if s.index not in failed]
         return read, np.array([s.index for s in read], dtype=np.int64)
 
@@ -718,7 +723,7 @@ class Engine:
             frame = session.source.read_frame()
             if frame is None:
                 row[:] = 0.0
-                self.slots.counts[session.index, UNDERRUNS] += 1
+                self.slots.count(UNDERRUNS, session)
                 return False
             data = np.asarray(frame, dtype=np.float32)
             if data.shape != (FRAME_SAMPLES,):
@@ -757,14 +762,15 @@ class Engine:
         pending = self._first_halves_due()  # the first halves this tick runs, in its batch
         if pending:  # the sessions that take a frame: the others
             due = {s.index for s in pending}
+            takes = np.array([s.index not in due for s in plan.sessions], dtype=bool)
             ready: Sequence[Session] = [s for s in plan.sessions if s.index not in due]
-            ready_rows = np.array([s.index for s in ready], dtype=np.int64)
+            ready_rows, ready_serials = plan.rows[takes], plan.serials[takes]
         else:
-            ready, ready_rows = plan.sessions, plan.rows
+            ready, ready_rows, ready_serials = plan.sessions, plan.rows, plan.serials
         pending_rows = np.array([s.index for s in pending], dtype=np.int64)
         self.inputs.hold()  # until the step's outputs, and so its upload of the input rows, have landed
         try:
-            read, read_rows = self._read_inputs(ready, ready_rows)
+            read, read_rows = self._read_inputs(ready, ready_rows, ready_serials)
             live = [*pending, *read]
             live_rows = np.concatenate((pending_rows, read_rows))
             inputs_read = time.perf_counter()

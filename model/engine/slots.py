@@ -121,6 +121,7 @@ class RealtimePlan:
 
     sessions: tuple[Session, ...]
     rows: np.ndarray  # int64
+    serials: np.ndarray  # int64, `sessions[k].serial`: whose row each was as the plan was built (SlotTable.holders)
     out: OutputOrder
 
     def __post_init__(self) -> None:
@@ -227,8 +228,26 @@ class SlotTable:
                 out = OutputOrder(np.array([s.index for s in ordered], dtype=np.int64), tuple(ordered),
                                   [s.id for s in ordered], keys, starts)
                 rows = np.array([s.index for s in sessions], dtype=np.int64)
-                plan = self._realtime = RealtimePlan(sessions, rows, out)
+                serials = np.array([s.serial for s in sessions], dtype=np.int64)
+                plan = self._realtime = RealtimePlan(sessions, rows, serials, out)
             return plan
+
+    # A session may end on another thread (a close) while the engine thread reads its frame, and the next session
+    # reserve its row and count from zero: what was read for the one that left counts for no one (its record took
+    # its counts as it left). So the engine thread counts only where the row's holder is still the one it read for.
+
+    def count(self, column: int, session: Session) -> None:
+        """One more in `column` (ROW_COUNTS) of `session`'s row, if it still holds it."""
+        with self.lock:
+            if self._rows[session.index] is session:
+                self.counts[session.index, column] += 1
+
+    def count_rows(self, column: int, rows: np.ndarray, serials: np.ndarray, amounts: np.ndarray | int = 1) -> None:
+        """`amounts` more in `column` of `rows` (distinct), of each whose holder is still the session of its serial
+        (`serials[k]` for `rows[k]`)."""
+        with self.lock:
+            held = self.holders[rows] == serials
+            self.counts[:, column][rows] += held * amounts
 
 
 class SessionHost(Protocol):
