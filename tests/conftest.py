@@ -120,7 +120,13 @@ async def start_server(tiny_checkpoint: Path) -> AsyncIterator[Callable[..., Awa
         settings = server_settings(checkpoint, **overrides)
         app = create_app(settings, model=load_model(str(checkpoint)))
         runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s)
-        await runner.setup()
+        try:
+            await runner.setup()
+        except BaseException:  # what its startup had started (the engine, a door's sockets) stops with it
+            app.freeze()  # the runner freezes it only after a startup that returned
+            await app.shutdown()
+            await runner.cleanup()
+            raise
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = runner.addresses[0][1]

@@ -8,11 +8,14 @@ ALSA null device is the speaker, and the sndfile module records what it hears (`
 from __future__ import annotations
 
 import asyncio
+import errno
 import shutil
 import socket
 import wave
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +43,18 @@ def free_port(pair: bool = False) -> int:
                 continue
             return port
     raise RuntimeError("no free port")
+
+
+async def start_sip_server(start_server: Callable[..., Awaitable[Any]], **overrides: Any) -> Any:
+    """`start_server(**overrides)` with the SIP door on a free port and RTP on free ports after it. A port found
+    free may be taken before the server binds it (a neighbour test's socket, on a busy machine): then another."""
+    for attempt in range(1, 6):
+        sip, base = free_port(), free_port(pair=True)
+        try:
+            return await start_server(sip_port=sip, rtp_ports=f"{base}-{base + 40}", **overrides)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == 5:
+                raise
 
 
 def write_wav(path: Path, samples: np.ndarray, rate: int) -> None:

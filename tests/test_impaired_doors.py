@@ -58,7 +58,7 @@ from bench.impair_report import (
 from media.jitter import JitterBuffer
 from media.resample import Resampler
 from media.rtp import PCMU
-from tests.sip_support import free_port
+from tests.sip_support import start_sip_server
 
 RATE = 24000
 SECONDS = 12.0
@@ -228,8 +228,7 @@ async def test_twilio_far_caller(server, speech_24k, lag, condition):
 
 
 async def test_sip_far_caller(start_server, speech_24k, lag, condition):
-    base = free_port(pair=True)
-    srv = await start_server(sip_port=free_port(), rtp_ports=f"{base}-{base + 40}")
+    srv = await start_sip_server(start_server)
     client = SipClient(("127.0.0.1", srv.app[SIP].port))
     await client.open()
     rtp = RtpPeer()

@@ -26,7 +26,7 @@ from webrtc_support import ensure_ice_host_address
 from app.doors.sip import SIP
 from app.doors.webrtc.client import RealtimeCall
 from media.resample import Resampler
-from tests.sip_support import BARESIP, baresip_call, free_port, read_wav
+from tests.sip_support import BARESIP, baresip_call, read_wav, start_sip_server
 
 ADMIN = "admin-key-for-tests"
 
@@ -201,8 +201,7 @@ async def test_a_twilio_call_is_recorded(start_server, speech_24k, tmp_path):
 @pytest.mark.skipif(BARESIP is None, reason="baresip is not installed (apt-get install baresip-core)")
 async def test_a_sip_call_is_recorded(start_server, tmp_path):
     root = tmp_path / "rec"
-    base = free_port(pair=True)
-    server = await start_server(record_dir=root, sip_port=free_port(), rtp_ports=f"{base}-{base + 40}")
+    server = await start_sip_server(start_server, record_dir=root)
     uri = f"sip:agent@127.0.0.1:{server.app[SIP].port}"
     result = await baresip_call(tmp_path / "phone", uri, seconds=4, codec="PCMU/8000/1")
     assert result.returncode == 0 and result.heard is not None, result.log[-2000:]

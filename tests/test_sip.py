@@ -27,7 +27,7 @@ from model.engine.api import TickRecord
 from model.engine.client import TICK_S
 from tests.conftest import RunningServer, speech_like
 from tests.server_support import eventually
-from tests.sip_support import BARESIP, baresip_call, free_port, read_wav
+from tests.sip_support import BARESIP, baresip_call, free_port, read_wav, start_sip_server
 
 StartServer = Callable[..., Awaitable[RunningServer]]
 PCMU_OFFER = [(0, "PCMU/8000")]
@@ -36,8 +36,7 @@ PCMU_OFFER = [(0, "PCMU/8000")]
 @pytest.fixture
 async def sip_server(start_server: StartServer) -> Callable[..., Awaitable[RunningServer]]:
     async def start(**overrides: Any) -> RunningServer:
-        base = free_port(pair=True)
-        return await start_server(sip_port=free_port(), rtp_ports=f"{base}-{base + 40}", **overrides)
+        return await start_sip_server(start_server, **overrides)
     return start
 
 
