@@ -6,10 +6,12 @@ server process serves (an import while serving holds the loop: 35-54 ms for nump
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,35 @@ async def test_a_stall_of_the_loop_is_reported_with_where_the_loop_was() -> None
             assert held - 0.01 <= began <= held + loop_lag.PERIOD_S + 0.001, (times, held_at)
     finally:
         watching.cancel()
+
+
+class Held:
+    """An object a stalled callback's frame holds (a session's buffers, a model's tensors)."""
+
+
+def _holds_the_loop_with(held: Held, seconds: float) -> None:
+    _holds_the_loop(seconds)
+
+
+async def test_the_stall_watch_keeps_nothing_of_the_stack_it_named_and_is_gone_once_stopped() -> None:
+    """The watch names a stall's place and lets go of the loop's frames: else it held every object of the stalled
+    stack until the next stall (a stopped server's tensors, freed by that thread as the interpreter ended: a C++
+    abort at exit)."""
+    lag = loop_lag.LoopLag()
+    watching = asyncio.ensure_future(lag.run())
+    await asyncio.sleep(0.2)
+    held = Held()
+    alive = weakref.ref(held)
+    _holds_the_loop_with(held, 0.25)
+    del held
+    await asyncio.sleep(loop_lag.PERIOD_S * 2)
+    assert any(" _holds_the_loop" in site for site in lag.stall_sites()), lag.stall_sites()
+    assert alive() is None  # freed as the callback returned: no collection needed (a full one may stall the loop)
+    thread = lag.stalls.thread
+    watching.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watching
+    assert thread is not None and not thread.is_alive()  # joined as it stops: no daemon left to the interpreter
 
 
 def test_a_place_in_our_packages_is_named_by_its_file_and_what_it_was_in() -> None:

@@ -84,7 +84,10 @@ class StallWatch:
         self.thread.start()
 
     def stop(self) -> None:
+        """Stop watching, the thread gone on return (it wakes at once): none is left for the interpreter's end."""
         self._stop.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=1.0)
 
     def expect(self, due: float) -> None:
         """The loop's next wake-up is due at `due` (time.monotonic())."""
@@ -106,12 +109,19 @@ class StallWatch:
             if self._due != due:  # the loop woke in time, and waits for another
                 continue
             sampled = due
-            frame = sys._current_frames().get(loop_thread)
-            if frame is not None:
-                site = stall_site(frame)
+            site = self._site(loop_thread)
+            if site is not None:
                 with self._lock:
                     self._stalls[site] += 1
                     self._recent.append((due, site))
+
+    @staticmethod
+    def _site(loop_thread: int) -> str | None:
+        """Where the loop's thread is now. Its frames are let go here: held until the next stall, they kept every
+        object of the stalled stack alive (and a server's last ones were freed by this thread as the interpreter
+        ended, tensors among them: a C++ abort at exit)."""
+        frame = sys._current_frames().get(loop_thread)
+        return None if frame is None else stall_site(frame)
 
     def sites(self) -> dict[str, int]:
         """The SITES places the loop was found stalled most often, with how many times."""
