@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal
 import sys
 from collections.abc import Sequence
@@ -55,13 +56,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if settings.strict_model:
         check_strict(settings.model, engine_devices(settings))
     setup_logging(settings, LOG_FORMAT)
-    if settings.workers > 0:
-        sys.exit(run(settings))
     try:
+        if settings.workers > 0:
+            sys.exit(run(settings))
         asyncio.run(_run(settings))
     except ModelUnavailable as e:   # a load that failed under --strict-model: its reason, in one line
         raise SystemExit(str(e)) from None
-
+    except OSError as e:            # a port another process holds (a second server, most often): in one line
+        if e.errno != errno.EADDRINUSE:
+            raise
+        raise SystemExit(f"{e.strerror}: another process listens there (--port, --sip-port, --agent-port and "
+                         f"--audiosocket-port choose the ports)") from None
 
 if __name__ == "__main__":
     main()

@@ -33,7 +33,7 @@ import pytest
 from aiohttp import web
 
 from app.shell.context import CONTEXT, ServerContext
-from app.shell.server import create_app
+from app.shell.server import create_app, set_up
 from app.shell.settings import Settings
 from media.resample import Resampler
 from model.loading import load_model
@@ -120,13 +120,7 @@ async def start_server(tiny_checkpoint: Path) -> AsyncIterator[Callable[..., Awa
         settings = server_settings(checkpoint, **overrides)
         app = create_app(settings, model=load_model(str(checkpoint)))
         runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s)
-        try:
-            await runner.setup()
-        except BaseException:  # what its startup had started (the engine, a door's sockets) stops with it
-            app.freeze()  # the runner freezes it only after a startup that returned
-            await app.shutdown()
-            await runner.cleanup()
-            raise
+        await set_up(runner)
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = runner.addresses[0][1]

@@ -4,12 +4,13 @@ anything starts; every flag says what it does."""
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from process_support import ROOT, cli_env
+from process_support import ROOT, cli_env, tiny_cache
 
 from app.shell.settings import Settings, build_parser, parse_settings
 
@@ -59,6 +60,30 @@ def test_strict_model_ends_the_server_when_the_load_fails(tmp_path, workers):
     assert done.returncode != 0, done.stderr
     assert f"--strict-model: {tmp_path} did not load" in done.stderr
     assert "Traceback" not in done.stderr and "starting it again" not in done.stderr and "TINY" not in done.stderr
+
+
+@pytest.mark.parametrize(("flag", "workers"), [("--port", "0"), ("--port", "2"), ("--sip-port", "0"),
+                                             ("--sip-port", "2"), ("--agent-port", "2"), ("--audiosocket-port", "0")])
+def test_a_port_another_process_holds_ends_the_server_in_one_line_naming_it(tiny_checkpoint, tmp_path, flag,
+                                                                            workers):
+    """A second server on the same port (the most common mistake): one process or several, the server ends with
+    the port named, instead of a traceback, a worker started again and again, or (the agent-check port, bound after
+    the processes had started) a supervisor that never exits."""
+    kind = socket.SOCK_DGRAM if flag == "--sip-port" else socket.SOCK_STREAM  # the SIP door's UDP side first
+    with socket.socket(socket.AF_INET, kind) as held:
+        held.bind(("127.0.0.1", 0))
+        if kind == socket.SOCK_STREAM:
+            held.listen()
+        port = str(held.getsockname()[1])
+        args = {"--port": "0", flag: port}
+        done = subprocess.run([sys.executable, "-m", "app", "--model", "tiny", "--host", "127.0.0.1", "--workers",
+                               workers, "--cache-dir", str(tiny_cache(tiny_checkpoint, tmp_path / "cache")),
+                               *(x for pair in args.items() for x in pair)],
+                              cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+    named = [line for line in done.stderr.splitlines() if port in line and "in use" in line.lower()]
+    assert done.returncode > 0 and named, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "starting it again" not in done.stderr, done.stderr[-3000:]
+    assert "leaked" not in done.stderr, done.stderr[-3000:]  # what the failed start had started, stopped
 
 
 @pytest.mark.parametrize(("flag", "value"), [

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import multiprocessing
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
 EXIT_MODEL_UNAVAILABLE = 3   # an engine process's status when --strict-model refused the model: not restarted
+EXIT_PORT_IN_USE = 4         # a worker's when a door's port is another process's (the SIP door's): not restarted
 MAX_RESTARTS = 5          # of one process within RESTART_WINDOW_S, before the server gives up
 RESTART_WINDOW_S = 30.0
 DRAIN_POLL_S = 0.2        # how often a draining supervisor asks whether sessions are left
@@ -60,7 +62,11 @@ def port_socket(host: str, port: int, listen: bool) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(address)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"the port {port} on {host}: {exc.strerror}") from None
     if listen:
         sock.listen(1024)
         sock.setblocking(False)
@@ -147,7 +153,13 @@ def worker_main(settings: Settings, paths: list[str], devices: list[str], worker
         await _until_sigterm(asyncio.ensure_future(serve(settings, sock=sock, engines=(paths, devices),
                                                          worker=worker, until=drain_when_told)))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        logger.error("worker %d: %s", worker, e.strerror)
+        sys.exit(EXIT_PORT_IN_USE)
 
 
 def sip_alone(settings: Settings, worker: int) -> bool:
@@ -203,6 +215,8 @@ class Supervisor:
         return True
 
     def start(self) -> None:
+        if self.settings.agent_port:  # first: a port another process holds ends the start before any process
+            self._start_agent()
         for n in range(len(self.engines)):
             self._start_engine(n)
         for n in range(len(self.workers)):
@@ -211,8 +225,6 @@ class Supervisor:
         logger.info("listening on http://%s:%d (%d worker processes%s; engine processes %s)", self.settings.host,
                     self.port, len(self.workers), alone, ", ".join(f"{e.pid} on {d}" for e, d in zip(
                         self.engines, self.devices, strict=True) if e is not None))
-        if self.settings.agent_port:
-            self._start_agent()
 
     def signal(self, sig: int) -> None:
         """SIGTERM: drain, and a second one stops at once; SIGINT stops at once."""
@@ -246,7 +258,11 @@ class Supervisor:
         family = socket.getaddrinfo(self.settings.host, self.settings.agent_port, type=socket.SOCK_STREAM)[0][0]
         server_class = type("AgentServer", (socketserver.ThreadingTCPServer,), {
             "address_family": family, "allow_reuse_address": True, "daemon_threads": True})
-        self._agent = server_class((self.settings.host, self.settings.agent_port), Answer)
+        try:
+            self._agent = server_class((self.settings.host, self.settings.agent_port), Answer)
+        except OSError as exc:
+            raise OSError(exc.errno, f"the agent-check port {self.settings.agent_port} on {self.settings.host}: "
+                                     f"{exc.strerror}") from None
         threading.Thread(target=self._agent.serve_forever, name="agent-check", daemon=True).start()
         logger.info("agent-check on %s:%d", self.settings.host, self.settings.agent_port)
 
@@ -268,6 +284,9 @@ class Supervisor:
                     self._start_engine(n)
             for n, worker in enumerate(self.workers):
                 if worker is not None and not worker.is_alive():
+                    if worker.exitcode == EXIT_PORT_IN_USE:
+                        logger.error("worker %d cannot listen where it is told: stopping the server", n)
+                        return 1
                     logger.error("worker %d (pid %d) exited (%s); its sessions' slots are free; starting it again",
                                  n, worker.pid, worker.exitcode)
                     if not self._may_restart(f"worker-{n}"):
@@ -331,8 +350,8 @@ def run(settings: Settings) -> int:
     supervisor = Supervisor(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda received, _frame: supervisor.signal(received))
-    supervisor.start()
     try:
+        supervisor.start()
         return supervisor.watch()
     finally:
         supervisor.stop()

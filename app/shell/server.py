@@ -304,6 +304,20 @@ def create_app(settings: Settings, *, model: PersonaPlex | None = None,
     return app
 
 
+async def set_up(runner: web.AppRunner) -> None:
+    """`runner.setup()`; when the app's startup fails, what it had started (the engine, a door's sockets) stops
+    before the error goes on."""
+    try:
+        await runner.setup()
+    except BaseException:
+        runner.app.freeze()  # the runner freezes it only after a startup that returned
+        try:
+            await runner.app.shutdown()
+        finally:
+            await runner.cleanup()  # the engine stops here (on_cleanup), whatever a door's shutdown raised
+        raise
+
+
 async def serve(settings: Settings, *, sock: socket.socket | None = None,
                 engines: tuple[list[str], list[str]] | None = None, worker: int = 0,
                 until: Callable[[ServerContext], Awaitable[None]] | None = None) -> None:
@@ -318,27 +332,27 @@ async def serve(settings: Settings, *, sock: socket.socket | None = None,
     app = create_app(settings, engine=engine)
     runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout_s,
                             access_log_class=RedactingAccessLogger)
-    await runner.setup()
-    site = None
-    if sock is not None or engine is None:
-        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
-    if engine is not None:  # where the other workers forward requests for this one's calls (worker_routing.py)
-        await web.UnixSite(runner, worker_socket(engine.folder, worker)).start()
-        freeze_startup_objects()  # one process alone: the engine's start freezes it (model/engine/core.py)
-    ctx = app[CONTEXT]
+    await set_up(runner)
     agent = None
-    if engine is None and settings.agent_port:
-        agent = await serve_agent(settings.host, settings.agent_port, lambda: ready_report(ctx))
-        logger.info("agent-check on %s:%d", settings.host, settings.agent_port)
-    if engine is None and site is not None:
-        for bound in site._server.sockets if site._server else ():  # type: ignore[union-attr]
-            host, port = bound.getsockname()[:2]
-            logger.info("listening on http://%s:%d (%s; %d sessions)", host, port, ctx.model_id,
-                        settings.max_sessions)
     try:
+        site = None
+        if sock is not None or engine is None:
+            site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, settings.host, settings.port)
+            await site.start()
+        if engine is not None:  # where the other workers forward requests for this one's calls (worker_routing.py)
+            await web.UnixSite(runner, worker_socket(engine.folder, worker)).start()
+            freeze_startup_objects()  # one process alone: the engine's start freezes it (model/engine/core.py)
+        ctx = app[CONTEXT]
+        if engine is None and settings.agent_port:
+            agent = await serve_agent(settings.host, settings.agent_port, lambda: ready_report(ctx))
+            logger.info("agent-check on %s:%d", settings.host, settings.agent_port)
+        if engine is None and site is not None:
+            for bound in site._server.sockets if site._server else ():  # type: ignore[union-attr]
+                host, port = bound.getsockname()[:2]
+                logger.info("listening on http://%s:%d (%s; %d sessions)", host, port, ctx.model_id,
+                            settings.max_sessions)
         await (until(ctx) if until is not None else asyncio.Event().wait())
-    finally:
+    finally:  # also when a port could not be bound: the engine and the doors stop, and the process can end
         with contextlib.suppress(Exception):
             await runner.cleanup()
         if agent is not None:

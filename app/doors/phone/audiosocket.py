@@ -125,4 +125,6 @@ async def _listen(app: web.Application) -> None:
 
 
 async def _stop_listening(app: web.Application) -> None:
-    app[AUDIOSOCKET].close()   # no new calls; the open ones end with the server's shutdown
+    listening = app.get(AUDIOSOCKET)  # none when the start failed (a port another process holds)
+    if listening is not None:
+        listening.close()   # no new calls; the open ones end with the server's shutdown

@@ -97,9 +97,14 @@ class Sockets:
             def error_received(self, exc: Exception) -> None:
                 pass  # ICMP errors for a caller that went away
 
-        self._udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(host, port))
-        self.port = self._udp.get_extra_info("sockname")[1]
-        self._tcp = await asyncio.start_server(self._tcp_connection, host, self.port, limit=MAX_SIP_BYTES)
+        try:
+            self._udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(host, port))
+            self.port = self._udp.get_extra_info("sockname")[1]
+            self._tcp = await asyncio.start_server(self._tcp_connection, host, self.port, limit=MAX_SIP_BYTES)
+        except OSError as exc:  # another process holds the port, on either transport: the operator's to see
+            if self._udp is not None:
+                self._udp.close()
+            raise OSError(exc.errno, f"the SIP port {port} on {host}: {exc.strerror}") from None
 
     def _udp_send(self, data: bytes, addr: tuple[str, int]) -> None:
         if self._udp is not None and not self._udp.is_closing():
