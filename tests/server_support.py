@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import inspect
 import json
 import time
@@ -113,3 +114,15 @@ async def eventually(check: Callable[[], Any | Awaitable[Any]], timeout_s: float
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s} s (last: {str(value)[:2000]})")
         await asyncio.sleep(every_s)
+
+
+async def start_on_free_ports(start_server: Callable[..., Awaitable[Any]], choose: Callable[[], dict[str, Any]],
+                              **overrides: Any) -> Any:
+    """`start_server(**choose(), **overrides)`, `choose` finding free ports for it: a port found free may be taken
+    before the server binds it (a neighbour test's socket, on a busy machine), and then they are chosen again."""
+    for attempt in range(1, 6):
+        try:
+            return await start_server(**choose(), **overrides)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == 5:
+                raise

@@ -8,7 +8,6 @@ ALSA null device is the speaker, and the sndfile module records what it hears (`
 from __future__ import annotations
 
 import asyncio
-import errno
 import shutil
 import socket
 import wave
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tests.server_support import start_on_free_ports
 
 BARESIP = shutil.which("baresip")
 MODULES = Path("/usr/lib/baresip/modules")
@@ -46,15 +47,11 @@ def free_port(pair: bool = False) -> int:
 
 
 async def start_sip_server(start_server: Callable[..., Awaitable[Any]], **overrides: Any) -> Any:
-    """`start_server(**overrides)` with the SIP door on a free port and RTP on free ports after it. A port found
-    free may be taken before the server binds it (a neighbour test's socket, on a busy machine): then another."""
-    for attempt in range(1, 6):
-        sip, base = free_port(), free_port(pair=True)
-        try:
-            return await start_server(sip_port=sip, rtp_ports=f"{base}-{base + 40}", **overrides)
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE or attempt == 5:
-                raise
+    """`start_server(**overrides)` with the SIP door on a free port and RTP on free ports after it."""
+    def ports() -> dict[str, Any]:
+        base = free_port(pair=True)
+        return {"sip_port": free_port(), "rtp_ports": f"{base}-{base + 40}"}
+    return await start_on_free_ports(start_server, ports, **overrides)
 
 
 def write_wav(path: Path, samples: np.ndarray, rate: int) -> None:

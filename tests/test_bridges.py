@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from server_support import b64, closed_with, expect_error, next_event, wait_in_use
+from server_support import b64, closed_with, expect_error, next_event, start_on_free_ports, wait_in_use
 
 from media.resample import Resampler
 
@@ -280,6 +280,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def audiosocket_server(start_server, **overrides):
+    """A server listening for AudioSocket on a free port, and that port."""
+    server = await start_on_free_ports(start_server, lambda: {"audiosocket_port": free_port()}, **overrides)
+    return server, server.ctx.settings.audiosocket_port
+
+
 def frame(kind: int, payload: bytes = b"") -> bytes:
     return bytes((kind,)) + len(payload).to_bytes(2, "big") + payload
 
@@ -290,8 +296,7 @@ async def read_frame(reader: asyncio.StreamReader, timeout: float = 10.0) -> tup
 
 
 async def test_audiosocket_call(start_server, speech_24k):
-    port = free_port()
-    server = await start_server(audiosocket_port=port)
+    server, port = await audiosocket_server(start_server)
     audio = caller_audio(speech_24k, 8000)
     chunks = [l16(audio[i:i + 160]) for i in range(0, audio.size - 159, 160)]
     heard: list[tuple[float, int, bytes]] = []
@@ -340,8 +345,7 @@ async def _hung_up(reader: asyncio.StreamReader) -> bool:
 
 @pytest.mark.parametrize("first", [frame(0x10, b"\0" * 320), frame(0x01, b"short")])
 async def test_audiosocket_malformed_first_frame_hangs_up(start_server, first):
-    port = free_port()
-    await start_server(audiosocket_port=port)
+    _, port = await audiosocket_server(start_server)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(first)
     assert await _hung_up(reader)
@@ -350,8 +354,7 @@ async def test_audiosocket_malformed_first_frame_hangs_up(start_server, first):
 
 @pytest.mark.parametrize("bad", [frame(0x42, b"x"), frame(0x10), frame(0x10, b"\0" * 321), frame(0x18, b"\0" * 8)])
 async def test_audiosocket_malformed_frame_hangs_up_and_frees_the_slot(start_server, bad):
-    port = free_port()
-    server = await start_server(audiosocket_port=port)
+    server, port = await audiosocket_server(start_server)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(frame(0x01, uuid.uuid4().bytes) + frame(0x10, b"\0" * 320) + bad)
     assert await _hung_up(reader)
@@ -364,8 +367,7 @@ async def test_audiosocket_that_never_reads_is_dropped_with_frames_only(start_se
     """Asterisk stops reading: the output bound ends the call and frees the slot, and nothing but frames was ever
     written, the hang-up last (the output-backpressure error is an event, which this transport has no way to
     carry)."""
-    port = free_port()
-    server = await start_server(audiosocket_port=port, max_output_bytes=4096, max_output_backlog_s=1.0)
+    server, port = await audiosocket_server(start_server, max_output_bytes=4096, max_output_backlog_s=1.0)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
@@ -391,8 +393,7 @@ async def test_audiosocket_that_never_reads_is_dropped_with_frames_only(start_se
 # ---- a full server -----------------------------------------------------------------------------------------------
 
 async def test_full_server_refuses_every_bridge(start_server):
-    port = free_port()
-    server = await start_server(max_sessions=1, audiosocket_port=port)
+    server, port = await audiosocket_server(start_server, max_sessions=1)
     async with aiohttp.ClientSession() as http:
         first = await http.ws_connect(server.ws("/v1/vonage"))
         await first.send_json({"event": "websocket:connected", "content-type": "audio/l16;rate=8000"})
