@@ -17,11 +17,12 @@ server's WebRTC input now uses for FEC).
 
 `--downlink` measures the other direction, what the server sends a browser: its own encoder (media/tracks.py's
 ContainedOpusEncoder, 24 kHz mono at 48 kb/s) without in-band FEC, with `DOWNLINK_FEC_LOSS_PCT`, and with that and RED
-(media/red.py, once redundant, as with a browser that offers it: `fec_10_red`), each decoded as a browser's player
-does (a lost packet from its successor's RED block where it came, else from its FEC where that has some, concealed
-otherwise), in dB against the speech itself: over the lost stretches, over the whole stream, and the whole stream
-with no loss (what the redundancy costs the packets that arrive), with the bit rate (RED's headers included) and the
-share of lost packets that decoded bit for bit as if they had arrived (`lost_as_if_received`).
+(media/red.py, once redundant, as with a browser that offers it: `fec_10_red`; twice: `fec_10_red2`), each decoded
+as a browser's player does (a lost packet from a RED block of the first of its successors that came, else from its
+next packet's FEC where that has some, concealed otherwise), in dB against the speech itself: over the lost
+stretches, over the whole stream, and the whole stream with no loss (what the redundancy costs the packets that
+arrive), with the bit rate (RED's headers included) and the share of lost packets that decoded bit for bit as if
+they had arrived (`lost_as_if_received`).
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ def downlink(seconds: float, link: Link, seed: int) -> dict[str, object]:
     lost = [not model.schedule(i * 0.02) for i in range(pcm.size // step)]
     report: dict[str, object] = {"bench": "impair_opus_downlink", "seconds": seconds, "link": link.__dict__,
                                  "packets": len(lost), "lost": int(sum(lost))}
-    for variant, loss_pct, red in (("fec_0", 0, False), (f"fec_{DOWNLINK_FEC_LOSS_PCT}", DOWNLINK_FEC_LOSS_PCT, False),
-                                   (f"fec_{DOWNLINK_FEC_LOSS_PCT}_red", DOWNLINK_FEC_LOSS_PCT, True)):
+    fec = f"fec_{DOWNLINK_FEC_LOSS_PCT}"
+    for variant, loss_pct, red in (("fec_0", 0, 0), (fec, DOWNLINK_FEC_LOSS_PCT, 0),
+                                   (f"{fec}_red", DOWNLINK_FEC_LOSS_PCT, 1), (f"{fec}_red2", DOWNLINK_FEC_LOSS_PCT, 2)):
         encoder, sent = ContainedOpusEncoder(expected_loss_pct=loss_pct), []
-        encoder.red = Redundancy(RedFormat(63, 111, 1)) if red else None
+        encoder.red = Redundancy(RedFormat(63, 111, red)) if red else None
         for i in range(len(lost)):
             frame = av.AudioFrame.from_ndarray(pcm[None, i * step:(i + 1) * step], format="s16", layout="mono")
             frame.sample_rate, frame.pts, frame.time_base = 24000, i * step, fractions.Fraction(1, 24000)
@@ -114,7 +116,9 @@ def downlink(seconds: float, link: Link, seed: int) -> dict[str, object]:
             decoder, out = OpusDecoder(24000), []
             for i, pkt in enumerate(packets):
                 arrived = i + 1 < len(packets) and not dropped[i + 1]
-                copy = next((b.data for b in blocks[i + 1][:-1] if b.offset == 2 * step), None) if arrived else None
+                # The first of the next `red` packets that came carries this one `k` packets back (48 kHz offsets).
+                copy = next((b.data for k in range(1, red + 1) if i + k < len(packets) and not dropped[i + k]
+                             for b in blocks[i + k][:-1] if b.offset == 2 * step * k), None)
                 if not dropped[i]:
                     out.append(decoder.decode(pkt))
                 elif copy is not None:
@@ -151,7 +155,7 @@ def main() -> None:
     p.add_argument("--fec-loss-pct", type=int, default=10, help="the encoder's expected loss (libopus `packet_loss`)")
     p.add_argument("--seed", type=int, default=30)
     p.add_argument("--downlink", action="store_true",
-                   help="the server's own encoder: without FEC, with it, with it and RED")
+                   help="the server's own encoder: without FEC, with it, with it and RED once or twice redundant")
     args = p.parse_args()
     if args.downlink:
         print(json.dumps(downlink(args.seconds, args.link, args.seed)))
