@@ -68,5 +68,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"{e.strerror}: another process listens there (--port, --sip-port, --agent-port and "
                          f"--audiosocket-port choose the ports)") from None
 
+
 if __name__ == "__main__":
     main()
