@@ -9,14 +9,16 @@ loss. The price is the bit rate: one redundant block doubles it (Opus at 48 kb/s
   many earlier packets it carries (its fmtp lists the blocks, the primary last).
 - `pack(...)` / `unpack(payload)`: the payload format (RFC 2198 §3): a 4-byte header per redundant block (F bit,
   block payload type, 14-bit timestamp offset, 10-bit length), a 1-byte header for the primary, then the blocks.
-- `Redundancy`: a sender's memory of its recent packets, wrapping each new one with them.
+- `Redundancy`: a sender's memory of its recent packets, wrapping each new one with the last `depth` of them.
+- `RedDepth`: that depth from the loss a caller's RTCP receiver reports: once redundant as negotiated, twice while
+  the link loses much (a burst's second packet comes back too).
 - `with_red_offer(sdp)`: an offer that proposes RED over its Opus format, as a browser's does.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from media.opus import rtpmap_payload_types
 
@@ -24,6 +26,16 @@ RED_CODEC = "red/48000/2"
 MAX_OFFSET = (1 << 14) - 1        # RTP clock ticks a redundant block may lie behind the primary
 MAX_BLOCK = (1 << 10) - 1         # bytes in a redundant block
 MAX_REDUNDANT = 2                 # earlier packets carried at the most, whatever a peer's fmtp lists
+# RedDepth: what a caller's receiver reports over an interval of at least REPORTED_PACKETS packets (5 s: Chromium
+# reports about that often; over aiortc's 1 s, 50 packets, a far link's 1 % lost two or more in one of eleven). At
+# DEEPEN_LOSS or more each packet carries two earlier ones (three times the bit rate); after CALM_REPORTS intervals
+# under CALM_LOSS, one again. Measured (`python3 -m bench.impair_opus --downlink`, docs/benchmarks.md): bursts of
+# three at 5 % lose half as many packets for good with two as with one; of 1 % of isolated losses, one brings back all
+# but 2 of 31.
+DEEPEN_LOSS = 0.03
+CALM_LOSS = 0.01
+CALM_REPORTS = 3
+REPORTED_PACKETS = 250
 
 
 @dataclass(frozen=True)
@@ -98,17 +110,60 @@ def unpack(payload: bytes) -> list[Block]:
 
 
 class Redundancy:
-    """What a RED sender keeps: its last `redundant` packets and their RTP times, each carried by the packets after."""
+    """What a RED sender keeps: its last packets and their RTP times, the last `depth` of them carried by each packet
+    after (the format's count at first; `RedDepth` may deepen it, up to MAX_REDUNDANT: a receiver takes whatever
+    blocks a packet has, as Chromium's and ours do)."""
 
     def __init__(self, fmt: RedFormat) -> None:
         self.format = fmt
-        self._recent: deque[tuple[int, bytes]] = deque(maxlen=fmt.redundant)
+        self.depth = fmt.redundant
+        self._recent: deque[tuple[int, bytes]] = deque(maxlen=MAX_REDUNDANT)
 
     def wrap(self, primary: bytes, timestamp: int) -> bytes:
         """The RED payload for `primary` at RTP time `timestamp` (wrapping 32-bit arithmetic)."""
-        earlier = [((timestamp - at) & 0xFFFFFFFF, data) for at, data in self._recent]
+        depth = self.depth  # read once: another thread may change it between packets
+        carried = list(self._recent)[len(self._recent) - depth:] if depth > 0 else []
+        earlier = [((timestamp - at) & 0xFFFFFFFF, data) for at, data in carried]
         self._recent.append((timestamp, primary))
         return pack(self.format.opus_type, primary, earlier)
+
+
+@dataclass
+class RedDepth:
+    """How many earlier packets a RED sender carries, from its receiver's RTCP reports: `report(lost, received)`
+    takes their running counts (a `remote-inbound-rtp` stat's `packetsLost` and `packetsReceived`) and gives the
+    depth, `base` (the negotiated count) while the loss is low, MAX_REDUNDANT from an interval that loses DEEPEN_LOSS
+    or more until CALM_REPORTS intervals in a row lose under CALM_LOSS. An interval is what came since the last one
+    counted, once it spans REPORTED_PACKETS packets (Chromium reports every ~5 s, aiortc every ~1 s)."""
+
+    base: int = 1
+    depth: int = field(init=False)
+    deepened: int = field(default=0, init=False)      # times it went to MAX_REDUNDANT
+    _lost: int = field(default=0, init=False, repr=False)
+    _received: int = field(default=0, init=False, repr=False)
+    _calm: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.depth = self.base
+
+    def report(self, lost: int, received: int) -> int:
+        new_lost, new_received = max(0, lost - self._lost), max(0, received - self._received)
+        if new_lost + new_received < REPORTED_PACKETS:
+            return self.depth
+        self._lost, self._received = lost, received
+        loss = new_lost / (new_lost + new_received)
+        if loss >= DEEPEN_LOSS:
+            self._calm = 0
+            if self.depth < MAX_REDUNDANT:
+                self.depth = MAX_REDUNDANT
+                self.deepened += 1
+        elif loss < CALM_LOSS:
+            self._calm += 1
+            if self._calm >= CALM_REPORTS:
+                self.depth = self.base
+        else:
+            self._calm = 0
+        return self.depth
 
 
 def with_red_offer(sdp: str, payload_type: int = 63) -> str:

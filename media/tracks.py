@@ -43,7 +43,7 @@ from aiortc.rtp import RtpPacket
 
 from media.opus import OpusDecoder, asks_inband_fec, rtpmap_payload_types
 from media.pacing import Pacer, SendGrid
-from media.red import RedFormat, Redundancy, red_format, unpack
+from media.red import MAX_REDUNDANT, RedFormat, Redundancy, red_format, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +193,8 @@ class InboundAudio:
         return False, None
 
     def _opus(self, packet: RtpPacket) -> tuple[bytes, list[tuple[int, bytes]]]:
-        """A packet's Opus payload and, from a RED packet, its newest earlier blocks (as many as the format carries)
-        as (RTP ticks before it, payload)."""
+        """A packet's Opus payload and, from a RED packet, its newest earlier blocks (up to MAX_REDUNDANT, whatever
+        the format names: a sender deepens its RED on a lossy link, `RedDepth`) as (RTP ticks before it, payload)."""
         payload: bytes = packet._data  # type: ignore[attr-defined]
         red = self.red
         if red is None or packet.payload_type != red.payload_type:
@@ -204,7 +204,7 @@ class InboundAudio:
         blocks = unpack(payload)
         if any(b.payload_type != red.opus_type for b in blocks):
             raise ValueError("a RED block that is not Opus")
-        return blocks[-1].data, [(b.offset, b.data) for b in blocks[:-1][-red.redundant:]]
+        return blocks[-1].data, [(b.offset, b.data) for b in blocks[:-1][-MAX_REDUNDANT:]]
 
     def _recover(self, t: int, earlier: list[tuple[int, bytes]]) -> list[tuple[int, np.ndarray]]:
         """The earlier blocks of a packet at RTP time `t` that fill where nothing has come yet (from the in-order end

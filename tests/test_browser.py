@@ -10,12 +10,15 @@ hiding of host addresses (aiortc cannot resolve `.local` names).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_impaired_doors import LoopLag
@@ -23,7 +26,7 @@ from webrtc_support import ensure_ice_host_address, espeak_wav
 
 from app.doors.webrtc.client import RealtimeCall
 from app.doors.webrtc.routes import CALLS
-from bench.impair import FAR, UdpRelay
+from bench.impair import FAR, PRESETS, Link, UdpRelay
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -97,6 +100,13 @@ def after_a_loss(lost_at: list[float], within_s: float = 0.03) -> int:
     """How many of a link's losses came within `within_s` of the one before: the packet after a lost one carries
     it in RED, so it is these that RED (once redundant) cannot bring back."""
     return sum(1 for a, b in pairwise(sorted(lost_at)) if b - a < within_s)
+
+
+def after_two_losses(lost_at: list[float]) -> int:
+    """How many of a link's losses came within 50 ms of the one two before: what RED twice redundant (each packet
+    carrying the two before it) cannot bring back, a burst's all but its last two."""
+    times = sorted(lost_at)
+    return sum(1 for a, b in zip(times, times[2:]) if b - a < 0.05)
 
 
 async def wait_until(predicate, timeout_s: float, what: str):
@@ -215,19 +225,12 @@ def through(sdp: str, address: tuple[str, int]) -> tuple[str, tuple[str, int]]:
     return out, found[0]
 
 
-async def test_a_far_caller_in_the_browser_hears_the_model_whole(server, browser_factory, mic_wav):
-    """The page's call behind issue 30's far link both ways (150 ms round trip, +-30 ms jitter, 1 % loss, 0.5 %
-    reordering: bench.impair's UDP relay, the offer's and the answer's candidates moved onto it). What the caller
-    hears is the browser's own player's (Chromium's NetEq, through getStats, after the call's first second): the
-    model's audio plays on without a gap the link does not explain, and its delay stays bounded. The browser offers
-    RED (`red/48000/2`, Opus once redundant) and the server takes it both ways, so every lost packet comes back whole
-    from the next one but a loss right after another: the player conceals no more than those, give or take its 10 ms
-    blocks, + 20 ms a minute, + what this machine held the loop the server sends from (the server runs in the test's
-    process); and the server's input conceals no more than the uplink's such losses. (With in-band FEC alone, before
-    RED, the player concealed 43-79 ms of 40-100 ms lost in 12 s; with RED, 0 in three runs.) The server's input side
-    is judged further by the aiortc caller of tests/test_impaired_doors.py."""
+@contextlib.asynccontextmanager
+async def call_through(server, browser_factory, mic_wav, up: Link, down: Link) -> AsyncIterator[tuple[Any, UdpRelay]]:
+    """The page's call with every datagram through bench.impair's UDP relay (`up` from the browser, `down` to it):
+    the offer's and the answer's candidates moved onto it; yielded once the model's audio plays."""
     host = ensure_ice_host_address()[0]
-    relay = await UdpRelay(FAR, FAR, seed=30, host=host).start()
+    relay = await UdpRelay(up, down, seed=30, host=host).start()
     browser = await browser_factory(chromium_args(mic_wav))
     page = await browser.new_page()
 
@@ -243,6 +246,23 @@ async def test_a_far_caller_in_the_browser_hears_the_model_whole(server, browser
         await page.click("#start")
         await wait_until(lambda: page.evaluate("window.personaplex.state === 'connected'"), 20, "the far call")
         await wait_until(lambda: _heard(page), 20, "model audio through the far link")
+        yield page, relay
+    finally:
+        relay.close()
+
+
+async def test_a_far_caller_in_the_browser_hears_the_model_whole(server, browser_factory, mic_wav):
+    """The page's call behind issue 30's far link both ways (150 ms round trip, +-30 ms jitter, 1 % loss, 0.5 %
+    reordering: bench.impair's UDP relay, the offer's and the answer's candidates moved onto it). What the caller
+    hears is the browser's own player's (Chromium's NetEq, through getStats, after the call's first second): the
+    model's audio plays on without a gap the link does not explain, and its delay stays bounded. The browser offers
+    RED (`red/48000/2`, Opus once redundant) and the server takes it both ways, so every lost packet comes back whole
+    from the next one but a loss right after another: the player conceals no more than those, give or take its 10 ms
+    blocks, + 20 ms a minute, + what this machine held the loop the server sends from (the server runs in the test's
+    process); and the server's input conceals no more than the uplink's such losses. (With in-band FEC alone, before
+    RED, the player concealed 43-79 ms of 40-100 ms lost in 12 s; with RED, 0 in three runs.) The server's input side
+    is judged further by the aiortc caller of tests/test_impaired_doors.py."""
+    async with call_through(server, browser_factory, mic_wav, FAR, FAR) as (page, relay):
         await asyncio.sleep(1.0)
         before, began, lag = await inbound_audio(page), time.monotonic(), LoopLag()
         await asyncio.sleep(FAR_CALL_S)
@@ -280,5 +300,41 @@ async def test_a_far_caller_in_the_browser_hears_the_model_whole(server, browser
         unrecovered = received.lost_frames - received.red_frames - received.fec_frames
         assert unrecovered <= after_a_loss(up.lost_at), received
         assert inbound.concealed_ms <= 20.0 * unrecovered + 20.0 * minutes, (inbound, received)
-    finally:
-        relay.close()
+
+
+BURSTY_CALL_S = 10.0
+
+
+async def test_a_browser_on_a_bursty_link_gets_red_twice_redundant_and_its_player_takes_both(server, browser_factory,
+                                                                                              mic_wav):
+    """Bursts of loss on the way to the browser (bench.impair's `bursty`: 5 % in bursts of 3 on average, the far
+    link's delay and jitter): its receiver reports (RTCP, ~5 s apart) say so, the server's RED then carries two
+    earlier packets where Chromium's offer named one (media.red.RedDepth), and Chromium's player takes both blocks:
+    from then on it conceals no more than the losses two after a loss (a burst's all but its last two), give or
+    take its 10 ms blocks, + 20 ms a minute, + what this machine held the server's loop; once redundant, those
+    right after a loss would have been concealed too."""
+    async with call_through(server, browser_factory, mic_wav, FAR, PRESETS["bursty"]) as (page, relay):
+        served = next(iter(server.app[CALLS].values()))
+
+        async def deepened() -> bool:
+            return served.opus.red is not None and served.opus.red.depth == 2
+
+        await wait_until(deepened, 30, "RED twice redundant, from the browser's receiver reports")
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(0.5)  # the packets the browser holds from before
+        before, began, lag = await inbound_audio(page), loop.time(), LoopLag()
+        await asyncio.sleep(BURSTY_CALL_S)
+        after, ended = await inbound_audio(page), loop.time()
+        lag.stop()
+        lost_at = [t for t in relay.down_model.stats.lost_at if began - 0.5 <= t <= ended]
+        concealed_ms = (after["concealed"] - before["concealed"]) / 48.0
+        events = after["events"] - before["events"]
+        print(json.dumps({"door": "webrtc", "client": "chromium", "link": "bursty down, far up",
+                          "red_depth": served.opus.red.depth, "deepened": served.red_depth.deepened,
+                          "concealed_ms": round(concealed_ms, 1), "concealment_events": events,
+                          "lost": len(lost_at), "lost_after_a_loss": after_a_loss(lost_at),
+                          "lost_after_two_losses": after_two_losses(lost_at), "loop_held_ms": round(lag.held_ms, 1),
+                          "down": relay.down_model.stats.summary()}))
+        assert served.opus.red.depth == 2 and len(lost_at) >= 5, lost_at
+        assert concealed_ms <= (20.0 * after_two_losses(lost_at) + 10.0 * events
+                                + 20.0 * (ended - began) / 60.0 + lag.held_ms), (concealed_ms, events)

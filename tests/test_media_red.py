@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from media.red import Block, RedFormat, Redundancy, pack, red_format, unpack, with_red_offer
+from media.red import Block, RedDepth, RedFormat, Redundancy, pack, red_format, unpack, with_red_offer
 
 # The audio section of Chromium 150's offer (its own createOffer, headless), as the server receives it.
 CHROMIUM_AUDIO = "\r\n".join([
@@ -71,3 +71,32 @@ def test_our_offer_proposes_red_once_over_its_opus_as_chromium_does():
     assert with_red_offer(offered) == offered and with_red_offer(CHROMIUM_AUDIO) == CHROMIUM_AUDIO
     no_opus = "\r\n".join(["m=audio 9 RTP/AVP 0", "a=rtpmap:0 PCMU/8000", ""])
     assert with_red_offer(no_opus) == no_opus
+
+
+def test_a_deepened_sender_carries_its_last_two_packets_and_one_again_once_shallow():
+    sender = Redundancy(RedFormat(63, 111, 1))
+    sender.wrap(b"a", 0)
+    sender.depth = 2
+    assert unpack(sender.wrap(b"b", 960)) == [Block(111, 960, b"a"), Block(111, 0, b"b")]  # only one to carry yet
+    assert unpack(sender.wrap(b"c", 1920)) == [Block(111, 1920, b"a"), Block(111, 960, b"b"), Block(111, 0, b"c")]
+    sender.depth = 1
+    assert unpack(sender.wrap(b"d", 2880)) == [Block(111, 960, b"c"), Block(111, 0, b"d")]
+
+
+def test_red_deepens_on_an_interval_that_loses_much_and_comes_back_after_calm_ones():
+    depth, lost, received = RedDepth(base=1), 0, 0
+
+    def interval(new_lost: int, new_received: int) -> int:
+        nonlocal lost, received
+        lost, received = lost + new_lost, received + new_received
+        return depth.report(lost, received)
+
+    assert interval(2, 248) == 1                     # 0.8 %: a far link's isolated losses, once is enough
+    assert interval(8, 60) == 1                      # too few packets to say: counted with the next
+    assert interval(0, 190) == 2                     # 8 of 258 since the last interval counted: 3.1 %
+    assert depth.report(lost, received) == 2         # the same report read again changes nothing
+    assert [interval(0, 250), interval(0, 250)] == [2, 2]
+    assert interval(5, 245) == 2                     # 2 %: not calm, the calm count starts again
+    assert [interval(0, 250), interval(0, 250), interval(0, 250)] == [2, 2, 1]
+    assert interval(25, 225) == 2 and depth.deepened == 2
+    assert interval(-5, 250) == 2                    # a report whose lost count went down (duplicates): none lost

@@ -17,6 +17,7 @@ from webrtc_support import ensure_ice_host_address
 from app.doors.webrtc.client import CallRefused, RealtimeCall
 from app.doors.webrtc.routes import CALLS, WebRTCConfig
 from app.shell.settings import parse_settings
+from bench.impair import Link, PeerImpairment, impair_peer
 
 CALLS_URL = "/v1/realtime/calls"
 OFFER = "v=0\r\no=- 1 1 IN IP4 0.0.0.0\r\ns=-\r\nt=0 0\r\n"
@@ -324,5 +325,30 @@ async def test_red_is_taken_both_ways_when_the_caller_offers_it_and_the_server_a
         async with aiohttp.ClientSession() as http, http.get(call.location) as res:
             stats = await res.json()
         assert stats["output"]["red"] == red and (stats["inbound"]["red_packets"] > 0) == red, stats
+        assert stats["output"]["red_depth"] == (1 if red else 0) and stats["output"]["red_deepened"] == 0, stats
+    finally:
+        await call.hang_up()
+
+
+async def test_red_carries_two_earlier_packets_while_the_caller_reports_much_loss(start_server, speech_24k):
+    """The caller's receiver reports (RTCP: aiortc's ~1 s apart, Chromium's ~5 s) say how much of what the server
+    sends is lost; from an interval that loses 3 % or more, each packet carries two earlier ones (media.red.RedDepth),
+    so a burst of two comes back whole too; the call's stats say so."""
+    ensure_ice_host_address()
+    srv = await start_server()
+    hooks: list[PeerImpairment] = []
+    bursty = Link(burst_loss=0.08, burst_len=2.0)
+    call = RealtimeCall(srv.url, np.tile(speech_24k, 4), on_answer=lambda pc: hooks.append(impair_peer(pc, Link(),
+                                                                                                       bursty, 5)))
+    await call.connect()
+    try:
+        served = next(iter(srv.app[CALLS].values()))
+        await wait_for(lambda: served.opus.red.depth == 2, 20, "RED twice redundant")
+        async with aiohttp.ClientSession() as http, http.get(call.location) as res:
+            stats = await res.json()
+        assert stats["output"]["red_depth"] == 2 and stats["output"]["red_deepened"] == 1, stats
+        lost = hooks[0].down.stats.lost
+        await wait_for(lambda: hooks[0].down.stats.lost >= lost + 4, 20, "more packets lost, twice redundant")
+        assert call.inbound.stats.red_frames > 0, call.inbound.stats
     finally:
         await call.hang_up()

@@ -405,6 +405,24 @@ async def test_with_red_two_losses_in_a_row_leave_the_first_and_a_reordered_pack
         await close(a, b)
 
 
+async def test_with_red_deepened_by_the_sender_two_losses_in_a_row_both_come_back():
+    """A sender that carries two earlier packets where the format names one (the server deepens its RED on a lossy
+    link: media.red.RedDepth): the receiver takes both blocks, so two packets lost in a row come back whole."""
+    track = OutboundAudioTrack(ArraySource(tone(3.0)))
+    sink = Heard()
+    a, b, _, encoder, tap, inbound = await connect_pair(track, sink=sink, red=True, drop=lambda i: i in (60, 61))
+    encoder.red.depth = 2
+    sink.tap = tap
+    try:
+        await until_handled(tap, 80)
+        await asyncio.sleep(0.1)
+        assert inbound.red.redundant == 1 and len(unpack(tap.payloads[-1])) == 3
+        assert frame_of(tap, 60) in sink.samples and frame_of(tap, 61) in sink.samples
+        assert inbound.stats.red_frames == 2
+    finally:
+        await close(a, b)
+
+
 async def test_a_red_packet_keeps_its_own_audio_past_a_bad_block_and_is_read_no_further_than_its_format():
     """Crafted RED payloads straight into the receive path once the call has stopped: an undecodable redundant block
     is skipped (counted bad) and the packet's own audio still lands; a packet of fifty copies of the same block

@@ -53,7 +53,7 @@ from app.shell.worker_routing import new_call_id
 from media.jitter import FRAME, JitterStats
 from media.opus import DOWNLINK_FEC_LOSS_PCT
 from media.pacing import FIRST_PLAYED_FRAME, WEBRTC_TRACK, Pacer
-from media.red import Redundancy
+from media.red import RedDepth, Redundancy
 from media.tracks import (
     RATE,
     ContainedOpusEncoder,
@@ -73,6 +73,7 @@ CHANNEL_LABEL = "oai-events"
 FLUSH_WAIT_S = 2.0   # for the queued events to drain when a call ends
 RECENT_FRAMES = 750  # the output latency reported: the last minute of frames
 CHANNEL_BUFFER_BYTES = 256 << 10   # data-channel bytes in flight before the writer waits for SCTP to drain
+RED_DEPTH_CHECK_S = 1.0   # how often RED's depth looks at the caller's last receiver report (Chromium's: ~5 s apart)
 _RTP_ONLY = ("input_audio_buffer.append", "input_audio_buffer.commit", "input.commit")
 
 
@@ -194,6 +195,7 @@ class Call:
         self.opus = ContainedOpusEncoder(expected_loss_pct=DOWNLINK_FEC_LOSS_PCT if decodes_inband_fec(offer_sdp)
                                          else 0)
         self.inbound: InboundAudio | None = None
+        self.red_depth: RedDepth | None = None          # where RED was negotiated: how deep it is now
         self.channel: Any = None
         self.input_waits_ms: deque[float] = deque(maxlen=750)
         self._arrivals: deque[tuple[int, int, float]] = deque(maxlen=64)   # recent pushes: (pts, end, arrival)
@@ -255,6 +257,8 @@ class Call:
         red = use_red(mic, self.offer_sdp) if self.webrtc.red else None
         if red is not None:
             self.opus.red = Redundancy(red)
+            self.red_depth = RedDepth(red.redundant)
+            self._spawn(self._follow_reported_loss())
         install_contained_encoder(mic.sender, self.opus)
         self.inbound = InboundAudio(mic.receiver, self, red=red)
         pc.on("datachannel", self._on_datachannel)
@@ -273,6 +277,16 @@ class Call:
 
     def _spawn(self, coro: Any) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def _follow_reported_loss(self) -> None:
+        """RED's depth follows the loss the caller's RTCP receiver reports on what the server sends (RedDepth)."""
+        assert self.opus.red is not None and self.red_depth is not None
+        while not self.closed:
+            await asyncio.sleep(RED_DEPTH_CHECK_S)
+            with contextlib.suppress(Exception):   # a peer closing under the stats
+                for s in (await self.pc.getStats()).values():
+                    if s.type == "remote-inbound-rtp" and s.kind == "audio":
+                        self.opus.red.depth = self.red_depth.report(s.packetsLost, s.packetsReceived)
 
     # ---- peer events -----------------------------------------------------------------------------------------
 
@@ -417,7 +431,9 @@ class Call:
             "input": asdict(conv.input.stats()) if conv is not None and conv.input is not None else None,
             "output": {**asdict(self.pacer.playout.stats()), "frames_sent": track.frames, "stalls": track.stalls,
                        "skipped_ms": track.skipped_ms, "encode_failures": self.opus.failures,
-                       "red": self.opus.red is not None},
+                       "red": self.opus.red is not None,
+                       "red_depth": self.opus.red.depth if self.opus.red is not None else 0,
+                       "red_deepened": self.red_depth.deepened if self.red_depth is not None else 0},
             "inbound": asdict(self.inbound.stats) if self.inbound is not None else None,
             "rtp": rtp,
             "latency_ms": {"input_added": _summary(self.input_waits_ms),
