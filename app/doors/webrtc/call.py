@@ -258,7 +258,6 @@ class Call:
         if red is not None:
             self.opus.red = Redundancy(red)
             self.red_depth = RedDepth(red.redundant)
-            self._spawn(self._follow_reported_loss())
         install_contained_encoder(mic.sender, self.opus)
         self.inbound = InboundAudio(mic.receiver, self, red=red)
         pc.on("datachannel", self._on_datachannel)
@@ -269,6 +268,8 @@ class Call:
             raise OfferError(f"the offer cannot be answered ({type(e).__name__}: {e})") from None
         self._spawn(self._receive_audio())
         self._spawn(self._connect_deadline())
+        if self.red_depth is not None:
+            self._spawn(self._follow_reported_loss())
         # The model starts now, not at the first microphone packet: its prompt prefill overlaps ICE and DTLS, so
         # the call's first words come one frame after the media is up. Until then it hears silence, and its
         # frames are not played (on_frame), so no latency stands in the playout buffer.
