@@ -30,8 +30,8 @@ MAX_REDUNDANT = 2                 # earlier packets carried at the most, whateve
 # reports about that often; over aiortc's 1 s, 50 packets, a far link's 1 % lost two or more in one of eleven). At
 # DEEPEN_LOSS or more each packet carries two earlier ones (three times the bit rate); after CALM_REPORTS intervals
 # under CALM_LOSS, one again. Measured (`python3 -m bench.impair_opus --downlink`, docs/benchmarks.md): bursts of
-# three at 5 % lose half as many packets for good with two as with one; of 1 % of isolated losses, one brings back all
-# but 2 of 31.
+# three at 5 % lose half as many packets for good with two as with one; on a far link's 1 %, once redundant brings
+# back all but 2 of 31 lost packets.
 DEEPEN_LOSS = 0.03
 CALM_LOSS = 0.01
 CALM_REPORTS = 3
