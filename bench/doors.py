@@ -763,6 +763,8 @@ def peer_report(st: dict[str, Any]) -> dict[str, Any]:
         "packets_lost": rtp.get("packets_lost"),
         "fec_rebuilt": (st.get("inbound") or {}).get("fec_frames"),
         "red_rebuilt": (st.get("inbound") or {}).get("red_frames"),
+        "red_depth": out.get("red_depth"),          # the server's RED to the caller: earlier packets each carries
+        "red_deepened": out.get("red_deepened"),    # times the caller's reports took it to two
         "send_stalls": out.get("stalls"),
         "encode_failures": out.get("encode_failures"),
     }
