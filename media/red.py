@@ -122,7 +122,7 @@ class Redundancy:
     def wrap(self, primary: bytes, timestamp: int) -> bytes:
         """The RED payload for `primary` at RTP time `timestamp` (wrapping 32-bit arithmetic)."""
         depth = self.depth  # read once: another thread may change it between packets
-        carried = list(self._recent)[len(self._recent) - depth:] if depth > 0 else []
+        carried = list(self._recent)[-depth:] if depth > 0 else []
         earlier = [((timestamp - at) & 0xFFFFFFFF, data) for at, data in carried]
         self._recent.append((timestamp, primary))
         return pack(self.format.opus_type, primary, earlier)

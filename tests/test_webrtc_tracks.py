@@ -423,10 +423,11 @@ async def test_with_red_deepened_by_the_sender_two_losses_in_a_row_both_come_bac
         await close(a, b)
 
 
-async def test_a_red_packet_keeps_its_own_audio_past_a_bad_block_and_is_read_no_further_than_its_format():
+async def test_a_red_packet_keeps_its_own_audio_past_a_bad_block_and_is_read_at_most_two_blocks_deep():
     """Crafted RED payloads straight into the receive path once the call has stopped: an undecodable redundant block
     is skipped (counted bad) and the packet's own audio still lands; a packet of fifty copies of the same block
-    costs one decode, as many as the format carries; a block that is not Opus makes the packet bad."""
+    costs one decode (at most MAX_REDUNDANT blocks are read, and copies of one place fill it once); a block that is
+    not Opus makes the packet bad."""
     track = OutboundAudioTrack(ArraySource(tone(1.0)))
     sink = Heard()
     a, b, _, _, tap, inbound = await connect_pair(track, sink=sink, red=True)
