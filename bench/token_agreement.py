@@ -1,7 +1,7 @@
 """Tokens of engines on faster numeric paths against today's path, frame by frame, on the same input.
 
     python -m bench.token_agreement --fp8-kv [--rows 64] [--frames 2000] [--candidates decoder_bf16 bf16]
-                                    [--wider 186] [--sampled] [--tiny]
+                                    [--wider 186] [--sampled] [--forced] [--tiny]
 
 Engines over one model (full 7B shape, random bf16 weights): the reference (Mimi in float32 on the torch path, as
 the reference computes it: every choice of bench/fullsize.py's ARITHMETIC_FLAGS off) and one per candidate, the
@@ -18,6 +18,10 @@ candidate, "token_agreement": frames compared and equal (all 17 tokens), per str
 that ever diverged and their first divergent frame, and the audio: the candidate's decoded audio against the
 reference's, as an SNR in dB per row over the frames before that row's first divergence (where both decoded the same
 codes).
+With `--forced` (teacher forcing) each candidate's token ring takes the reference's after every step, so every frame
+is stepped from the reference's history and compared: a flip counts in its own frame only, where greedy decoding
+from a flip on diverges (over random weights' flat logits, within a few frames whatever moved the flip), and the
+first divergence is then a row's first flip.
 `--tiny` runs the tiny checkpoint on the CPU (where every engine runs float32), to try the script.
 """
 
@@ -85,14 +89,16 @@ class Agreement:
         self.first_divergence = np.full(rows, -1)
         self.signal, self.error = np.zeros(rows), np.zeros(rows)
 
-    def add(self, index: int, reference: tuple[np.ndarray, ...], candidate: tuple[np.ndarray, ...]) -> None:
+    def add(self, index: int, reference: tuple[np.ndarray, ...], candidate: tuple[np.ndarray, ...],
+            same: np.ndarray | None = None) -> None:
+        """One step's frames; `same` [rows, 17]: which tokens agree, where not the emitted frames' (forced steps)."""
         (ref_tokens, ref_emitted, ref_audio), (tokens, emitted, audio) = reference, candidate
         if not np.array_equal(ref_emitted, emitted):
             raise SystemExit(f"frame {index}: the engines emitted different rows")
         rows = np.flatnonzero(ref_emitted)
         if rows.size == 0:
             return
-        same = ref_tokens[rows] == tokens[rows]
+        same = ref_tokens[rows] == tokens[rows] if same is None else same[rows]
         self.compared += rows.size
         self.equal += int(same.all(axis=1).sum())
         for name, cols in STREAMS.items():
@@ -121,6 +127,17 @@ class Agreement:
         }
 
 
+def force_history(reference: Engine, candidate: Engine, rows: int) -> np.ndarray:
+    """After both engines stepped rows [0, rows) from the same token history: which of the step's tokens the
+    candidate wrote as the reference did, [rows, 17] (the step changed only its own cells of each row's token ring);
+    then the candidate's ring takes the reference's, so that its next step reads the same history (teacher forcing:
+    its KV is computed from the reference's tokens, by its own arithmetic)."""
+    ring, expected = candidate.lm_state.ring[:rows], reference.lm_state.ring[:rows]
+    same = (ring == expected).all(dim=-1).cpu().numpy()
+    ring.copy_(expected)
+    return same
+
+
 def snr_db(signal: float, error: float) -> float:
     return math.inf if error == 0 else 10 * math.log10(signal / error)
 
@@ -136,6 +153,10 @@ def main() -> None:
     parser.add_argument("--fp8-kv", action="store_true")
     parser.add_argument("--sampled", action="store_true",
                         help="rows draw with the reference server's default sampling, row r seeded r, not greedily")
+    parser.add_argument("--forced", action="store_true",
+                        help="teacher forcing: after each step every candidate's token history becomes the "
+                             "reference's, so each frame is compared from the same history (a flip counts once, "
+                             "not every frame after it as greedy decoding's divergence does)")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint on the CPU")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -166,10 +187,12 @@ def main() -> None:
         expected = tuple(a.copy() for a in reference.step_rows(rows, pcm))
         for (candidate, stepped), agreement in zip(engines, agreements):
             outputs = candidate.step_rows(stepped, wide_pcm[:stepped])
-            agreement.add(index, expected, tuple(a[:rows] for a in outputs))
+            same = force_history(reference, candidate, rows) if args.forced else None
+            agreement.add(index, expected, tuple(a[:rows] for a in outputs), same)
     for (name, flags, stepped), agreement in zip(candidates, agreements):
         print(json.dumps({"bench": "token_agreement", "candidate": name, **flags, "rows": rows,
                           "rows_stepped": stepped, "frames": frames, "fp8_kv": args.fp8_kv, "sampled": args.sampled,
+                          "forced": args.forced,
                           **agreement.summary(),
                           "seconds": round(time.perf_counter() - started, 1)}), flush=True)
 

@@ -203,6 +203,44 @@ def test_engine_rows_set_to_sample_draw_reproducibly_and_not_greedily() -> None:
     assert np.array_equal(drawn, tokens(True)) and not np.array_equal(drawn, tokens(False))
 
 
+def test_forced_history_makes_a_candidates_next_steps_read_the_references_tokens() -> None:
+    """Teacher forcing (bench.token_agreement --forced): a candidate that drew other tokens for six frames, forced to
+    the reference's history after each, then greedy as the reference is, steps every later frame exactly as the
+    reference does (its KV was computed from the reference's tokens); unforced, its own history keeps it apart. The
+    forced steps' flips are counted in their own frames."""
+    import numpy as np
+
+    from bench.fullsize import bench_model
+    from bench.token_agreement import SpeechLike, force_history
+    from model.engine import Engine, EngineConfig
+    from model.sampling_params import SamplingParams
+
+    model = bench_model(True)
+    source = SpeechLike(2, 5.0, seed=1)
+
+    def later_frames(forced: bool) -> tuple[list[bool], int]:
+        reference, candidate = (Engine(model, EngineConfig(max_sessions=2)) for _ in range(2))
+        candidate.sample_rows(2, SamplingParams())
+        equal, flips = [], 0
+        for i in range(18):
+            if i == 6:
+                candidate.sample_rows(2, SamplingParams(greedy=True))
+            expected = reference.step_rows(2, source.frame(i))[0].copy()
+            tokens = candidate.step_rows(2, source.frame(i))[0]
+            if i >= 6:
+                equal.append(bool(np.array_equal(expected, tokens)))
+            if forced:
+                same = force_history(reference, candidate, 2)
+                flips += int((~same).sum()) if i < 6 else 0
+                assert np.array_equal(candidate.lm_state.ring[:2], reference.lm_state.ring[:2])
+        return equal, flips
+
+    forced, flips = later_frames(True)
+    assert all(forced) and flips > 0
+    unforced, _ = later_frames(False)
+    assert not all(unforced)
+
+
 def test_mimi_step_saves_outputs_and_compares_them_bit_for_bit(tmp_path: Path) -> None:
     """What one tree's codec computed, saved; the same tree agrees with it exactly, and one moved sample shows. A row
     hears the same at every batch size, and its codes and audio there are the same but for rounding."""
