@@ -199,6 +199,49 @@ async def test_a_long_session_shrinks_for_a_newcomer_then_grows_back(engine_with
     assert int(engine.lm_state.window[long.index]) == 64
 
 
+class ClosesTheLongSessionAsItsPagesAreTaken(QueueSource):
+    """A newcomer's source that, as the engine reads the frame whose step takes a page no free one covers (the long
+    session's oldest, by shrinking its window), closes the long session and reserves its row again: as another
+    thread may between a step's choosing a window to shrink and its counting the shrink."""
+
+    def __init__(self, engine: Engine, frames, long):
+        super().__init__(frames)
+        self.engine, self.long, self.slot, self.next_slot = engine, long, None, None
+
+    def read_frame(self):
+        frame = super().read_frame()
+        pages, row = self.engine.runner.pages, self.slot.index
+        rel = int(pages.pos[row] - pages.origin[row])
+        if self.next_slot is None and frame is not None and rel and rel % pages.page == 0 and not pages.free:
+            self.long.close()
+            self.next_slot = self.engine.reserve()
+        return frame
+
+
+async def test_a_window_shrunk_as_its_session_closes_counts_nothing_for_the_next_session_of_its_row(engine_with):
+    """The shrink lands on the row of a session that closed as the step ran (its pages not yet returned): the next
+    session of that row starts with no shrink counted and the full window. Pages of 16 frames: the newcomer's prompt
+    (35 frames) fills three of the seven, and its step at frame 48 takes the long session's oldest."""
+    engine = engine_with(max_sessions=2, kv_pages=7, kv_page_frames=16, kv_reserve_s=0.08, kv_floor_frames=32)
+    long = engine.reserve()
+    long_sink = Collector()
+    await long.start(input_session("Be brief."), QueueSource(speechlike(80, 4)), long_sink.on_output,
+                     long_sink.on_error)
+    await long_sink.wait_for(80)
+    assert engine.runner.pages.held(long.index) == 4
+    newcomer, sink = engine.reserve(), Collector()
+    source = ClosesTheLongSessionAsItsPagesAreTaken(engine, speechlike(70, 5), long)
+    source.slot = newcomer
+    await newcomer.start(input_session("Be brief."), source, sink.on_output, sink.on_error)
+    await sink.wait_for(70)
+    assert source.next_slot is not None and source.next_slot.index == long.index
+    assert engine.stats().kv_window_shrinks == 1  # the shrink ran, on the closed session's pages
+    following = source.next_slot.stats()
+    assert (following.window_shrinks, following.window_frames) == (0, 0), following
+    assert long.stats().window_shrinks == 0
+    source.next_slot.close()
+
+
 async def test_a_session_with_no_page_to_grow_into_ends_and_the_tick_steps_the_others(engine_with):
     """Admitted on a page's reserve, a session reaches its next page with none free and no window above the floor
     to shrink: that session fails (cause kv_pages) and the same ticks go on stepping the one beside it."""

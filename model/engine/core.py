@@ -57,8 +57,6 @@ from model.engine.slots import (
     ENDED,
     FRAMES_IN,
     UNDERRUNS,
-    WINDOW_FRAMES,
-    WINDOW_SHRINKS,
     Session,
     Slot,
     SlotTable,
@@ -144,6 +142,7 @@ class Engine:
         self.prompts = PromptCache(self.config.prompt_cache_entries)
         self.counters = EngineCounters()
         self.runner.pages.on_window = self._window_changed
+        self._pages_of = np.zeros(self.config.max_sessions, dtype=np.int64)  # engine thread: whose pages (serial)
         self.inputs = StagedInputs(self.runner.pcm_np)
         self._output_groups: dict[int, Callable[[OutputRows], None]] = {}
         self._next_output_group = 0
@@ -366,8 +365,13 @@ class Engine:
     def _return_pages(self, row: int) -> None:
         """A session left `row`: its KV pages go back to the pool on the engine thread, before any later start
         (commands run in order) and between ticks."""
-        self._commands.put(lambda: self.runner.reset_lm_row(row))
+        self._commands.put(lambda: self._reset_row(row))
         self._wake.set()
+
+    def _reset_row(self, row: int) -> None:
+        """The row's model state and pages back to a fresh row's (engine thread); its pages are no session's."""
+        self.runner.reset_lm_row(row)
+        self._pages_of[row] = 0
 
     def stats(self) -> EngineStats:
         stats = self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
@@ -460,7 +464,8 @@ class Engine:
             if session.state != "prefill":
                 raise EngineError("the session was closed", "session_closed")
 
-        runner.reset_lm_row(row)
+        self._reset_row(row)
+        self._pages_of[row] = session.serial
         if cached is None:
             plan = self._plan(params)
             if runner.scratch.fits(plan.embeddings.shape[0]):
@@ -973,10 +978,10 @@ class Engine:
         return True
 
     def _window_changed(self, row: int, frames: int, shrunk: bool) -> None:
-        """The page pool shrank (or grew back) the context window of the session in `row` (engine thread)."""
-        if self.slots.at(row) is not None:
-            self.slots.counts[row, WINDOW_FRAMES] = frames
-            self.slots.counts[row, WINDOW_SHRINKS] += int(shrunk)
+        """The page pool shrank (or grew back) the context window in `row` (engine thread): the session's whose
+        pages they are, if it still holds the row (it may have closed as the step ran, its pages not yet returned,
+        and another reserved the row)."""
+        self.slots.window_changed(row, int(self._pages_of[row]), frames, shrunk)
 
     def _fail(self, session: Session, error: EngineError) -> None:
         with self._lock:

@@ -250,6 +250,15 @@ class SlotTable:
             self.counts[:, column][rows] += held * amounts
 
 
+    def window_changed(self, row: int, serial: int, frames: int, shrunk: bool) -> None:
+        """The context window of `row`'s pages became `frames` (shrunk, or grown back), if they are its holder's:
+        the session of `serial` (0: no session's)."""
+        with self.lock:
+            if serial and self.holders[row] == serial:
+                self.counts[row, WINDOW_FRAMES] = frames
+                self.counts[row, WINDOW_SHRINKS] += int(shrunk)
+
+
 class SessionHost(Protocol):
     """What a Slot needs of its engine."""
 
