@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from app.shell.model_choice import ModelUnavailable, check_strict
-from app.shell.processes import engine_devices, run, setup_logging
+from app.shell.processes import engine_devices, port_in_use, run, setup_logging
 from app.shell.settings import Settings, parse_settings
 
 if TYPE_CHECKING:
@@ -65,8 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except OSError as e:            # a port another process holds (a second server, most often): in one line
         if e.errno != errno.EADDRINUSE:
             raise
-        raise SystemExit(f"{e.strerror}: another process listens there (--port, --sip-port, --agent-port and "
-                         f"--audiosocket-port choose the ports)") from None
+        raise SystemExit(port_in_use(e)) from None
 
 
 if __name__ == "__main__":

@@ -158,8 +158,14 @@ def worker_main(settings: Settings, paths: list[str], devices: list[str], worker
     except OSError as e:
         if e.errno != errno.EADDRINUSE:
             raise
-        logger.error("worker %d: %s", worker, e.strerror)
+        logger.error("worker %d: %s", worker, port_in_use(e))
         sys.exit(EXIT_PORT_IN_USE)
+
+
+def port_in_use(error: OSError) -> str:
+    """The line a port another process holds ends the server with (a second server, most often)."""
+    return (f"{error.strerror}: another process listens there (--port, --sip-port, --agent-port and "
+            f"--audiosocket-port choose the ports)")
 
 
 def sip_alone(settings: Settings, worker: int) -> bool:
