@@ -8,6 +8,8 @@ API key (docs/frameworks.md):
   `turn_detection=False` and the user's started/stopped speaking frames;
 - LiveKit Agents' `openai.realtime.RealtimeModel()` with its default options, its session driven directly:
   `generate_reply()` before the audio and during it, `update_instructions()`, `truncate()`, `interrupt()`;
+- the OpenAI Agents SDK for Python: a `RealtimeAgent` with a tool and a handoff in a `RealtimeRunner`'s session, its
+  defaults, with `send_message()`, `update_agent()` and `interrupt()` mid-call;
 - the OpenAI Agents SDK for JavaScript: a `RealtimeAgent` in a `RealtimeSession` over WebRTC in the real headless
   Chromium, against `POST /v1/realtime/calls` with an ephemeral key from `POST /v1/realtime/client_secrets`.
 
@@ -341,6 +343,70 @@ async def test_livekit_realtime_model(server, tap: WsTap, caller: bytes) -> None
     verdict.check(any(from_server and t > 0.4 * CALL_S and e.get("type") == "session.updated"
                       and e["session"].get("instructions") == new_persona for t, from_server, e in timeline),
                   "update_instructions() mid-call → session.updated with the new instructions",
+                  "no session.updated carries them")
+    verdict.answered(timeline, "conversation.item.truncate", is_type("conversation.item.truncated"),
+                     "conversation.item.truncated")
+    verdict.answered(timeline, "response.cancel", is_type("response.done", response__status="cancelled"),
+                     "response.done (cancelled)")
+    verdict.assert_works()
+
+
+# ---- the OpenAI Agents SDK for Python --------------------------------------------------------------------------
+
+async def test_agents_sdk_python_realtime_runner(server, tap: WsTap, caller: bytes) -> None:
+    """A `RealtimeAgent` with a function tool and a handoff, as the SDK's quickstart writes one, run by a
+    `RealtimeRunner` with its default settings over the WebSocket; mid-call the user's text (`send_message`), the
+    handoff's agent (`update_agent`, new instructions) and an `interrupt()`."""
+    from agents import function_tool
+    from agents.realtime import RealtimeAgent, RealtimeRunner, realtime_handoff
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"It is sunny in {city}."
+
+    billing = RealtimeAgent(name="Billing", instructions="You answer billing questions for a flower shop.")
+    agent = RealtimeAgent(name="Assistant", instructions=PERSONA, tools=[get_weather],
+                          handoffs=[realtime_handoff(billing)])
+    verdict = Verdict(f"OpenAI Agents SDK for Python {version('openai-agents')} (RealtimeRunner defaults)")
+    runner = RealtimeRunner(starting_agent=agent, config={"model_settings": {"model_name": MODEL}})
+    session = await runner.run(model_config={"url": tap.base.replace("http", "ws", 1) + "/v1/realtime",
+                                             "api_key": API_KEY})
+    heard: list[tuple[float, float]] = []
+    emitted: list[str] = []
+    start = time.monotonic()
+
+    async def listen() -> None:
+        async for event in session:
+            if event.type == "audio":
+                heard.append((time.monotonic() - start, len(event.audio.data) / (2 * RATE)))
+            elif event.type == "error":
+                emitted.append(str(event.error)[:300])
+            elif event.type == "raw_model_event" and event.data.type in ("error", "exception"):
+                emitted.append(repr(event.data)[:300])
+
+    async with session:
+        listener = asyncio.ensure_future(listen())
+        start = time.monotonic()
+        todo = Cues([(0.3 * CALL_S, lambda: session.send_message("What is the weather like in Paris?")),
+                     (0.45 * CALL_S, lambda: session.update_agent(billing)),
+                     (0.6 * CALL_S, session.interrupt)])
+        clock = await EngineClock.start(server.url)
+        async for offset, chunk in paced(caller, 0.02):
+            await todo.run_due(offset)
+            await session.send_audio(chunk)
+        verdict.engine_behind_s = await clock.behind_s()
+        await asyncio.sleep(0.3)
+        verdict.loop_alive(not listener.done(), f"`async for event in session` ended: {_ended(listener)}")
+    listener.cancel()
+    timeline = ws_checks(verdict, one_connection(tap, verdict), start, heard)
+    verdict.check(not emitted, "the session emitted no error", " | ".join(emitted[:4]))
+    verdict.answered(timeline, "conversation.item.create", is_type("conversation.item.added"),
+                     "conversation.item.added")
+    verdict.answered(timeline, "response.create", is_type("response.created"), "response.created")
+    verdict.check(any(from_server and t > 0.45 * CALL_S and e.get("type") == "session.updated"
+                      and e["session"].get("instructions") == billing.instructions for t, from_server, e in timeline),
+                  "update_agent() mid-call → session.updated with the new agent's instructions",
                   "no session.updated carries them")
     verdict.answered(timeline, "conversation.item.truncate", is_type("conversation.item.truncated"),
                      "conversation.item.truncated")
