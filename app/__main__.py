@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from app.shell.model_choice import ModelUnavailable, check_strict
 from app.shell.processes import engine_devices, port_in_use, run, setup_logging
 from app.shell.settings import Settings, parse_settings
+from model.engine import KVCacheTooSmall
 
 if TYPE_CHECKING:
     from app.shell.context import ServerContext
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if settings.workers > 0:
             sys.exit(run(settings))
         asyncio.run(_run(settings))
-    except ModelUnavailable as e:   # a load that failed under --strict-model: its reason, in one line
+    except (ModelUnavailable, KVCacheTooSmall) as e:  # a load --strict-model refused, a KV cache too small: in one line
         raise SystemExit(str(e)) from None
     except OSError as e:            # a port another process holds (a second server, most often): in one line
         if e.errno != errno.EADDRINUSE:

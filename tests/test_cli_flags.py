@@ -62,6 +62,19 @@ def test_strict_model_ends_the_server_when_the_load_fails(tmp_path, workers):
     assert "Traceback" not in done.stderr and "starting it again" not in done.stderr and "TINY" not in done.stderr
 
 
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_kv_cache_that_holds_no_context_ends_the_server_in_one_line(tiny_checkpoint, tmp_path, workers):
+    """`--kv-cache-gib` below one session's full context (the tiny model's: 0.000238 GiB): the server ends saying
+    how much it holds and needs, one process or an engine process, instead of a traceback or a restart loop."""
+    done = subprocess.run([sys.executable, "-m", "app", "--model", "tiny", "--port", "0", "--workers", workers,
+                           "--kv-cache-gib", "0.0002", "--cache-dir", str(tiny_cache(tiny_checkpoint, tmp_path))],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+    named = [line for line in done.stderr.splitlines()
+             if "0.0002 GiB holds no full context window (0.000238 GiB)" in line and "--kv-cache-gib" in line]
+    assert done.returncode == 1 and named, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "starting it again" not in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize(("flag", "workers"), [("--port", "0"), ("--port", "2"), ("--sip-port", "0"),
                                              ("--sip-port", "2"), ("--agent-port", "2"), ("--audiosocket-port", "0")])
 def test_a_port_another_process_holds_ends_the_server_in_one_line_naming_it(tiny_checkpoint, tmp_path, flag,
@@ -94,7 +107,7 @@ def test_a_port_another_process_holds_ends_the_server_in_one_line_naming_it(tiny
     ("--ice-connect-timeout-s", "0"), ("--max-realtime-backlog-s", "0"), ("--max-input-backlog-s", "-1"),
     ("--max-output-backlog-s", "0"), ("--shutdown-timeout-s", "-1"), ("--engine-stalled-s", "0"),
     ("--input-lead-ms", "-1"), ("--drain-timeout-s", "-1"), ("--webhook-retry-s", "0"),
-    ("--webhook-backoff-max-s", "-1"), ("--engine-warm-lead-ms", "-0.5"),
+    ("--webhook-backoff-max-s", "-1"), ("--engine-warm-lead-ms", "-0.5"), ("--kv-cache-gib", "-1"),
 ])
 def test_every_numeric_flag_out_of_range_is_one_line(flag, value):
     env_name = "PERSONAPLEX_" + flag[2:].replace("-", "_").upper()

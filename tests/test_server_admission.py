@@ -62,6 +62,23 @@ async def test_overflow_then_recycled_slot(start_server, speech_24k):
         assert 'personaplex_admissions_total{route="/v1/realtime"} 2' in text
 
 
+def _kv_pages(metrics: str) -> int:
+    return sum(int(float(m)) for m in re.findall(r'^personaplex_engine_kv_pages\{state="\w+"\} (\S+)$', metrics, re.M))
+
+
+async def test_kv_cache_gib_bounds_the_kv_cache_and_sessions_run_in_it(start_server, speech_24k):
+    """`--kv-cache-gib` (a GPU shared with another service): the KV cache holds no more than it says, here the
+    tiny model's one full context (0.000238 GiB) of the two that two sessions would take, and sessions run in it."""
+    capped, full = await start_server(max_sessions=2, kv_cache_gib=0.00025), await start_server(max_sessions=2)
+    async with aiohttp.ClientSession() as http:
+        pages = [_kv_pages(await (await http.get(server.url + "/metrics")).text()) for server in (capped, full)]
+        assert pages[0] > 0 and 2 * pages[0] == pages[1], pages
+        ws = await http.ws_connect(capped.ws(REALTIME))
+        assert (await next_event(ws))["type"] == "session.created"
+        await _speak(ws, speech_24k)
+        await ws.close()
+
+
 async def test_vanished_client_frees_its_slot_at_once(server, speech_24k):
     async with aiohttp.ClientSession() as http:
         ws = await http.ws_connect(server.ws(REALTIME))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from app.shell.model_choice import RANDOM_MODEL, TINY_MODEL, ModelUnavailable, fallback_reason, resolve_device
 from app.shell.settings import Settings
-from model.engine import Engine, EngineConfig
+from model.engine import Engine, EngineConfig, KVCacheTooSmall
 from model.loading import PersonaPlex, load_model
 from model.random_model import random_personaplex
 from model.tiny import write_tiny_checkpoint
@@ -66,8 +66,11 @@ def build_engine(settings: Settings, model: PersonaPlex) -> Engine:
     fp8 = settings.kv_cache == "fp8"
     if fp8 and model.device.type != "cuda":
         logger.warning("--kv-cache fp8 needs a GPU; keeping the KV cache in %s", model.dtype)
-    return Engine(model, EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda",
-                                      stalled_after_s=settings.engine_stalled_s,
-                                      warm_lead_ms=settings.engine_warm_lead_ms,
-                                      mimi_decoder_bf16=settings.mimi_decoder == "bf16",
-                                      mimi_fused_decoder=settings.mimi_decoder == "bf16"))
+    config = EngineConfig(max_sessions=settings.max_sessions, fp8_kv=fp8 and model.device.type == "cuda",
+                          kv_cache_gib=settings.kv_cache_gib or None, stalled_after_s=settings.engine_stalled_s,
+                          warm_lead_ms=settings.engine_warm_lead_ms, mimi_decoder_bf16=settings.mimi_decoder == "bf16",
+                          mimi_fused_decoder=settings.mimi_decoder == "bf16")
+    try:
+        return Engine(model, config)
+    except KVCacheTooSmall as e:
+        raise KVCacheTooSmall(f"{e}: --kv-cache-gib sets the KV cache's size") from None

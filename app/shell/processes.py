@@ -48,7 +48,8 @@ from app.shell.settings import Settings, split_csv
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
-EXIT_MODEL_UNAVAILABLE = 3   # an engine process's status when --strict-model refused the model: not restarted
+EXIT_MODEL_UNAVAILABLE = 3   # an engine process's when it cannot serve the model as configured (--strict-model
+                             # refused it, or the KV cache holds no context): not restarted
 EXIT_PORT_IN_USE = 4         # a worker's when a door's port is another process's (the SIP door's): not restarted
 MAX_RESTARTS = 5          # of one process within RESTART_WINDOW_S, before the server gives up
 RESTART_WINDOW_S = 30.0
@@ -114,6 +115,7 @@ def engine_main(settings: Settings, path: str, index: int) -> None:
     _child_setup(settings, f"engine {index}")
     from app.shell.model_choice import ModelUnavailable
     from app.shell.model_load import build_engine, load_for
+    from model.engine import KVCacheTooSmall
     from model.engine.process import EngineHost
 
     try:
@@ -122,7 +124,11 @@ def engine_main(settings: Settings, path: str, index: int) -> None:
         logger.error("%s", e)
         sys.exit(EXIT_MODEL_UNAVAILABLE)
     logger.info("%s", note)
-    engine = build_engine(settings, model)
+    try:
+        engine = build_engine(settings, model)
+    except KVCacheTooSmall as e:
+        logger.error("%s", e)
+        sys.exit(EXIT_MODEL_UNAVAILABLE)
     engine.start()
     host = EngineHost(engine, model.info(), path, note)
 
@@ -280,7 +286,8 @@ class Supervisor:
             for n, engine in enumerate(self.engines):
                 if engine is not None and not engine.is_alive():
                     if engine.exitcode == EXIT_MODEL_UNAVAILABLE:
-                        logger.error("engine %d: the model cannot be served (--strict-model): stopping", n)
+                        logger.error("engine %d cannot serve the model as configured (its reason above): stopping",
+                                     n)
                         return 1
                     logger.error("engine %d (%s, pid %d) exited (%s); its sessions ended; starting it again",
                                  n, self.devices[n], engine.pid, engine.exitcode)

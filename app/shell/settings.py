@@ -39,6 +39,7 @@ class Settings:
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "personaplex-server")
     strict_model: bool = False            # True: a model that fails to load is fatal instead of falling back to tiny
     kv_cache: str = "bf16"                # "fp8": e4m3 KV cache, half the memory per session (about 2x sessions)
+    kv_cache_gib: float = 0.0             # the KV cache at most this many GiB (per engine); 0: what the GPU has free
     mimi_decoder: str = "bf16"            # on a GPU, the streaming decoder's precision ("float32": as the reference)
     stun_url: str = ""                    # WebRTC ICE: none by default (host candidates: localhost and LAN)
     turn_url: str = ""
@@ -119,7 +120,7 @@ BOUNDS: dict[str, Bound] = {
     "first_message_timeout_s": _POSITIVE, "idle_timeout_s": _POSITIVE, "max_events_per_s": _POSITIVE,
     "max_realtime_backlog_s": _POSITIVE, "max_input_backlog_s": _POSITIVE, "max_output_backlog_s": _POSITIVE,
     "engine_stalled_s": _POSITIVE, "webhook_retry_s": _POSITIVE, "webhook_backoff_max_s": _POSITIVE,
-    "engine_warm_lead_ms": _NOT_NEGATIVE,
+    "engine_warm_lead_ms": _NOT_NEGATIVE, "kv_cache_gib": _NOT_NEGATIVE,
 }
 
 
@@ -166,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", choices=KV_CACHE_CHOICES,
                    help=f"KV cache storage; fp8 holds about twice the sessions, close to but not bit-exact with bf16 "
                         f"(default {d.kv_cache})")
+    p.add_argument("--kv-cache-gib", type=float,
+                   help="GPU memory for the KV cache (every session's context), GiB per engine: on a GPU shared "
+                        "with another service, what this server may take; sessions are admitted by what it holds "
+                        "(default 0: all the GPU has free beside 5 GiB; on a CPU every session's full context)")
     p.add_argument("--mimi-decoder", choices=MIMI_DECODER_CHOICES,
                    help=f"Mimi's streaming decoder on a GPU: bf16 through its Triton kernels is ~2 ms a tick "
                         f"faster at 250 sessions with every token unchanged (its audio 37.7 dB from float32's "

@@ -16,6 +16,7 @@ from model.engine.api import (
     FrameOutput,
     FrameSource,
     InvalidSessionParams,
+    KVCacheTooSmall,
     OutputRows,
     ResourceExhausted,
     SamplingParams,
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Engine", "EngineConfig", "Slot", "SessionParams", "SamplingParams", "FrameOutput", "OutputRows", "FrameSource",
-    "EngineError",
-    "ResourceExhausted", "InvalidSessionParams", "SessionFailed", "EngineStats", "SlotStats", "TickRecord",
+    "EngineError", "ResourceExhausted", "InvalidSessionParams", "SessionFailed", "KVCacheTooSmall", "EngineStats",
+    "SlotStats", "TickRecord",
 ]
 
 

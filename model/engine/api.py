@@ -14,7 +14,8 @@ from model.sampling_params import SamplingParams
 
 __all__ = [
     "SessionParams", "SamplingParams", "FrameOutput", "OutputRows", "FrameSource", "EngineError", "ResourceExhausted",
-    "InvalidSessionParams", "SessionFailed", "EngineConfig", "EngineStats", "SlotStats", "TickRecord",
+    "InvalidSessionParams", "SessionFailed", "KVCacheTooSmall", "EngineConfig", "EngineStats", "SlotStats",
+    "TickRecord",
 ]
 
 
@@ -46,6 +47,10 @@ class SessionFailed(EngineError):
 
     def __init__(self, message: str, cause: str):
         super().__init__(message, cause=cause)
+
+
+class KVCacheTooSmall(ValueError):
+    """The KV cache an engine may take holds no session's full context: what it holds and needs, in one line."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,8 @@ class EngineConfig:
     # through a call mix and the worst case; cuDNN's algorithm search before the capture takes what is free and
     # needs none of it.
     kv_free_gib: float = 5.0
+    # The pool at most this many GiB (a GPU shared with another service; a test's small pool); None: as above.
+    kv_cache_gib: float | None = None
     # Admission by memory: a session is admitted while the free pages cover this many seconds of growth for it and
     # for every session still growing, and no session's window is shrunk.
     kv_reserve_s: float = 5.0

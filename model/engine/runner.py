@@ -21,7 +21,7 @@ from torch import Tensor
 from model import fused, launch
 from model.batch_step import BatchBuffers, BatchStep, PartTimer, bucket, prefill_chunks
 from model.config import FRAME_SAMPLES, SAMPLE_RATE
-from model.engine.api import EngineConfig, ResourceExhausted
+from model.engine.api import EngineConfig, KVCacheTooSmall, ResourceExhausted
 from model.engine.pages import PagePool, upload
 from model.engine.prompt_cache import CachedPrompt
 from model.lm import LM, LMState
@@ -151,19 +151,28 @@ class Runner:
 
     def _pool_pages(self, page: int) -> int:
         """The pool's pages: the configured count, else what the free device memory holds beside kv_free_gib
-        (CUDA), else every row's full window."""
+        (CUDA) or every row's full window (CPU), at most kv_cache_gib's worth."""
         config, cfg = self.config, self.lm.cfg
         if config.kv_pages is not None:
             return config.kv_pages
-        if self.device.type != "cuda":
-            return self.rows * (cfg.context // page)
+        window, every_window = cfg.context // page, self.rows * (cfg.context // page)
         element = 1 if config.fp8_kv else self.lm.text_linear.weight.element_size()
-        per_frame = 2 * cfg.num_layers * cfg.num_heads * (cfg.head_dim * element + (4 if config.fp8_kv else 0))
+        page_bytes = page * 2 * cfg.num_layers * cfg.num_heads * (cfg.head_dim * element + (4 if config.fp8_kv else 0))
+        if config.kv_cache_gib is not None:
+            capped = int(config.kv_cache_gib * 2**30 // page_bytes)
+            if capped < window:
+                raise KVCacheTooSmall(f"a KV cache of {config.kv_cache_gib:g} GiB holds no full context "
+                                      f"window ({window * page_bytes / 2**30:.3g} GiB)")
+            every_window = min(every_window, capped)
+        if self.device.type != "cuda":
+            return every_window
         free, _ = torch.cuda.mem_get_info(self.device)
-        pages = int((free - config.kv_free_gib * 2**30) // (per_frame * page)) - 1
-        if pages < cfg.context // page:
-            raise RuntimeError(f"{free / 2**30:.1f} GiB free hold no full KV window beside kv_free_gib")
-        return min(pages, self.rows * (cfg.context // page))
+        pages = int((free - config.kv_free_gib * 2**30) // page_bytes) - 1
+        if pages < window:
+            raise KVCacheTooSmall(f"{free / 2**30:.1f} GiB free on {self.device} hold no full KV context window "
+                                  f"({window * page_bytes / 2**30:.3g} GiB) beside {config.kv_free_gib:g} GiB for "
+                                  f"the rest")
+        return min(pages, every_window)
 
     @property
     def graphs(self) -> bool:
