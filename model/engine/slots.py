@@ -249,7 +249,6 @@ class SlotTable:
             held = self.holders[rows] == serials
             self.counts[:, column][rows] += held * amounts
 
-
     def window_changed(self, row: int, serial: int, frames: int, shrunk: bool) -> None:
         """The context window of `row`'s pages became `frames` (shrunk, or grown back), if they are its holder's:
         the session of `serial` (0: no session's)."""
