@@ -143,6 +143,7 @@ async def test_engine_process_dying_ends_sessions_cleanly_and_comes_back(tiny_ch
             # --device auto (the default) is reported as the device the engine uses, and up means up at idle too.
             used = "cuda" if torch.cuda.is_available() else "cpu"
             assert engine["device"] == used and ready["engines"][0]["device"] == used, ready
+            assert ready["engines"][0]["kv_cache"] == ready["kv_cache"] and ready["kv_cache"]["pages"] > 0, ready
             async with http.get(url + "/metrics") as r:
                 text = await r.text()
             assert f'personaplex_engine_up{{device="{used}",engine="0"}} 1' in text, text

@@ -73,6 +73,8 @@ async def test_kv_cache_gib_bounds_the_kv_cache_and_sessions_run_in_it(start_ser
     async with aiohttp.ClientSession() as http:
         pages = [_kv_pages(await (await http.get(server.url + "/metrics")).text()) for server in (capped, full)]
         assert pages[0] > 0 and 2 * pages[0] == pages[1], pages
+        health = await (await http.get(capped.url + "/health")).json()
+        assert health["kv_cache"] == {"pages": pages[0], "free": pages[0], "window_shrinks": 0}, health
         ws = await http.ws_connect(capped.ws(REALTIME))
         assert (await next_event(ws))["type"] == "session.created"
         await _speak(ws, speech_24k)

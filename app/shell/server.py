@@ -167,6 +167,7 @@ async def health(request: web.Request) -> web.Response:
         "tick": {"ticks": s.ticks, "late_ticks": s.late_ticks, "batch": s.batch, "last_ms": s.tick_ms,
                  "p50_ms": s.tick_ms_p50, "p99_ms": s.tick_ms_p99},
         "session_start_ms": {"live": s.start_ms, "first_frame": s.first_frame_ms},
+        "kv_cache": kv_report(s),
         "engines": engines_report(ctx),
         "processes": processes(ctx),
     }, status=200 if ready else 503)
@@ -187,8 +188,14 @@ def engines_report(ctx: ServerContext) -> list[dict[str, object]]:
                                  "max": s.max_sessions}
             entry["tick"] = {"ticks": s.ticks, "late_ticks": s.late_ticks, "p50_ms": s.tick_ms_p50,
                              "p99_ms": s.tick_ms_p99}
+            entry["kv_cache"] = kv_report(s)
         report.append(entry)
     return report
+
+
+def kv_report(s: EngineStats) -> dict[str, int]:
+    """The KV cache's pages (every session's context), how many are free, and how often a context was shrunk."""
+    return {"pages": s.kv_pages, "free": s.kv_pages_free, "window_shrinks": s.kv_window_shrinks}
 
 
 async def live(request: web.Request) -> web.Response:
