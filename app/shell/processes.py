@@ -120,13 +120,9 @@ def engine_main(settings: Settings, path: str, index: int) -> None:
 
     try:
         model, note = load_for(settings)
-    except ModelUnavailable as e:
-        logger.error("%s", e)
-        sys.exit(EXIT_MODEL_UNAVAILABLE)
-    logger.info("%s", note)
-    try:
+        logger.info("%s", note)
         engine = build_engine(settings, model)
-    except KVCacheTooSmall as e:
+    except (ModelUnavailable, KVCacheTooSmall) as e:
         logger.error("%s", e)
         sys.exit(EXIT_MODEL_UNAVAILABLE)
     engine.start()

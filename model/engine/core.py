@@ -368,10 +368,11 @@ class Engine:
         self._commands.put(lambda: self._reset_row(row))
         self._wake.set()
 
-    def _reset_row(self, row: int) -> None:
-        """The row's model state and pages back to a fresh row's (engine thread); its pages are no session's."""
+    def _reset_row(self, row: int, owner: int = 0) -> None:
+        """The row's model state and pages back to a fresh row's (engine thread), its pages now the session of
+        serial `owner`'s (0: no session's)."""
         self.runner.reset_lm_row(row)
-        self._pages_of[row] = 0
+        self._pages_of[row] = owner
 
     def stats(self) -> EngineStats:
         stats = self.counters.snapshot(self.slots.in_use(), self.max_sessions, self.prompts.hits, self.prompts.misses,
@@ -464,8 +465,7 @@ class Engine:
             if session.state != "prefill":
                 raise EngineError("the session was closed", "session_closed")
 
-        self._reset_row(row)
-        self._pages_of[row] = session.serial
+        self._reset_row(row, session.serial)
         if cached is None:
             plan = self._plan(params)
             if runner.scratch.fits(plan.embeddings.shape[0]):
